@@ -1,0 +1,150 @@
+"""model.generate with PagedCache + "paged" vs DynamicCache + "sdpa", on a random-weight model (GPU).
+
+Llama-3.1-8B shape by default (32 layers, hidden 4096, 32/8 heads, intermediate 14336, vocab 128256),
+bf16, random weights (like `vllm bench --load-format dummy`), random prompt ids, EOS ignored.
+
+- greedy: batch 32, prompt 512, 256 new tokens: wall time and peak memory;
+- beam search width 4: peak memory, and the KV memory at the end of generation.
+
+The PagedCache pool is sized to what the workload needs (its high-water mark in a first run), as a
+server sizes its pool; both caches' peak memory is measured from the same baseline (weights loaded).
+
+Run: python benchmarks/generate.py [--quick] [--out results.md]
+"""
+
+import argparse
+import datetime
+import math
+import time
+
+import torch
+import transformers
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_paged
+from hf_paged import PagedCache
+
+SHAPES = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256),  # fmt: skip
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=1024),  # fmt: skip
+}
+
+
+def build_model(shape: str) -> LlamaForCausalLM:
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rope_theta=500000.0,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build in bf16 directly: no fp32 copy of 8B weights
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model
+
+
+def run(model, cache, attn: str, prompts: torch.Tensor, new_tokens: int, **kwargs) -> tuple[float, int, torch.Tensor]:
+    """Wall seconds and peak bytes above the memory in use before the call."""
+    model.set_attn_implementation(attn)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, past_key_values=cache, **kwargs,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, torch.cuda.max_memory_allocated() - base, out
+
+
+def paged_cache(model, num_blocks: int) -> PagedCache:
+    return PagedCache(model, num_blocks=num_blocks, block_size=16)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--beam-batch", type=int, default=8)
+    parser.add_argument("--beam-new-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="tiny model, short outputs")
+    parser.add_argument("--out", help="also append the markdown table to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/generate.py needs a CUDA GPU")
+    if args.quick:
+        args.shape, args.new_tokens, args.beam_new_tokens = "tiny", 32, 32
+    torch.manual_seed(0)
+    model = build_model(args.shape)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(3, vocab, (args.batch, args.prompt), device="cuda")
+    beam_prompts = torch.randint(3, vocab, (args.beam_batch, args.prompt), device="cuda")
+    total = args.prompt + args.new_tokens
+    num_blocks = args.batch * math.ceil(total / 16) + args.batch
+
+    # Warm-up (CUDA context, Triton compilation, cuBLAS handles) on both paths.
+    run(model, DynamicCache(config=model.config), "sdpa", prompts[:2, :64], 4)
+    run(model, paged_cache(model, 64), "paged", prompts[:2, :64], 4)
+
+    rows = []
+    t_dyn, m_dyn, out_dyn = run(model, DynamicCache(config=model.config), "sdpa", prompts, args.new_tokens)
+    cache = paged_cache(model, num_blocks)
+    t_pag, m_pag, out_pag = run(model, cache, "paged", prompts, args.new_tokens)
+    same = (out_dyn == out_pag).float().mean().item()
+    tok = args.batch * args.new_tokens
+    rows.append(("greedy", "DynamicCache + sdpa", t_dyn, tok / t_dyn, m_dyn, ""))
+    rows.append(("greedy", "PagedCache + paged", t_pag, tok / t_pag, m_pag,
+                 f"{num_blocks} blocks; {same:.1%} tokens equal to DynamicCache (bf16)"))  # fmt: skip
+
+    # Beam search: measure the paged high-water mark, then size the pool to it.
+    beam = dict(num_beams=4)
+    big = paged_cache(model, args.beam_batch * 4 * math.ceil((args.prompt + args.beam_new_tokens) / 16) + 64)
+    run(model, big, "paged", beam_prompts, args.beam_new_tokens, **beam)
+    peak_blocks = big.peak_used_blocks
+    end_report = big.memory_report()
+    del big
+    torch.cuda.empty_cache()
+    dyn_cache = DynamicCache(config=model.config)
+    t_bd, m_bd, out_bd = run(model, dyn_cache, "sdpa", beam_prompts, args.beam_new_tokens, **beam)
+    dyn_kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in dyn_cache.layers)
+    del dyn_cache
+    torch.cuda.empty_cache()
+    sized = paged_cache(model, peak_blocks)
+    t_bp, m_bp, out_bp = run(model, sized, "paged", beam_prompts, args.beam_new_tokens, **beam)
+    paged_kv = end_report.used_bytes
+    rows.append(("beam 4", "DynamicCache + sdpa", t_bd, args.beam_batch * args.beam_new_tokens / t_bd, m_bd,
+                 f"KV at end {dyn_kv / 2**30:.2f} GiB"))  # fmt: skip
+    rows.append(("beam 4", "PagedCache + paged", t_bp, args.beam_batch * args.beam_new_tokens / t_bp, m_bp,
+                 f"pool {peak_blocks} blocks = peak use; KV at end {paged_kv / 2**30:.2f} GiB "
+                 f"({1 - paged_kv / dyn_kv:.0%} less); {end_report}"))  # fmt: skip
+
+    head = (
+        f"### generate: {args.shape}, bf16, random weights — {torch.cuda.get_device_name()}, "
+        f"{datetime.date.today()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"hf_paged {hf_paged.__version__}\n\n"
+        f"`python benchmarks/generate.py` — greedy: batch {args.batch}, prompt {args.prompt}, {args.new_tokens} "
+        f"new tokens; beam: batch {args.beam_batch} x 4 beams, prompt {args.prompt}, {args.beam_new_tokens} new tokens\n\n"
+        "| workload | cache + attention | time (s) | output tok/s | peak memory above weights (GiB) | notes |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    table = head + "".join(
+        f"| {w} | {name} | {t:.2f} | {tps:.0f} | {m / 2**30:.2f} | {note} |\n" for w, name, t, tps, m, note in rows
+    )
+    table += (
+        f"\ngreedy: paged time / dynamic time = {t_pag / t_dyn:.3f}; peak memory ratio {m_pag / m_dyn:.3f}. "
+        f"beam: peak memory ratio {m_bp / m_bd:.3f}; beam outputs equal: "
+        f"{(out_bd == out_bp).float().mean().item():.1%} of tokens\n"
+    )
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Benchmark the paged attention kernels against the card's copy bandwidth and torch SDPA.
+
+Decode (bf16, 32 query heads, 8 KV heads, head_dim 128, block_size 16, shuffled block tables) at
+batch {1, 32, 256} x context {512, 4096}: median latency (do_bench, with p20/p80), bytes moved
+(K + V of every context + query + out; block-table reads are ignored), achieved GB/s, the share of
+the measured device-to-device copy bandwidth, and torch SDPA on contiguous K/V of the same shape.
+Prefill (when kernels/prefill.py exists): 4 fresh prompts x 1024 tokens vs causal SDPA.
+
+Prints a markdown block to paste into benchmarks/RESULTS.md; ``--out PATH`` also writes it there.
+Runs only on CUDA.
+
+    python benchmarks/kernels.py [--out benchmarks/RESULTS_h100.md]
+"""
+
+import argparse
+import datetime
+import itertools
+import sys
+
+import torch
+import triton
+import triton.testing
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_BATCHES = (1, 32, 256)
+DECODE_CONTEXTS = (512, 4096)
+PREFILL_BATCH, PREFILL_LEN = 4, 1024
+QUANTILES = [0.5, 0.2, 0.8]  # do_bench returns (median, p20, p80) in ms
+
+
+def _bench(fn) -> tuple[float, float, float]:
+    """(median, p20, p80) in microseconds. do_bench flushes L2 before every call."""
+    median, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=200, quantiles=QUANTILES)
+    return median * 1e3, p20 * 1e3, p80 * 1e3
+
+
+def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    median_us, _, _ = _bench(lambda: dst.copy_(src))
+    return 2 * num_bytes / (median_us * 1e-6) / 1e9
+
+
+def _sdpa_gqa_kwargs() -> dict:
+    """enable_gqa=True where torch's SDPA has it (torch >= 2.5), else {} (K/V repeated by the caller)."""
+    q = torch.zeros(1, 4, 1, 16, device="cuda", dtype=DTYPE)
+    kv = torch.zeros(1, 2, 8, 16, device="cuda", dtype=DTYPE)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return {}
+    return {"enable_gqa": True}
+
+
+def _paged_inputs(batch: int, context: int, num_sets: int, generator: torch.Generator):
+    """num_sets independent (k_cache, v_cache, block_tables) with shuffled tables; one shared query."""
+    blocks_per_seq = triton.cdiv(context, BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    sets = []
+    for _ in range(num_sets):
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        k_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=generator)
+        v_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=generator)
+        perm = torch.randperm(num_blocks, device="cuda", generator=generator)
+        block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+        sets.append((k_cache, v_cache, block_tables))
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return query, seq_lens, sets
+
+
+def _bench_paged_decode(batch: int, context: int, l2_bytes: int) -> tuple[float, float, float]:
+    """(median, p20, p80) µs of paged_decode_triton, rotating input sets when the KV fits in L2."""
+    from hf_paged.kernels.decode import paged_decode_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    kv_bytes = _kv_bytes(batch, context)
+    # do_bench flushes L2 already; rotating sets as well keeps a small KV from being served from L2
+    # even if that flush changes. Enough sets to span 2x L2 when the KV fits in it.
+    num_sets = min(triton.cdiv(2 * l2_bytes, kv_bytes), 64) if kv_bytes < 2 * l2_bytes else 1
+    query, seq_lens, sets = _paged_inputs(batch, context, num_sets, generator)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+    rotation = itertools.cycle(sets)
+
+    def run_paged():
+        k_cache, v_cache, block_tables = next(rotation)
+        paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=context, out=out)
+
+    return _bench(run_paged)
+
+
+def _bench_sdpa_decode(batch: int, context: int, gqa_kwargs: dict) -> float:
+    """Median µs of torch SDPA: one query token over contiguous K/V [batch, num_kv_heads, context, head_dim]."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    v = torch.randn_like(k)
+    if not gqa_kwargs:  # repeat outside the timed region
+        k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+        v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    median_us, _, _ = _bench(lambda: sdpa(q, k, v, scale=HEAD_DIM**-0.5, **gqa_kwargs))
+    return median_us
+
+
+def _kv_bytes(batch: int, context: int) -> int:
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * (torch.finfo(DTYPE).bits // 8)
+
+
+def bench_decode(batch: int, context: int, copy_gbs: float, gqa_kwargs: dict, l2_bytes: int) -> dict:
+    """One row of the decode table."""
+    from hf_paged.kernels.decode import choose_num_splits
+
+    paged_us, paged_p20, paged_p80 = _bench_paged_decode(batch, context, l2_bytes)
+    torch.cuda.empty_cache()
+    sdpa_us = _bench_sdpa_decode(batch, context, gqa_kwargs)
+    torch.cuda.empty_cache()
+    # K + V of every context, plus the query read and the out written.
+    moved = _kv_bytes(batch, context) + 2 * batch * NUM_HEADS * HEAD_DIM * (torch.finfo(DTYPE).bits // 8)
+    gbs = moved / (paged_us * 1e-6) / 1e9
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {
+        "batch": batch,
+        "context": context,
+        "splits": choose_num_splits(context, batch, NUM_KV_HEADS, num_sms),
+        "us": paged_us,
+        "p20": paged_p20,
+        "p80": paged_p80,
+        "mb": moved / 1e6,
+        "gbs": gbs,
+        "pct": 100 * gbs / copy_gbs,
+        "sdpa_us": sdpa_us,
+    }
+
+
+def decode_max_abs_diff(batch: int = 8, context: int = 1000) -> float:
+    """Max |kernel - reference| for one decode shape (ragged lengths, default splits)."""
+    from hf_paged.kernels.decode import paged_decode_triton
+    from hf_paged.kernels.reference import paged_attention_ref
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    query, _, [(k_cache, v_cache, block_tables)] = _paged_inputs(batch, context, 1, generator)
+    seq_lens = torch.randint(1, context + 1, (batch,), device="cuda", generator=generator, dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    out = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=context)
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def bench_prefill(gqa_kwargs: dict) -> list[str] | None:
+    """Fresh prompts through the paged prefill kernel vs causal SDPA; None if there is no kernel."""
+    try:
+        from hf_paged.kernels.prefill import paged_prefill_triton
+    except ImportError:
+        return None
+    from hf_paged.kernels.reference import paged_attention_ref
+
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    batch, length = PREFILL_BATCH, PREFILL_LEN
+    query, seq_lens, [(k_cache, v_cache, block_tables)] = _paged_inputs(batch, length, 1, generator)
+    query = torch.randn(batch * length, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    cu_seqlens_q = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+
+    def run_paged():
+        paged_prefill_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+            max_query_len=length, max_seq_len=length, out=out,
+        )  # fmt: skip
+
+    paged_us, paged_p20, paged_p80 = _bench(run_paged)
+    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    max_diff = (out.float() - ref.float()).abs().max().item()
+
+    # The same K/V, gathered into contiguous [batch, num_kv_heads, length, head_dim].
+    k = k_cache[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
+    v = v_cache[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
+    q = query.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    if not gqa_kwargs:
+        k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+        v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa_us, _, _ = _bench(lambda: sdpa(q, k, v, is_causal=True, scale=scale, **gqa_kwargs))
+    flops = 4 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal QK^T + PV
+    return [
+        f"### Prefill: bf16, {batch} fresh prompts x {length} tokens, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads, "
+        f"head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}",
+        "",
+        "| paged µs (p20-p80) | TFLOP/s | SDPA causal µs | SDPA / paged | max abs diff vs ref |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {paged_us:.1f} ({paged_p20:.1f}-{paged_p80:.1f}) | {flops / (paged_us * 1e-6) / 1e12:.1f} "
+        f"| {sdpa_us:.1f} | {sdpa_us / paged_us:.2f} | {max_diff:.2e} |",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="also write the markdown block to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA device; none found, nothing measured.", file=sys.stderr)
+        return 0
+
+    props = torch.cuda.get_device_properties(0)
+    l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
+    gqa_kwargs = _sdpa_gqa_kwargs()
+    copy_gbs = copy_bandwidth_gbs()
+    torch.cuda.empty_cache()
+    rows = [bench_decode(b, c, copy_gbs, gqa_kwargs, l2_bytes) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
+    max_diff = decode_max_abs_diff()
+
+    lines = [
+        f"## {torch.cuda.get_device_name(0)}, {datetime.date.today().isoformat()}, "
+        f"torch {torch.__version__}, triton {triton.__version__}",
+        "",
+        f"Device-to-device copy bandwidth (2 GiB, read + write): **{copy_gbs:.0f} GB/s**. "
+        f"SDPA {'with enable_gqa' if gqa_kwargs else 'on K/V repeated to 32 heads'}.",
+        "",
+        f"### Decode: bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}, "
+        "shuffled block tables",
+        "",
+        "| batch | context | splits | paged µs (p20-p80) | MB moved | GB/s | % of copy BW | SDPA µs | SDPA / paged |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['splits']} | {r['us']:.1f} ({r['p20']:.1f}-{r['p80']:.1f}) "
+            f"| {r['mb']:.1f} | {r['gbs']:.0f} | {r['pct']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_us'] / r['us']:.2f} |"
+        )
+    lines += ["", f"Decode correctness (batch 8, ragged contexts <= 1000): max abs diff vs reference {max_diff:.2e}."]
+    prefill = bench_prefill(gqa_kwargs)
+    lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
+
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

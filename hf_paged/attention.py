@@ -1,0 +1,115 @@
+"""The "paged" attention implementation for transformers: a thin adapter over hf_paged.kernels.
+
+``register()`` (run by ``import hf_paged``) adds:
+- attention function "paged" (``AttentionInterface``): inside a paged forward (a ``ForwardContext`` is
+  set, see hf_paged.context) ``key``/``value`` are the layer's block pools, already updated by the cache;
+  the function packs the real query tokens to ``[num_tokens, num_heads, head_dim]`` and calls
+  ``paged_attention`` over the block tables. K/V are never gathered. Outside a paged forward (e.g. the
+  model is used with a DynamicCache, or without cache) it falls back to torch SDPA on the given K/V.
+- mask function "paged" (``AttentionMaskInterface``): no mask inside a paged forward (the kernels
+  take lengths, not masks); the SDPA boolean mask otherwise, for the fallback.
+"""
+
+import torch
+
+from hf_paged.context import get_forward_context
+from hf_paged.kernels import paged_attention
+
+ATTN_NAME = "paged"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [batch_size, num_heads, query_len, head_dim]
+    key: torch.Tensor,  # paged: k_cache [num_blocks, block_size, num_kv_heads, head_dim]; else [B, Hkv, kv_len, D]
+    value: torch.Tensor,  # like key
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry point.
+
+    Returns:
+        (out, None): out is [batch_size, query_len, num_heads, head_dim], as transformers expects.
+    """
+    ctx = get_forward_context()
+    if ctx is None or not ctx.paged:
+        return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
+    if getattr(module, "sinks", None) is not None:
+        raise ValueError(
+            f"attn_implementation='paged' does not support attention sinks ({type(module).__name__}.sinks); "
+            "use attn_implementation='sdpa' or 'eager' with PagedCache for this model"
+        )
+    if dropout and module.training:
+        raise ValueError(f"attn_implementation='paged' is inference-only; got dropout={dropout} in training mode")
+    batch_size, num_heads, query_len, head_dim = query.shape
+    ctx = ctx.on(query.device)
+    if scaling is None:
+        scaling = head_dim**-0.5
+    if query_len == 1:
+        q = query.reshape(batch_size, num_heads, head_dim)  # [num_tokens, num_heads, head_dim], a view
+    else:
+        q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
+    if ctx.token_idx is not None:
+        q = q.index_select(0, ctx.token_idx)
+    out = paged_attention(
+        q,
+        key,
+        value,
+        ctx.block_tables,
+        ctx.seq_lens,
+        ctx.cu_seqlens_q,
+        scaling,
+        max_query_len=ctx.max_query_len,
+        max_seq_len=ctx.max_seq_len,
+        sliding_window=sliding_window if sliding_window else None,
+        soft_cap=softcap if softcap else None,
+    )  # [num_tokens, num_heads, head_dim]
+    if ctx.token_idx is not None:
+        full = out.new_zeros(batch_size * query_len, num_heads, head_dim)
+        full.index_copy_(0, ctx.token_idx, out)
+        out = full
+    return out.view(batch_size, query_len, num_heads, head_dim), None
+
+
+def _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs):
+    """Plain attention on contiguous K/V [B, Hkv, kv_len, D] with transformers' boolean mask."""
+    if softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+    # SDPA has no logit soft-cap: a direct computation, as transformers' eager path does.
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+def paged_mask(*args, **kwargs):
+    """Mask function for "paged": none inside a paged forward; SDPA's boolean mask for the fallback."""
+    ctx = get_forward_context()
+    if ctx is not None and ctx.paged:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register "paged" with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, paged_mask)

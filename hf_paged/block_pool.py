@@ -1,0 +1,525 @@
+"""Physical KV blocks: ref counts, an O(1) LRU free list and a chained-hash prefix index.
+
+Pure Python (stdlib + xxhash, no torch), so the bookkeeping is property-tested on the CPU. The pool
+decides; the caller executes: it writes K/V into the slots of the block tables it gets back and
+runs the ``(src, dst)`` block copies that copy-on-write asks for, in one batched call.
+
+Prefix hash (``hash_block_tokens``): for full block ``i`` of a sequence, ::
+
+    h_i = xxh64(h_{i-1}.to_bytes(8, "little")          # h_{-1} = 0
+                + token ids of block i as int64 little-endian
+                + (b"" if extra_key is None else repr(extra_key).encode()),
+                seed=HASH_SEED)
+
+Collision policy: an index hit also compares the stored key ``(block_idx, h_{i-1}, token_ids,
+extra_key)``, so two blocks whose 64-bit hashes collide are a miss, never a wrong block. (What is
+left is the parent hash: a wrong hit would need two different prefixes with equal xxh64 chain
+values at the same depth, ~1 in 2**64 per pair.) ``extra_key`` (an adapter id, a salt) must
+compare with ``==`` and have a stable ``repr``: str, int, or tuples of them.
+
+Free-list policy (allocation always takes the head)::
+
+    head -> [freed blocks without hash] ... [cached blocks, least recently freed first] <- tail
+
+A freed block that carries a hash is appended at the tail and stays findable by hash (cached,
+ref 0) until it is reallocated, which evicts its hash. A freed block without one (a partial last
+block, a duplicate of an indexed block, every block when prefix caching is off) holds nothing
+worth keeping, so it goes to the head and is reused before any cached block is evicted. A
+sequence frees its blocks last-first, so its last block is evicted first: later blocks are
+shared by fewer prompts (vLLM v1's order).
+"""
+
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import xxhash
+
+BlockId = int
+BlockHash = NewType("BlockHash", int)
+
+HASH_SEED = 0x68665F7061676564  # b"hf_paged" read as a big-endian int
+_ROOT_PARENT_HASH = BlockHash(0)  # h_{-1}, the "parent" of a sequence's first block
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash, token_ids: Sequence[int], extra_key: Hashable | None = None
+) -> BlockHash:
+    """Chained xxh64 of one full block; the formula is in the module docstring."""
+    data = parent_hash.to_bytes(8, "little") + struct.pack(f"<{len(token_ids)}q", *token_ids)
+    if extra_key is not None:
+        data += repr(extra_key).encode()
+    return BlockHash(xxhash.xxh64_intdigest(data, seed=HASH_SEED))
+
+
+@dataclass(frozen=True)
+class AllocationResult:
+    block_table: list[BlockId]  # [ceil(len(token_ids) / block_size)] block ids, a copy
+    num_cached_tokens: int  # leading tokens served by the prefix cache: skip them; multiple of block_size
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int  # on the free list; includes num_cached_free_blocks
+    num_used_blocks: int  # ref > 0; equals num_blocks - num_free_blocks
+    num_cached_free_blocks: int  # ref 0 and still carrying a hash
+    num_used_slots: int  # distinct slots holding live tokens (a shared block counts once)
+    num_allocated_slots: int  # num_used_blocks * block_size
+    num_table_entries: int  # sum of block table lengths = blocks needed without sharing = sum of ref counts
+    num_prefix_query_tokens: int  # prompt tokens looked up by allocate() (0 while prefix caching is off)
+    num_prefix_hit_tokens: int  # of those, tokens served from the cache
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
+
+    @property
+    def sharing_savings(self) -> float:
+        """Fraction of blocks saved by sharing (prefix hits and forks): 1 - used / table entries."""
+        return 1.0 - self.num_used_blocks / self.num_table_entries if self.num_table_entries else 0.0
+
+
+class _Block:
+    __slots__ = ("block_id", "ref_count", "num_tokens", "block_hash", "cache_key")
+
+    def __init__(self, block_id: BlockId):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.num_tokens = 0  # filled slots; equal for every sequence that references the block
+        self.block_hash: BlockHash | None = None  # set iff the block is in the prefix index
+        self.cache_key: tuple | None = None  # (block_idx, parent_hash, token_ids, extra_key) iff block_hash is set
+
+
+class _Seq:
+    __slots__ = ("block_table", "token_ids", "extra_key", "block_hashes")
+
+    def __init__(self, block_table: list[BlockId], token_ids: list[int], extra_key: Hashable | None):
+        self.block_table = block_table
+        self.token_ids = token_ids
+        self.extra_key = extra_key
+        self.block_hashes: list[BlockHash] = []  # chain hashes of the leading full blocks hashed so far
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` token slots, shared by ref count. Ids are 0..num_blocks-1.
+
+    Slot of token ``position`` of a sequence: ``block_table[position // block_size] * block_size +
+    position % block_size``. Running out of blocks is a return value (``None`` / ``False``) and
+    leaves the pool unchanged; caller mistakes raise ``ValueError``.
+
+    Invariants (``check_invariants`` verifies all of them; tests call it after every operation):
+      - every block is either free (ref 0, on the free list exactly once) or referenced (ref > 0,
+        not on the free list); never both;
+      - a block's ref count equals its number of block-table entries, so the sum of ref counts
+        equals the number of table entries across sequences;
+      - a sequence of n tokens has a table of ceil(n / block_size) blocks; only its last block
+        may be partial, and a block holds the same tokens in every sequence that references it;
+      - the prefix index maps each hash to a block carrying that hash; indexed blocks are full
+        and immutable (writes go to a partial block, and a shared partial block is copied first).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"`num_blocks` must be a positive int, got {num_blocks!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 8:
+            raise ValueError(f"`block_size` must be a positive multiple of 8 (e.g. 16), got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # OrderedDict as the doubly linked list: O(1) pop at the head, push at either end and
+        # removal from the middle (a prefix hit on a cached free block).
+        self._free: OrderedDict[BlockId, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._index: dict[BlockHash, _Block] = {}
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._num_cached_free = 0
+        self._num_used_slots = 0
+        self._num_table_entries = 0
+        self._num_prefix_query_tokens = 0
+        self._num_prefix_hit_tokens = 0
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def stats(self) -> PoolStats:
+        num_used = self.num_blocks - len(self._free)
+        return PoolStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_free_blocks=len(self._free),
+            num_used_blocks=num_used,
+            num_cached_free_blocks=self._num_cached_free,
+            num_used_slots=self._num_used_slots,
+            num_allocated_slots=num_used * self.block_size,
+            num_table_entries=self._num_table_entries,
+            num_prefix_query_tokens=self._num_prefix_query_tokens,
+            num_prefix_hit_tokens=self._num_prefix_hit_tokens,
+        )
+
+    def has_seq(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def get_block_table(self, seq_id: Hashable) -> list[BlockId]:
+        """A copy of the sequence's block table."""
+        return list(self._get_seq(seq_id).block_table)
+
+    def get_token_ids(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's token ids."""
+        return list(self._get_seq(seq_id).token_ids)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return len(self._get_seq(seq_id).token_ids)
+
+    def slot(self, seq_id: Hashable, position: int) -> int:
+        """Pool slot of token ``position``: ``block_id * block_size + position % block_size``."""
+        seq = self._get_seq(seq_id)
+        if not 0 <= position < len(seq.token_ids):
+            raise ValueError(f"`position` must be in [0, {len(seq.token_ids)}) for seq {seq_id!r}, got {position}")
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def ref_count(self, block_id: BlockId) -> int:
+        return self._get_block(block_id).ref_count
+
+    def get_block_hash(self, block_id: BlockId) -> BlockHash | None:
+        """The block's hash while it is in the prefix index, else None."""
+        return self._get_block(block_id).block_hash
+
+    def get_free_block_ids(self) -> list[BlockId]:
+        """The free list, head (next to be allocated) first. O(num_free_blocks): for tests and debugging."""
+        return list(self._free)
+
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int], extra_key: Hashable | None = None) -> int:
+        """Tokens of this prompt that ``allocate`` would serve from the cache now; no state change, no stats.
+
+        Whole blocks only, and at most ``len(token_ids) - 1`` so that the last token is computed.
+        """
+        return len(self._find_cached_blocks(token_ids, extra_key)[0]) * self.block_size
+
+    def can_allocate(self, token_ids: Sequence[int] | int, extra_key: Hashable | None = None) -> bool:
+        """Whether ``allocate`` would succeed now.
+
+        Args:
+            token_ids: the prompt (exact answer, prefix hits included), or a token count (no
+                prefix lookup: conservative, never True when allocate would fail).
+            extra_key: as in ``allocate``.
+        """
+        if isinstance(token_ids, int):
+            if token_ids < 0:
+                raise ValueError(f"`token_ids` as a token count must be >= 0, got {token_ids}")
+            return math.ceil(token_ids / self.block_size) <= len(self._free)
+        return self._num_blocks_to_take(token_ids, extra_key) is not None
+
+    def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        """Whether ``append`` of ``num_new_tokens`` tokens (copy-on-write included) would succeed now."""
+        if num_new_tokens < 0:
+            raise ValueError(f"`num_new_tokens` must be >= 0, got {num_new_tokens}")
+        return self._num_blocks_to_append(self._get_seq(seq_id), num_new_tokens) <= len(self._free)
+
+    # ---- mutators -----------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        extra_key: Hashable | None = None,
+        *,
+        num_tokens_to_cache: int | None = None,
+    ) -> AllocationResult | None:
+        """Give a new sequence the blocks for its prompt, reusing the longest cached prefix.
+
+        The prefix cache serves the longest run of leading full blocks whose hash hits and whose
+        stored key matches (each hit block: ref += 1, off the free list if it was cached-free),
+        capped so that the last prompt token is always computed. New blocks come from the head
+        of the free list. All or nothing.
+
+        Args:
+            seq_id: a new, hashable sequence id.
+            token_ids: the prompt, at least one token.
+            extra_key: kept with the sequence and mixed into every block hash (adapter id, salt).
+            num_tokens_to_cache: full blocks within this many leading tokens enter the prefix
+                index now (default: all of them). Other sequences may then hit them before their
+                K/V exist, so with chunked prefill pass the end of the first chunk and call
+                ``cache_blocks`` as later chunks are scheduled.
+
+        Returns:
+            The block table and ``num_cached_tokens`` (write K/V from that position on), or None
+            if there are not enough free blocks (nothing changed).
+
+        Raises:
+            ValueError: ``seq_id`` exists, ``token_ids`` is empty, or ``num_tokens_to_cache`` is out of range.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"`seq_id` {seq_id!r} already has blocks; free it first or pick a new id")
+        if len(token_ids) == 0:
+            raise ValueError(f"`token_ids` must hold at least one token for seq {seq_id!r}, got an empty sequence")
+        if num_tokens_to_cache is not None and not 0 <= num_tokens_to_cache <= len(token_ids):
+            raise ValueError(f"`num_tokens_to_cache` must be in [0, {len(token_ids)}], got {num_tokens_to_cache}")
+        hit_blocks, hit_hashes = self._find_cached_blocks(token_ids, extra_key)
+        num_new_blocks = math.ceil(len(token_ids) / self.block_size) - len(hit_blocks)
+        # A cached-free hit block leaves the free list too, so it competes with the new blocks.
+        if num_new_blocks + sum(b.ref_count == 0 for b in hit_blocks) > len(self._free):
+            return None
+        for block in hit_blocks:
+            self._touch(block)
+        table = [block.block_id for block in hit_blocks]
+        num_cached_tokens = len(hit_blocks) * self.block_size
+        for start in range(num_cached_tokens, len(token_ids), self.block_size):
+            block = self._pop_free()
+            self._fill(block, min(self.block_size, len(token_ids) - start))
+            table.append(block.block_id)
+        self._num_table_entries += len(table)
+        seq = _Seq(table, list(token_ids), extra_key)
+        seq.block_hashes = hit_hashes
+        self._seqs[seq_id] = seq
+        if self.enable_prefix_caching:
+            self._num_prefix_query_tokens += len(token_ids)
+            self._num_prefix_hit_tokens += num_cached_tokens
+            self._cache_full_blocks(seq, len(token_ids) if num_tokens_to_cache is None else num_tokens_to_cache)
+        return AllocationResult(block_table=list(table), num_cached_tokens=num_cached_tokens)
+
+    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Enter the sequence's full blocks within its first ``num_tokens`` tokens into the prefix index."""
+        seq = self._get_seq(seq_id)
+        if not 0 <= num_tokens <= len(seq.token_ids):
+            raise ValueError(f"`num_tokens` must be in [0, {len(seq.token_ids)}] for seq {seq_id!r}, got {num_tokens}")
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, num_tokens)
+
+    def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[tuple[BlockId, BlockId]] | None:
+        """Append tokens to a sequence: fill its last block, then take new blocks from the free list.
+
+        Hot path (once per generated token per sequence): O(1) plus O(block_size) hashing when a
+        block fills up. If the partial last block is shared (ref > 1, after ``fork``), this
+        sequence gets a fresh copy of it first (copy-on-write); full blocks are never written.
+
+        Args:
+            seq_id: an allocated sequence.
+            token_ids: the new tokens, one or many (empty: no-op).
+
+        Returns:
+            ``[(src_block, dst_block)]`` to copy on the device before writing the new K/V (at most
+            one pair; ``[]`` when nothing is shared), or None if there are not enough free blocks
+            (nothing changed).
+        """
+        seq = self._get_seq(seq_id)
+        num_new = len(token_ids)
+        if num_new == 0:
+            return []
+        if self._num_blocks_to_append(seq, num_new) > len(self._free):
+            return None
+        bs = self.block_size
+        table = seq.block_table
+        num_tokens = len(seq.token_ids)
+        last = self._blocks[table[-1]]
+        cow_pairs = []
+        if last.ref_count > 1 and num_tokens % bs:
+            new = self._pop_free()
+            self._fill(new, last.num_tokens)
+            last.ref_count -= 1  # stays > 0: another sequence still holds it
+            table[-1] = new.block_id
+            cow_pairs.append((last.block_id, new.block_id))
+            last = new
+        num_left = num_new
+        if last.num_tokens < bs:
+            num_left -= self._fill(last, min(bs - last.num_tokens, num_left))
+        while num_left:
+            block = self._pop_free()
+            num_left -= self._fill(block, min(bs, num_left))
+            table.append(block.block_id)
+            self._num_table_entries += 1
+        seq.token_ids.extend(token_ids)
+        if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.token_ids) // bs:
+            self._cache_full_blocks(seq, len(seq.token_ids))
+        return cow_pairs
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Create ``child_id`` sharing every block of ``parent_id`` (ref += 1). Needs no free block."""
+        parent = self._get_seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"`child_id` {child_id!r} already has blocks; free it first or pick a new id")
+        for block_id in parent.block_table:
+            self._blocks[block_id].ref_count += 1
+        child = _Seq(list(parent.block_table), list(parent.token_ids), parent.extra_key)
+        child.block_hashes = list(parent.block_hashes)
+        self._seqs[child_id] = child
+        self._num_table_entries += len(child.block_table)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a sequence's blocks, last block first; see the module docstring for where they go."""
+        seq = self._get_seq(seq_id)
+        del self._seqs[seq_id]
+        self._num_table_entries -= len(seq.block_table)
+        for block_id in reversed(seq.block_table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            self._num_used_slots -= block.num_tokens
+            self._free[block_id] = None  # tail
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)  # head: reuse before evicting cached blocks
+            else:
+                self._num_cached_free += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every hash from the index: cached-free blocks become plain free blocks.
+
+        Block tables are untouched; blocks live now are not indexed again (their hashes are done).
+        """
+        for block in self._index.values():
+            if block.ref_count == 0:
+                self._num_cached_free -= 1
+            block.block_hash = block.cache_key = None
+        self._index.clear()
+
+    # ---- invariants ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Verify every invariant of the class docstring and the counters. O(pool + tokens): for tests.
+
+        Raises:
+            RuntimeError: an invariant is broken (a bug in hf_paged).
+        """
+        bs = self.block_size
+        num_refs = [0] * self.num_blocks
+        for seq_id, seq in self._seqs.items():
+            n = len(seq.token_ids)
+            _check(len(seq.block_table) == math.ceil(n / bs), f"seq {seq_id!r}: table length for {n} tokens")
+            _check(len(seq.block_hashes) <= n // bs, f"seq {seq_id!r}: hashes beyond its full blocks")
+            parent_hash = _ROOT_PARENT_HASH
+            for block_idx, block_id in enumerate(seq.block_table):
+                num_refs[block_id] += 1
+                block = self._blocks[block_id]
+                block_tokens = tuple(seq.token_ids[block_idx * bs : (block_idx + 1) * bs])
+                _check(block.num_tokens == len(block_tokens), f"block {block_id}: fill differs in seq {seq_id!r}")
+                if block_idx >= len(seq.block_hashes):
+                    continue
+                block_hash = hash_block_tokens(parent_hash, block_tokens, seq.extra_key)
+                _check(seq.block_hashes[block_idx] == block_hash, f"seq {seq_id!r}: chain hash of block {block_idx}")
+                if block.block_hash is not None:
+                    key = (block_idx, parent_hash, block_tokens, seq.extra_key)
+                    _check(block.block_hash == block_hash and block.cache_key == key, f"block {block_id}: stale key")
+                parent_hash = block_hash
+        for block in self._blocks:
+            is_free = block.block_id in self._free
+            _check(block.ref_count == num_refs[block.block_id], f"block {block.block_id}: ref count vs tables")
+            _check(is_free == (block.ref_count == 0), f"block {block.block_id}: free list vs ref count")
+            if block.block_hash is None:
+                _check(block.cache_key is None, f"block {block.block_id}: key without hash")
+            else:
+                _check(self._index.get(block.block_hash) is block, f"block {block.block_id}: hash not indexed")
+                _check(block.num_tokens == bs and len(block.cache_key[2]) == bs, f"block {block.block_id}: not full")
+        for block_hash, block in self._index.items():
+            _check(block.block_hash == block_hash, f"index entry {block_hash} points at block {block.block_id}")
+        _check(len(self._free) == sum(r == 0 for r in num_refs), "free list length")
+        _check(self._num_table_entries == sum(num_refs), "table entry counter")
+        num_cached_free = sum(self._blocks[b].block_hash is not None for b in self._free)
+        _check(self._num_cached_free == num_cached_free, "cached-free counter")
+        num_used_slots = sum(b.num_tokens for b in self._blocks if b.ref_count)
+        _check(self._num_used_slots == num_used_slots, "used slot counter")
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _get_seq(self, seq_id: Hashable) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"unknown `seq_id` {seq_id!r}: allocate it first")
+        return seq
+
+    def _get_block(self, block_id: BlockId) -> _Block:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"`block_id` must be in [0, {self.num_blocks}), got {block_id}")
+        return self._blocks[block_id]
+
+    def _find_cached_blocks(
+        self, token_ids: Sequence[int], extra_key: Hashable | None
+    ) -> tuple[list[_Block], list[BlockHash]]:
+        """Longest run of leading full blocks served by the index, capped below the last token; and their hashes."""
+        blocks: list[_Block] = []
+        hashes: list[BlockHash] = []
+        if not self.enable_prefix_caching:
+            return blocks, hashes
+        bs = self.block_size
+        parent_hash = _ROOT_PARENT_HASH
+        for block_idx in range((len(token_ids) - 1) // bs):
+            block_tokens = tuple(token_ids[block_idx * bs : (block_idx + 1) * bs])
+            block_hash = hash_block_tokens(parent_hash, block_tokens, extra_key)
+            block = self._index.get(block_hash)
+            if block is None or block.cache_key != (block_idx, parent_hash, block_tokens, extra_key):
+                break  # a miss, or a hash collision: also a miss
+            blocks.append(block)
+            hashes.append(block_hash)
+            parent_hash = block_hash
+        return blocks, hashes
+
+    def _num_blocks_to_take(self, token_ids: Sequence[int], extra_key: Hashable | None) -> int | None:
+        """Free-list blocks ``allocate`` would take (new blocks + cached-free hits), None if too many."""
+        hit_blocks, _ = self._find_cached_blocks(token_ids, extra_key)
+        num_take = math.ceil(len(token_ids) / self.block_size) - len(hit_blocks)
+        pass
+        return num_take if num_take <= len(self._free) else None
+
+    def _num_blocks_to_append(self, seq: _Seq, num_new: int) -> int:
+        num_tokens = len(seq.token_ids)
+        num_blocks = math.ceil((num_tokens + num_new) / self.block_size) - len(seq.block_table)
+        is_cow = num_new > 0 and num_tokens % self.block_size and self._blocks[seq.block_table[-1]].ref_count > 1
+        return num_blocks + bool(is_cow)
+
+    def _touch(self, block: _Block) -> None:
+        """Ref += 1 on a prefix hit; a cached-free block leaves the free list."""
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+            self._num_cached_free -= 1
+            self._num_used_slots += block.num_tokens
+        block.ref_count += 1
+
+    def _pop_free(self) -> _Block:
+        """Take the head of the free list (evicting its hash) as an empty block with ref 1."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            del self._index[block.block_hash]
+            block.block_hash = block.cache_key = None
+            self._num_cached_free -= 1
+        block.ref_count = 1
+        block.num_tokens = 0
+        return block
+
+    def _fill(self, block: _Block, num_tokens: int) -> int:
+        block.num_tokens += num_tokens
+        self._num_used_slots += num_tokens
+        return num_tokens
+
+    def _cache_full_blocks(self, seq: _Seq, num_tokens: int) -> None:
+        """Hash the sequence's full blocks within ``num_tokens`` not hashed yet; index the new contents.
+
+        A block whose hash is already indexed (the same content computed twice, or a collision)
+        stays out of the index: one block per hash, so the index never points at a block that
+        may be overwritten. Its chain hash is still recorded so later blocks can be indexed.
+        """
+        bs = self.block_size
+        parent_hash = seq.block_hashes[-1] if seq.block_hashes else _ROOT_PARENT_HASH
+        for block_idx in range(len(seq.block_hashes), num_tokens // bs):
+            block_tokens = tuple(seq.token_ids[block_idx * bs : (block_idx + 1) * bs])
+            block_hash = hash_block_tokens(parent_hash, block_tokens, seq.extra_key)
+            seq.block_hashes.append(block_hash)
+            block = self._blocks[seq.block_table[block_idx]]
+            if block.block_hash is None and block_hash not in self._index:
+                block.block_hash = block_hash
+                block.cache_key = (block_idx, parent_hash, block_tokens, seq.extra_key)
+                self._index[block_hash] = block
+            parent_hash = block_hash
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(f"bug in hf_paged: BlockPool invariant broken: {message}")

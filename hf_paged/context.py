@@ -1,0 +1,94 @@
+"""The per-forward paged-attention context: one dataclass, set in one place, read in one place.
+
+transformers 5.17 calls ``cache.update(k, v, layer_idx)`` with no kwargs, so the step metadata cannot
+travel through the model's call chain on every supported version. Instead the owner of a forward
+(``PagedCache`` through a forward hook on the model, or the engine's model runner) wraps the forward in
+``with forward_context(ctx):`` and the "paged" attention function and ``PagedCache.update`` read it
+with ``get_forward_context()``. Nothing else stores step state globally.
+
+Cache layout and slot formula: see ``hf_paged.kernels.reference``.
+"""
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """Step metadata for one forward over a batch of ``batch_size`` rows × ``query_len`` input columns.
+
+    The flattened input has ``batch_size * query_len`` columns; ``num_tokens`` of them are real tokens
+    (the others are padding and take no slot and no attention).
+    """
+
+    slot_mapping: torch.Tensor  # [batch_size * query_len], int64: slot of each input column, -1 = do not write
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq], int32; num_seqs == batch_size
+    seq_lens: torch.Tensor  # [num_seqs], int32: context length incl. this step's real tokens
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1], int32: offsets of each row's real tokens in the packed batch
+    max_query_len: int  # max over rows of real new tokens (host copy: no device sync)
+    max_seq_len: int  # max of seq_lens (host copy)
+    batch_size: int
+    query_len: int
+    # [num_tokens], int64: positions of the real tokens in the flattened [batch_size * query_len] input;
+    # None when every column is real (num_tokens == batch_size * query_len).
+    token_idx: torch.Tensor | None = None
+    # [batch_size, kv_len], int64: slot of every key column HF's mask addresses (-1 = padding), for
+    # attention implementations that need contiguous K/V (sdpa, eager). None on the paged path.
+    gather_idx: torch.Tensor | None = None
+    # True: update() returns the block pools and the "paged" attention reads them.
+    # False: update() returns gathered contiguous K/V [batch_size, num_kv_heads, kv_len, head_dim].
+    paged: bool = True
+    owner: object = None  # the cache or runner that built this context
+    _per_device: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> "ForwardContext":
+        """This context with its tensors on ``device`` (copied once per device per step; for device_map)."""
+        if self.slot_mapping.device == device:
+            return self
+        ctx = self._per_device.get(device)
+        if ctx is None:
+            moved = {
+                name: (getattr(self, name).to(device, non_blocking=True) if getattr(self, name) is not None else None)
+                for name in ("slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "token_idx", "gather_idx")
+            }
+            ctx = ForwardContext(
+                **moved,
+                max_query_len=self.max_query_len,
+                max_seq_len=self.max_seq_len,
+                batch_size=self.batch_size,
+                query_len=self.query_len,
+                paged=self.paged,
+                owner=self.owner,
+            )
+            self._per_device[device] = ctx
+        return ctx
+
+
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("hf_paged_forward", default=None)
+
+
+def get_forward_context() -> ForwardContext | None:
+    """The context of the forward in progress, or None outside a paged forward."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext):
+    """Make ``ctx`` the current forward context for the duration of the block."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def set_forward_context(ctx: ForwardContext | None) -> contextvars.Token:
+    """Low-level form of ``forward_context`` for hook pairs (pre-hook sets, post-hook resets)."""
+    return _CURRENT.set(ctx)
+
+
+def reset_forward_context(token: contextvars.Token) -> None:
+    _CURRENT.reset(token)

@@ -1,0 +1,79 @@
+"""The per-layer K/V tensors of the block pool, each on its layer's device.
+
+Layout (see hf_paged.kernels.reference): ``k_cache[layer], v_cache[layer]: [num_blocks, block_size,
+num_kv_heads, head_dim]``; ``slot = block_id * block_size + offset``. One block table serves every layer:
+block b of a sequence is block b in every layer's pool.
+"""
+
+import os
+
+import torch
+
+from hf_paged.kernels import copy_blocks
+
+
+class KVPool:
+    """K/V block storage for ``num_layers`` layers.
+
+    Args:
+        num_layers: attention layers that own a pool.
+        num_blocks: blocks per layer.
+        block_size: tokens per block.
+        num_kv_heads: KV heads per layer (this rank's share under tensor parallelism).
+        head_dim: size of each head.
+        dtype: storage dtype (the model's activation dtype).
+        devices: one device per layer (accelerate's device_map puts layers on different devices).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        devices: list[torch.device],
+    ):
+        if len(devices) != num_layers:
+            raise ValueError(f"KVPool needs one device per layer: got {len(devices)} devices for {num_layers} layers")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one block across all layers."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def free_memory(device: torch.device) -> int:
+        """Free bytes on ``device``: CUDA's free memory, or available RAM for the CPU."""
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return free
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return 8 << 30
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks src -> dst in every layer (copy-on-write), one batched call per layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        on_device = {}
+        for k, v in zip(self.k_cache, self.v_cache):
+            if k.device not in on_device:
+                on_device[k.device] = (src.to(k.device), dst.to(k.device))
+            copy_blocks(k, v, *on_device[k.device])
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)

@@ -1,0 +1,101 @@
+"""hf_paged.kernels: tensor-in, tensor-out ops over the paged KV cache.
+
+No transformers or hf_paged import here. Each op has a torch reference (kernels/reference.py:
+the CPU path and the test oracle) and a Triton implementation (the CUDA path). The public
+functions below dispatch on the device of their tensors: CUDA tensors take Triton, everything
+else takes the reference. Tests call the ``*_triton`` launchers directly, on the CPU under
+``TRITON_INTERPRET=1``. The cache layout and slot formula are in kernels/reference.py.
+"""
+
+import torch
+
+from .reference import copy_blocks_ref, paged_attention_ref, write_kv_ref
+
+__all__ = [
+    "write_kv",
+    "copy_blocks",
+    "paged_attention",
+    "write_kv_ref",
+    "copy_blocks_ref",
+    "paged_attention_ref",
+]
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens], int32/int64; -1 = padding, skipped
+) -> None:
+    """Store new K/V rows into their cache slots (in place)."""
+    if k_cache.is_cuda:
+        from .cache_ops import write_kv_triton
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def copy_blocks(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    src: torch.Tensor,  # [num_pairs], int
+    dst: torch.Tensor,  # [num_pairs], int; distinct
+) -> None:
+    """Copy whole blocks src[i] -> dst[i] in both caches, in one batched call (copy-on-write)."""
+    if src.numel() == 0:
+        return
+    if k_cache.is_cuda:
+        from .cache_ops import copy_blocks_triton
+
+        copy_blocks_triton(k_cache, v_cache, src, dst)
+    else:
+        copy_blocks_ref(k_cache, v_cache, src, dst)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1], int32
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    On CUDA, a batch whose sequences each carry one new token (``max_query_len == 1``) takes the
+    split-K decode kernel; any other batch takes the varlen prefill kernel. ``max_query_len`` and
+    ``max_seq_len`` are host-side hints (no device sync); computed from the tensors when omitted.
+
+    Returns:
+        out: [num_tokens, num_heads, head_dim], query's dtype.
+    """
+    if not query.is_cuda:
+        return paged_attention_ref(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap, out
+        )
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if seq_lens.numel() else 0
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    if max_query_len == 1:
+        from .decode import paged_decode_triton
+
+        return paged_decode_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, scale,
+            max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+        )  # fmt: skip
+    from .prefill import paged_prefill_triton
+
+    return paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
+        out=out,
+    )  # fmt: skip

@@ -1,0 +1,248 @@
+"""Triton kernels that write and copy paged KV-cache rows: ``write_kv`` and ``copy_blocks``.
+
+The cache layout and the slot formula are in kernels/reference.py:
+``[num_blocks, block_size, num_kv_heads, head_dim]``, ``slot = block_id * block_size + offset``,
+``slot < 0`` = padding (skipped). Element offsets into a pool reach ``num_blocks * block_size *
+num_kv_heads * head_dim``, which exceeds 2^31 for large pools, so every slot and block id is
+widened to int64 before it is multiplied by a stride.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["write_kv_triton", "copy_blocks_triton"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Elements one program moves. A K/V row (num_kv_heads * head_dim) or a block longer than this is
+# split over a second grid axis.
+_MAX_TILE = 4096
+
+
+@triton.jit
+def _write_kv_kernel(
+    # pointers
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens], int32/int64
+    # strides
+    stride_key_t,
+    stride_key_h,
+    stride_key_d,
+    stride_value_t,
+    stride_value_h,
+    stride_value_d,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_cache_d,
+    # sizes
+    HEAD_DIM: tl.constexpr,
+    ROW_SIZE: tl.constexpr,  # num_kv_heads * head_dim
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    # meta-parameters
+    TILE: tl.constexpr,  # power of two; elements of the row this program copies
+):
+    token_idx = tl.program_id(0)
+    tile_idx = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
+        return
+    block_id = slot // BLOCK_SIZE
+    block_offset = slot % BLOCK_SIZE
+
+    elem = tile_idx * TILE + tl.arange(0, TILE)  # [TILE], index into the flattened [num_kv_heads, head_dim] row
+    mask = elem < ROW_SIZE  # the row need not be a power of two
+    head_idx = elem // HEAD_DIM
+    dim_idx = elem % HEAD_DIM
+
+    token_idx64 = token_idx.to(tl.int64)
+    key_offs = token_idx64 * stride_key_t + head_idx * stride_key_h + dim_idx * stride_key_d
+    value_offs = token_idx64 * stride_value_t + head_idx * stride_value_h + dim_idx * stride_value_d
+    cache_offs = (
+        block_id * stride_cache_block
+        + block_offset * stride_cache_offset
+        + head_idx * stride_cache_head
+        + dim_idx * stride_cache_d
+    )
+    k = tl.load(key_ptr + key_offs, mask=mask, other=0.0)  # [TILE]
+    v = tl.load(value_ptr + value_offs, mask=mask, other=0.0)  # [TILE]
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache strides {v_cache.stride()} must equal k_cache strides {k_cache.stride()}")
+    if k_cache.dtype not in _FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"k_cache/v_cache dtype must be one of {list(_FLOAT_DTYPES)} and equal, "
+            f"got {k_cache.dtype} / {v_cache.dtype}"
+        )
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"k_cache and v_cache must be on one device, got {k_cache.device} and {v_cache.device}")
+
+
+def write_kv_triton(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens], int32/int64; -1 = padding, skipped
+) -> None:
+    """Store each token's K/V row at its cache slot, in place, in one launch.
+
+    key/value may be any strided views (e.g. a transpose of ``[batch, heads, q_len, head_dim]``
+    flattened to tokens); rows are cast to the cache dtype. No host sync: safe in a CUDA graph.
+
+    Args:
+        key: [num_tokens, num_kv_heads, head_dim], float16/bfloat16/float32.
+        value: [num_tokens, num_kv_heads, head_dim], same dtype as key.
+        k_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        slot_mapping: [num_tokens], int32/int64. ``slot = block_id * block_size + offset``;
+            slots < 0 are skipped. Slots must be distinct and < num_blocks * block_size
+            (not checked: that would need a device sync).
+
+    Raises:
+        ValueError: on a shape, dtype or device mismatch.
+    """
+    _check_cache_pair(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if key.dim() != 3 or tuple(key.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"key must be [num_tokens, num_kv_heads={num_kv_heads}, head_dim={head_dim}], got shape {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    if key.dtype not in _FLOAT_DTYPES or value.dtype != key.dtype:
+        raise ValueError(
+            f"key/value dtype must be one of {list(_FLOAT_DTYPES)} and equal, got {key.dtype} / {value.dtype}"
+        )
+    num_tokens = key.shape[0]
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping must be [num_tokens={num_tokens}], got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping dtype must be torch.int32 or torch.int64, got {slot_mapping.dtype}")
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device}, but the cache is on {k_cache.device}")
+    if num_tokens == 0:
+        return
+
+    row_size = num_kv_heads * head_dim
+    tile = min(triton.next_power_of_2(row_size), _MAX_TILE)
+    grid = (num_tokens, triton.cdiv(row_size, tile))
+    _write_kv_kernel[grid](
+        key_ptr=key,
+        value_ptr=value,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        slot_mapping_ptr=slot_mapping,
+        stride_key_t=key.stride(0),
+        stride_key_h=key.stride(1),
+        stride_key_d=key.stride(2),
+        stride_value_t=value.stride(0),
+        stride_value_h=value.stride(1),
+        stride_value_d=value.stride(2),
+        stride_cache_block=k_cache.stride(0),
+        stride_cache_offset=k_cache.stride(1),
+        stride_cache_head=k_cache.stride(2),
+        stride_cache_d=k_cache.stride(3),
+        HEAD_DIM=head_dim,
+        ROW_SIZE=row_size,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        num_warps=4 if tile >= 1024 else 1 if tile <= 128 else 2,
+    )
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    # pointers
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; each block contiguous
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; each block contiguous
+    src_ptr,  # [num_pairs], int32/int64
+    dst_ptr,  # [num_pairs], int32/int64
+    # strides
+    stride_cache_block,
+    # sizes
+    BLOCK_NUMEL: tl.constexpr,  # block_size * num_kv_heads * head_dim
+    # meta-parameters
+    TILE: tl.constexpr,  # power of two; elements of the block this program copies
+):
+    pair_idx = tl.program_id(0)
+    tile_idx = tl.program_id(1)
+    src_block = tl.load(src_ptr + pair_idx).to(tl.int64)
+    dst_block = tl.load(dst_ptr + pair_idx).to(tl.int64)
+    elem = tile_idx * TILE + tl.arange(0, TILE)  # [TILE]
+    mask = elem < BLOCK_NUMEL  # the last tile of a block may be partial
+    src_offs = src_block * stride_cache_block + elem
+    dst_offs = dst_block * stride_cache_block + elem
+    k = tl.load(k_cache_ptr + src_offs, mask=mask, other=0.0)  # [TILE]
+    tl.store(k_cache_ptr + dst_offs, k, mask=mask)
+    v = tl.load(v_cache_ptr + src_offs, mask=mask, other=0.0)  # [TILE]
+    tl.store(v_cache_ptr + dst_offs, v, mask=mask)
+
+
+def copy_blocks_triton(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    src: torch.Tensor,  # [num_pairs], int
+    dst: torch.Tensor,  # [num_pairs], int
+) -> None:
+    """Copy whole blocks ``src[i] -> dst[i]`` in both caches, in one launch (copy-on-write).
+
+    The grid is pairs x tiles of a block's ``block_size * num_kv_heads * head_dim`` elements.
+    The dst blocks must be distinct and disjoint from the src blocks (the pool guarantees it for
+    copy-on-write; not checked, as that would need a device sync).
+
+    Args:
+        k_cache: [num_blocks, block_size, num_kv_heads, head_dim], each block contiguous.
+        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and strides.
+        src: [num_pairs], int32/int64 block ids; moved to the cache device if needed.
+        dst: [num_pairs], int32/int64 block ids.
+
+    Raises:
+        ValueError: on a shape, dtype or layout mismatch.
+    """
+    _check_cache_pair(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if src.dim() != 1 or dst.shape != src.shape:
+        raise ValueError(
+            f"src and dst must be 1-D of equal length, got shapes {tuple(src.shape)} and {tuple(dst.shape)}"
+        )
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} dtype must be torch.int32 or torch.int64, got {t.dtype}")
+    block_numel = block_size * num_kv_heads * head_dim
+    if k_cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
+        raise ValueError(
+            f"each cache block must be contiguous (strides [..., {num_kv_heads * head_dim}, {head_dim}, 1]), "
+            f"got strides {k_cache.stride()}"
+        )
+    if src.numel() == 0:
+        return
+    src = src.to(k_cache.device, non_blocking=True)
+    dst = dst.to(k_cache.device, non_blocking=True)
+
+    tile = min(triton.next_power_of_2(block_numel), _MAX_TILE)
+    grid = (src.numel(), triton.cdiv(block_numel, tile))
+    _copy_blocks_kernel[grid](
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        src_ptr=src,
+        dst_ptr=dst,
+        stride_cache_block=k_cache.stride(0),
+        BLOCK_NUMEL=block_numel,
+        TILE=tile,
+        num_warps=4,
+    )

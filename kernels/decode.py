@@ -1,0 +1,498 @@
+"""Split-K paged decode attention (flash-decoding) in Triton.
+
+One new token per sequence: query row s belongs to sequence s, sits at position ``seq_lens[s] - 1``
+and attends to every cached position j <= that one (within the sliding window, if any). The cache
+layout, the slot formula and the exact attention semantics are in kernels/reference.py.
+
+Two kernels:
+
+1. ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns one KV
+   head of one sequence and packs all ``group = num_heads // num_kv_heads`` query heads of that KV
+   head into the rows of one tile, so each K/V tile is read from memory once per group. The
+   sequence's live key range is cut into ``num_splits`` contiguous pieces, on KV-tile boundaries:
+
+       keys:    [ lo ....................................... seq_len )   lo = seq_len - window, or 0
+       tiles:   |  t0  |  t1  |  t2  |  t3  |  t4  |  t5  |  t6  |  t7 |   BLOCK_N keys each
+       splits:  |     split 0        |     split 1        | split 2    |   cdiv(num_tiles, num_splits) tiles each
+
+   Each split runs an online softmax in fp32 over its tiles. With one split the program normalizes
+   and writes ``out`` directly; otherwise it writes a partial (normalized acc, log-sum-exp). A split
+   with no tiles (a short sequence, or ``seq_len == 0``) writes the neutral partial (acc 0, lse -inf).
+2. ``_merge_splits_kernel``, grid ``(num_seqs, num_heads)``: log-sum-exp combine of the partials.
+   Rows whose partials are all neutral (``seq_len == 0``, e.g. CUDA-graph padding) get zeros.
+
+The split is per sequence (each sequence divides its own length), so ``max_seq_len`` only feeds the
+``num_splits`` heuristic and never affects correctness: a CUDA graph captured with a bound that is
+too small still computes the right answer.
+
+Why ``tl.dot`` for the group: the query tile is padded to at least 16 rows (the tensor-core minimum).
+Decode is memory bound (about 1 flop per byte of K/V per query head), so the padded rows cost idle
+tensor-core cycles but no bandwidth, while a broadcast-multiply-sum would need a
+``[group, BLOCK_N, head_dim]`` register tile (64K values for group 8 at BLOCK_N 64, D 128) and spill.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_decode_triton", "choose_num_splits"]
+
+MAX_HEAD_DIM = 256
+MAX_NUM_SPLITS = 64
+# A split should stream at least this many keys, so that its fixed costs (query load, partial
+# write, its share of the merge) stay small next to its K/V reads.
+MIN_KEYS_PER_SPLIT = 128
+# Programs to aim for per SM: about two waves at two resident programs per SM.
+PROGRAMS_PER_SM = 4
+# SM count used when no CUDA device is present (TRITON_INTERPRET=1 runs); an H100 SXM has 132.
+DEFAULT_NUM_SMS = 132
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    # pointers
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens_ptr,  # [num_seqs], int32
+    out_ptr,  # [num_seqs, num_heads, head_dim]; written only when WRITE_OUT
+    partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim], fp32; written only when not WRITE_OUT
+    partial_lse_ptr,  # [num_seqs, num_heads, num_splits], fp32 (log2 domain); only when not WRITE_OUT
+    # strides
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_bts,
+    stride_btb,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_pas,
+    stride_pah,
+    stride_pap,
+    stride_pad,
+    stride_pls,
+    stride_plh,
+    stride_plp,
+    # sizes
+    num_splits,
+    scale_log2,  # softmax scale * log2(e): scores live in the log2 domain so exp2 can be used
+    cap_in,  # scale / soft_cap; used only when USE_SOFT_CAP
+    cap_out,  # soft_cap * log2(e); used only when USE_SOFT_CAP
+    sliding_window,  # used only when USE_WINDOW
+    # meta-parameters
+    GROUP: tl.constexpr,  # num_heads // num_kv_heads
+    GROUP_PAD: tl.constexpr,  # next power of two >= max(GROUP, 16)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two >= max(HEAD_DIM, 16)
+    BLOCK_SIZE: tl.constexpr,  # keys per cache block
+    BLOCK_N: tl.constexpr,  # keys per tile
+    ONE_BLOCK_PER_TILE: tl.constexpr,  # BLOCK_SIZE % BLOCK_N == 0: one block-table entry per tile
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    WRITE_OUT: tl.constexpr,  # num_splits == 1: normalize and write out, skip the merge
+    DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
+):
+    seq_idx = tl.program_id(0)
+    kv_head_idx = tl.program_id(1)
+    split_idx = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    lo = 0
+    if USE_WINDOW:
+        # Position seq_len - 1 sees j with (seq_len - 1) - j < window, i.e. j >= seq_len - window.
+        lo = tl.maximum(seq_len - sliding_window, 0)
+    # Tiles are aligned to multiples of BLOCK_N, so with ONE_BLOCK_PER_TILE no tile crosses a block.
+    tile_lo = lo // BLOCK_N
+    tile_hi = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+    split_tile_lo = tile_lo + split_idx * tiles_per_split
+    split_tile_hi = tl.minimum(split_tile_lo + tiles_per_split, tile_hi)
+
+    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    head_idx = kv_head_idx * GROUP + offs_g  # [GROUP_PAD]
+    g_mask = offs_g < GROUP  # padded query rows
+    d_mask = offs_d < HEAD_DIM  # padded head_dim lanes
+
+    # q: [GROUP_PAD, HEAD_DIM_PAD]; padded rows/lanes are 0, so they add nothing to any score.
+    q_ptrs = query_ptr + seq_idx * stride_qs + head_idx[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    table_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_bts
+    k_head_ptr = k_cache_ptr + kv_head_idx * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head_idx * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+
+    for tile_idx in range(split_tile_lo, split_tile_hi):
+        key_idx = tile_idx * BLOCK_N + offs_n  # [BLOCK_N] positions in the sequence
+        # Keys outside [lo, seq_len) are masked: their table entries may be stale or unallocated.
+        n_mask = (key_idx < seq_len) & (key_idx >= lo)
+        if ONE_BLOCK_PER_TILE:
+            # The whole tile sits in one cache block; its first key may be below lo (window), but
+            # the tile holds key lo or later, so the block-table entry is live.
+            block_id = tl.load(table_ptr + ((tile_idx * BLOCK_N) // BLOCK_SIZE) * stride_btb)
+            row_offset = block_id.to(tl.int64) * stride_kb + ((tile_idx * BLOCK_N) % BLOCK_SIZE + offs_n) * stride_kt
+            v_row_offset = block_id.to(tl.int64) * stride_vb + ((tile_idx * BLOCK_N) % BLOCK_SIZE + offs_n) * stride_vt
+        else:
+            # block_ids: [BLOCK_N]; several keys share each entry (BLOCK_SIZE < BLOCK_N, or not divisible).
+            block_ids = tl.load(table_ptr + (key_idx // BLOCK_SIZE) * stride_btb, mask=n_mask, other=0)
+            row_offset = block_ids.to(tl.int64) * stride_kb + (key_idx % BLOCK_SIZE) * stride_kt
+            v_row_offset = block_ids.to(tl.int64) * stride_vb + (key_idx % BLOCK_SIZE) * stride_vt
+
+        kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+        # k: [BLOCK_N, HEAD_DIM_PAD]
+        k = tl.load(k_head_ptr + row_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        # scores: [GROUP_PAD, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if USE_SOFT_CAP:
+            # soft_cap * tanh(scale * s / soft_cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): right at
+            # both tails (exp overflow -> 1, underflow -> -1), never NaN; tl has no portable tanh.
+            scores = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * scores) + 1.0))
+        else:
+            scores = scores * scale_log2
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [GROUP_PAD]
+        # Every tile holds at least one live key, so m_new is finite; guard anyway so that a fully
+        # masked row gives exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # [GROUP_PAD]; 0 on the first tile (m_i = -inf)
+        p = tl.exp2(scores - m_safe[:, None])  # [GROUP_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        # v: [BLOCK_N, HEAD_DIM_PAD]
+        v = tl.load(v_head_ptr + v_row_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # l_i == 0 only for an empty split (no tiles): acc is 0 there, so out / lse become 0 / -inf.
+    has_keys = l_i > 0.0
+    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    if WRITE_OUT:
+        out_ptrs = out_ptr + seq_idx * stride_os + head_idx[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [GROUP_PAD]
+        pa_ptrs = (
+            partial_acc_ptr
+            + seq_idx.to(tl.int64) * stride_pas
+            + head_idx[:, None] * stride_pah
+            + split_idx * stride_pap
+            + offs_d[None, :] * stride_pad
+        )
+        tl.store(pa_ptrs, acc, mask=store_mask)
+        pl_ptrs = partial_lse_ptr + seq_idx.to(tl.int64) * stride_pls + head_idx * stride_plh + split_idx * stride_plp
+        tl.store(pl_ptrs, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    # pointers
+    partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim], fp32
+    partial_lse_ptr,  # [num_seqs, num_heads, num_splits], fp32 (log2 domain)
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    # strides
+    stride_pas,
+    stride_pah,
+    stride_pap,
+    stride_pad,
+    stride_pls,
+    stride_plh,
+    stride_plp,
+    stride_os,
+    stride_oh,
+    stride_od,
+    # sizes
+    num_splits,
+    # meta-parameters
+    NUM_SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    seq_idx = tl.program_id(0)
+    head_idx = tl.program_id(1)
+    offs_p = tl.arange(0, NUM_SPLITS_PAD)  # [NUM_SPLITS_PAD]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    p_mask = offs_p < num_splits  # padded split slots
+    d_mask = offs_d < HEAD_DIM  # padded head_dim lanes
+
+    # lse: [NUM_SPLITS_PAD]; padded and empty splits are -inf and get weight 0.
+    lse = tl.load(
+        partial_lse_ptr + seq_idx.to(tl.int64) * stride_pls + head_idx * stride_plh + offs_p * stride_plp,
+        mask=p_mask,
+        other=float("-inf"),
+    )
+    lse_max = tl.max(lse, axis=0)
+    # All splits empty (seq_len == 0): -inf - -inf would be NaN; shift by 0 so every weight is 0.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)  # [NUM_SPLITS_PAD]
+    denom = tl.sum(weights, axis=0)
+
+    # acc: [NUM_SPLITS_PAD, HEAD_DIM_PAD]
+    acc = tl.load(
+        partial_acc_ptr
+        + seq_idx.to(tl.int64) * stride_pas
+        + head_idx * stride_pah
+        + offs_p[:, None] * stride_pap
+        + offs_d[None, :] * stride_pad,
+        mask=p_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    merged = tl.sum(acc * weights[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)  # [HEAD_DIM_PAD]
+    tl.store(
+        out_ptr + seq_idx * stride_os + head_idx * stride_oh + offs_d * stride_od,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Host-side split heuristic for the decode kernel (no device sync, so CUDA-graph safe).
+
+    Aim for ``PROGRAMS_PER_SM * num_sms`` programs (about two waves) across ``num_seqs *
+    num_kv_heads * num_splits``, but give every split at least ``MIN_KEYS_PER_SPLIT`` keys of the
+    longest context, and never more than ``MAX_NUM_SPLITS``. One split when the batch already
+    fills the GPU or the context is short.
+
+    Args:
+        max_seq_len: Upper bound of ``seq_lens`` (a hint; correctness does not depend on it).
+        num_seqs: Number of sequences (query rows) in the batch.
+        num_kv_heads: KV heads of the cache.
+        num_sms: Streaming multiprocessors of the device.
+
+    Returns:
+        The number of splits, in ``[1, MAX_NUM_SPLITS]``.
+    """
+    base_programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, base_programs)
+    by_context = max(triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), 1)
+    return max(1, min(wanted, by_context, MAX_NUM_SPLITS))
+
+
+def _check_args(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got shape {tuple(query.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim must equal query head_dim {head_dim}, got {k_cache.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if query.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"query dtype must be one of {list(_SUPPORTED_DTYPES)}, got {query.dtype}")
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(
+            f"k_cache/v_cache dtype must equal query dtype {query.dtype}, got {k_cache.dtype}/{v_cache.dtype}"
+        )
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks_per_seq], got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_seqs,):
+        raise ValueError(f"seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    devices = {t.device for t in (query, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}] or None, got {num_splits}")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device):
+        raise ValueError(
+            f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), got "
+            f"({tuple(out.shape)}, {out.dtype}, {out.device})"
+        )
+
+
+def paged_decode_triton(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32; 0 = padding row (output zeros)
+    scale: float,
+    *,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: each sequence's last token over its paged context (flash-decoding).
+
+    Args:
+        query: One new token per sequence, at position ``seq_lens[s] - 1`` of sequence s.
+        k_cache: Key pool, layout in kernels/reference.py.
+        v_cache: Value pool, same shape as ``k_cache`` (its strides may differ).
+        block_tables: Physical block of each logical block; entries past a sequence's length are
+            never read.
+        seq_lens: Context length of each sequence, including the new token.
+        scale: Softmax scale applied to q.k.
+        max_seq_len: Host-side upper bound of ``seq_lens``; only picks ``num_splits``.
+        sliding_window: Attend to the last ``sliding_window`` positions (the token itself
+            included); None or <= 0 disables it, as in the reference.
+        soft_cap: Scores become ``soft_cap * tanh(scores / soft_cap)``; None or <= 0 disables it.
+        out: Optional output buffer; every row is written.
+        num_splits: Force the number of context splits; None picks it with ``choose_num_splits``.
+
+    Returns:
+        out: [num_seqs, num_heads, head_dim] in query's dtype.
+
+    Raises:
+        ValueError: On a shape, dtype, device or range mismatch (the message names the value).
+    """
+    _check_args(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out)
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else DEFAULT_NUM_SMS
+        num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms)
+
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # 64 keys per tile streams enough bytes per iteration; halve it at head_dim 256 to keep the
+    # K/V tiles in registers. A power of two, so with block_size >= BLOCK_N (a power of two times
+    # a multiple of BLOCK_N) a tile never crosses a block and needs one block-table entry.
+    block_n = 32 if head_dim_pad > 128 else 64
+    use_window = sliding_window is not None and sliding_window > 0
+    use_soft_cap = soft_cap is not None and soft_cap > 0
+    # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
+    dot_fp32 = os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16
+    write_out = num_splits == 1
+
+    if write_out:
+        # Unused placeholders: the kernel never touches them when WRITE_OUT.
+        partial_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
+    else:
+        # TODO(decode): the engine will pass static buffers sized for its largest graph bucket.
+        partial_acc = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        # pointers
+        query_ptr=query,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens,
+        out_ptr=out,
+        partial_acc_ptr=partial_acc,
+        partial_lse_ptr=partial_lse,
+        # strides
+        stride_qs=query.stride(0),
+        stride_qh=query.stride(1),
+        stride_qd=query.stride(2),
+        stride_kb=k_cache.stride(0),
+        stride_kt=k_cache.stride(1),
+        stride_kh=k_cache.stride(2),
+        stride_kd=k_cache.stride(3),
+        stride_vb=v_cache.stride(0),
+        stride_vt=v_cache.stride(1),
+        stride_vh=v_cache.stride(2),
+        stride_vd=v_cache.stride(3),
+        stride_bts=block_tables.stride(0),
+        stride_btb=block_tables.stride(1),
+        stride_os=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_od=out.stride(2),
+        stride_pas=partial_acc.stride(0),
+        stride_pah=partial_acc.stride(1),
+        stride_pap=partial_acc.stride(2),
+        stride_pad=partial_acc.stride(3),
+        stride_pls=partial_lse.stride(0),
+        stride_plh=partial_lse.stride(1),
+        stride_plp=partial_lse.stride(2),
+        # sizes
+        num_splits=num_splits,
+        scale_log2=float(scale) * _LOG2E,
+        cap_in=float(scale) / soft_cap if use_soft_cap else 0.0,
+        cap_out=float(soft_cap) * _LOG2E if use_soft_cap else 0.0,
+        sliding_window=int(sliding_window) if use_window else 0,
+        # meta-parameters
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        ONE_BLOCK_PER_TILE=block_size % block_n == 0,
+        USE_WINDOW=use_window,
+        USE_SOFT_CAP=use_soft_cap,
+        WRITE_OUT=write_out,
+        DOT_FP32=dot_fp32,
+        num_warps=4,
+        num_stages=2,
+    )
+    if write_out:
+        return out
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        # pointers
+        partial_acc_ptr=partial_acc,
+        partial_lse_ptr=partial_lse,
+        out_ptr=out,
+        # strides
+        stride_pas=partial_acc.stride(0),
+        stride_pah=partial_acc.stride(1),
+        stride_pap=partial_acc.stride(2),
+        stride_pad=partial_acc.stride(3),
+        stride_pls=partial_lse.stride(0),
+        stride_plh=partial_lse.stride(1),
+        stride_plp=partial_lse.stride(2),
+        stride_os=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_od=out.stride(2),
+        # sizes
+        num_splits=num_splits,
+        # meta-parameters
+        NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,425 @@
+"""Varlen paged prefill: flash attention of each sequence's new tokens over its paged context.
+
+Semantics (causal mask, sliding window, soft cap, GQA) and the cache layout are those of
+kernels/reference.py. Sequence s carries ``q_len`` new tokens, the last ``q_len`` of its
+``seq_lens[s]`` context tokens; K/V are read straight from the cache blocks through the block
+table, never gathered into contiguous tensors.
+
+One program computes one tile of ``BLOCK_M`` rows for one (sequence, KV head). The rows are the
+sequence's (new token, query head of the KV head's group) pairs, token-major, so the ``GROUP``
+query heads that share a KV head share every K/V tile load (GQA/MQA without repeating K/V)::
+
+    row r of tile t  ->  m = t * BLOCK_M + r,  token = m // GROUP,  head = kv_head * GROUP + m % GROUP
+
+The program walks the context in tiles of ``BLOCK_N`` keys, aligned to ``BLOCK_N``, from the
+sliding-window start of its first token to the causal limit of its last token, in three ranges::
+
+    lo             mid_lo                      mid_hi          hi
+    |-- masked ----|-------- unmasked ---------|--- masked ----|
+      window edge    every row sees every key    causal edge / end of context
+
+Online softmax in fp32 (exp2 with log2(e) folded into the scores), fp32 accumulator.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_prefill_triton"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, BLOCK_D], fp32
+    l_i,  # [BLOCK_M], fp32: running softmax denominator
+    m_i,  # [BLOCK_M], fp32: running max of the (log2-scaled) scores
+    q,  # [BLOCK_M, BLOCK_D]
+    q_pos,  # [BLOCK_M], int32: context position of each row's token
+    start_n,  # first key position of this tile; a multiple of BLOCK_N
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,  # this sequence's block table row
+    kv_head_off,  # int64: kv_head * stride_cache_head
+    ctx_len,
+    qk_scale,  # scale (* log2(e) unless there is a soft cap)
+    soft_cap,
+    sliding_window,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_d,
+    stride_table_b,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One online-softmax step over the keys [start_n, start_n + BLOCK_N); returns (acc, l_i, m_i)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N], key positions
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    if MASKED:
+        key_in_ctx = offs_n < ctx_len  # [BLOCK_N]
+    else:
+        key_in_ctx = tl.full([BLOCK_N], 1, tl.int1)  # interior tiles end at or before ctx_len
+    d_mask = offs_d < HEAD_DIM  # [BLOCK_D], head_dim padded to a power of two
+
+    if BLOCK_SIZE % BLOCK_N == 0:
+        # The whole tile lies in one cache block (start_n is a multiple of BLOCK_N): one table read.
+        block_id = tl.load(table_row_ptr + (start_n // BLOCK_SIZE) * stride_table_b).to(tl.int64)
+        slot_offs = block_id * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset  # [BLOCK_N]
+    else:
+        # The tile spans several cache blocks: one table read per key (same-block keys share it).
+        block_ids = tl.load(table_row_ptr + (offs_n // BLOCK_SIZE) * stride_table_b, mask=key_in_ctx, other=0)
+        slot_offs = block_ids.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset
+    kv_offs = kv_head_off + slot_offs  # [BLOCK_N], int64
+
+    kv_mask_t = key_in_ctx[None, :] & d_mask[:, None]  # [BLOCK_D, BLOCK_N]: real key, real dim
+    k = tl.load(
+        k_cache_ptr + kv_offs[None, :] + offs_d[:, None] * stride_cache_d, mask=kv_mask_t, other=0.0
+    )  # k: [BLOCK_D, BLOCK_N]
+    if DOT_FP32:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    # s: [BLOCK_M, BLOCK_N], fp32
+    if HAS_SOFT_CAP:
+        # soft_cap * tanh(x / soft_cap), with tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1, no NaN.
+        y = s * qk_scale / soft_cap
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = key_in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        if HAS_WINDOW:
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+    # A row with no visible key so far has m_new == -inf; exp2(-inf - -inf) would be NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]; 0 when m_i == -inf
+    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]; 0 where masked
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+
+    v = tl.load(
+        v_cache_ptr + kv_offs[:, None] + offs_d[None, :] * stride_cache_d,
+        mask=key_in_ctx[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # v: [BLOCK_N, BLOCK_D]
+    if DOT_FP32:
+        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    # pointers
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens_ptr,  # [num_seqs], int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1], int32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    # strides
+    stride_query_t,
+    stride_query_h,
+    stride_out_t,
+    stride_out_h,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_cache_d,
+    stride_table_s,
+    stride_table_b,
+    # sizes and scalars
+    qk_scale,
+    soft_cap,
+    sliding_window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    GROUP: tl.constexpr,  # num_heads // num_kv_heads
+    # meta-parameters
+    BLOCK_M: tl.constexpr,  # rows (token, head) per program
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    BLOCK_D: tl.constexpr,  # head_dim padded to a power of two
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 caches, and bf16 under the interpreter)
+):
+    tile_idx = tl.program_id(0)
+    seq_idx = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+    num_rows = q_len * GROUP
+    row_start = tile_idx * BLOCK_M
+    if row_start >= num_rows:  # the grid is sized for max_query_len; this sequence is shorter
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq_idx)
+    first_pos = ctx_len - q_len  # context position of the sequence's first new token
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_valid = offs_m < num_rows  # [BLOCK_M]
+    token_in_seq = offs_m // GROUP  # [BLOCK_M]
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+    q_pos = first_pos + token_in_seq  # [BLOCK_M]
+    token_idx = (q_start + token_in_seq).to(tl.int64)  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    q_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        query_ptr + token_idx[:, None] * stride_query_t + head[:, None] * stride_query_h + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )  # q: [BLOCK_M, BLOCK_D]
+
+    # Key ranges (see the module docstring); every bound is a multiple of BLOCK_N.
+    tile_first_pos = first_pos + row_start // GROUP
+    tile_last_pos = first_pos + (tl.minimum(row_start + BLOCK_M, num_rows) - 1) // GROUP
+    hi = tile_last_pos + 1  # causal limit of the tile's last token; <= ctx_len
+    mid_hi = (tile_first_pos + 1) // BLOCK_N * BLOCK_N  # keys below are visible to every row
+    if HAS_WINDOW:
+        lo = tl.maximum(tile_first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        mid_lo = tl.cdiv(tl.maximum(tile_last_pos - sliding_window + 1, 0), BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(mid_lo, mid_hi)
+    else:
+        lo = 0
+        mid_lo = 0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_table_s
+    kv_head_off = kv_head.to(tl.int64) * stride_cache_head
+
+    for start_n in range(lo, mid_lo, BLOCK_N):  # window edge
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
+            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
+            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
+            DOT_FP32,
+        )  # fmt: skip
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):  # interior: no mask
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
+            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
+            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_WINDOW, HAS_SOFT_CAP,
+            DOT_FP32,
+        )  # fmt: skip
+    for start_n in range(mid_hi, hi, BLOCK_N):  # causal edge
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
+            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
+            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
+            DOT_FP32,
+        )  # fmt: skip
+
+    # Every real row sees at least its own key, so l_i > 0 there; padding rows (l_i == 0) are not stored.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D], fp32
+    tl.store(
+        out_ptr + token_idx[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def _default_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
+    """Default (BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100.
+
+    Heuristic: 2-byte dtypes with head_dim <= 128 use the flash-attention tiles 128 x 64 (8 warps
+    for head_dim > 64); head_dim 256 halves both tiles to fit registers and shared memory. fp32
+    operands take twice the shared memory and registers per element, so they use 64 x 32 tiles,
+    and 32 x 32 without software pipelining for head_dim 256 (Q + K + V tiles = 96 KiB of the
+    H100's 227 KiB shared memory per block; two stages would need 160 KiB).
+    """
+    if dtype == torch.float32:
+        if block_d <= 128:
+            return 64, 32, 4, 2
+        return 32, 32, 4, 1
+    if block_d <= 64:
+        return 128, 64, 4, 3
+    if block_d <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
+def paged_prefill_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1], int32
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of each sequence's new tokens over its paged context (flash attention).
+
+    Sequence s's ``q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s]`` new tokens are the last ``q_len``
+    of its ``seq_lens[s]`` context tokens, whose K/V are already in the cache (write_kv runs first).
+    Fresh prompts (q_len == seq_len), chunked prefill / prefix hits (q_len < seq_len) and single
+    tokens mix freely in one batch. No host sync: the grid comes from ``max_query_len``.
+
+    Tile sizes default to a per-dtype/head_dim heuristic (``_default_tiles``); ``BLOCK_M`` shrinks to
+    the next power of two >= 16 of ``max_query_len * num_heads // num_kv_heads`` for short queries.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim], float16/bfloat16/float32; last dim contiguous.
+        k_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype; last dim contiguous.
+        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and strides as k_cache.
+        block_tables: [num_seqs, max_blocks_per_seq], int32 block ids, any order.
+        seq_lens: [num_seqs], int32: context length of each sequence, including its new tokens.
+        cu_seqlens_q: [num_seqs + 1], int32: offsets of each sequence's new tokens in ``query``.
+        scale: softmax scale applied to q . k.
+        max_query_len: host-side upper bound of the q_len values; sizes the grid (tokens beyond it
+            are not computed).
+        max_seq_len: host-side upper bound of seq_lens; 0 means nothing to do.
+        sliding_window: W > 0: token p attends only to j with p - j < W. None or <= 0: off.
+        soft_cap: C > 0: scores become C * tanh(scores / C). None or <= 0: off.
+        out: [num_tokens, num_heads, head_dim], query's dtype; zero-filled when None. Rows of tokens
+            beyond ``cu_seqlens_q[-1]`` are left untouched.
+        block_m: override of BLOCK_M (rows per program), a power of two >= 16.
+        block_n: override of BLOCK_N (keys per step), a power of two >= 16.
+
+    Returns:
+        out: [num_tokens, num_heads, head_dim].
+
+    Raises:
+        ValueError: on a shape, dtype, layout or device mismatch, or an unsupported head_dim.
+    """
+    if query.dim() != 3:
+        raise ValueError(f"query must be 3-D [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(
+            f"v_cache must match k_cache in shape and strides, got {tuple(v_cache.shape)} / {v_cache.stride()} "
+            f"vs {tuple(k_cache.shape)} / {k_cache.stride()}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} must equal the cache head_dim {cache_head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"query dtype must be one of {list(_FLOAT_DTYPES)}, got {query.dtype}")
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(
+            f"k_cache/v_cache dtype must equal query dtype {query.dtype}, got {k_cache.dtype} / {v_cache.dtype}"
+        )
+    if query.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError(
+            f"query and k_cache/v_cache need a contiguous last dim, "
+            f"got strides {query.stride()} and {k_cache.stride()}"
+        )
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be 2-D int32 [num_seqs, max_blocks_per_seq], "
+            f"got {block_tables.dtype} of shape {tuple(block_tables.shape)}"
+        )
+    num_seqs = block_tables.shape[0]
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_seqs,):
+        raise ValueError(
+            f"seq_lens must be int32 of shape [num_seqs={num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    if cu_seqlens_q.dtype != torch.int32 or tuple(cu_seqlens_q.shape) != (num_seqs + 1,):
+        raise ValueError(
+            f"cu_seqlens_q must be int32 of shape [num_seqs + 1={num_seqs + 1}], "
+            f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}"
+        )
+    for name, t in (
+        ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens),
+        ("cu_seqlens_q", cu_seqlens_q),
+    ):  # fmt: skip
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, but query is on {query.device}")
+    if max_query_len < 0 or max_seq_len < 0:
+        raise ValueError(f"max_query_len and max_seq_len must be >= 0, got {max_query_len} and {max_seq_len}")
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if out is None:
+        out = torch.zeros_like(query)  # like the reference: rows of no sequence read as 0, never garbage
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be {tuple(query.shape)} {query.dtype} on {query.device} with a contiguous last dim, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
+        )
+    if num_seqs == 0 or num_tokens == 0 or max_query_len == 0 or max_seq_len == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    default_m, default_n, num_warps, num_stages = _default_tiles(query.dtype, block_d)
+    # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
+    tile_m = block_m or min(default_m, max(16, triton.next_power_of_2(max_query_len * group)))
+    tile_n = block_n or default_n
+    has_window = sliding_window is not None and sliding_window > 0
+    has_soft_cap = soft_cap is not None and soft_cap > 0
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    # fp32 caches take an IEEE fp32 dot (no TF32). bf16 tl.dot is wrong under the triton 3.9
+    # interpreter, so it is upcast there too; on the GPU bf16 runs on tensor cores.
+    dot_fp32 = query.dtype == torch.float32 or (interpreting and query.dtype == torch.bfloat16)
+
+    grid = (triton.cdiv(max_query_len * group, tile_m), num_seqs, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        query_ptr=query,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens,
+        cu_seqlens_q_ptr=cu_seqlens_q,
+        out_ptr=out,
+        stride_query_t=query.stride(0),
+        stride_query_h=query.stride(1),
+        stride_out_t=out.stride(0),
+        stride_out_h=out.stride(1),
+        stride_cache_block=k_cache.stride(0),
+        stride_cache_offset=k_cache.stride(1),
+        stride_cache_head=k_cache.stride(2),
+        stride_cache_d=k_cache.stride(3),
+        stride_table_s=block_tables.stride(0),
+        stride_table_b=block_tables.stride(1),
+        qk_scale=float(scale) * (1.0 if has_soft_cap else _LOG2E),
+        soft_cap=float(soft_cap) if has_soft_cap else 1.0,
+        sliding_window=int(sliding_window) if has_window else 0,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_M=tile_m,
+        BLOCK_N=tile_n,
+        BLOCK_D=block_d,
+        HAS_WINDOW=has_window,
+        HAS_SOFT_CAP=has_soft_cap,
+        DOT_FP32=dot_fp32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,105 @@
+"""Torch references for every hf_paged kernel: the CPU path and the test oracle.
+
+KV-cache layout (one pool per layer, written once here and referred to everywhere):
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset        (offset in [0, block_size))
+    slot < 0 marks a padding token: it is never written and never read.
+
+A sequence's token at position p (0-based, counting its whole context) lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+Attention semantics shared by the references and the Triton kernels:
+- Sequence s carries ``q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s]`` new tokens, which are the
+  last ``q_len`` of its ``seq_lens[s]`` context tokens (already written to the cache).
+- New token i of sequence s sits at position ``p = seq_lens[s] - q_len + i`` and attends to the
+  positions j with ``j <= p`` and, with a sliding window W, ``p - j < W`` (transformers' convention:
+  the window counts the token itself).
+- scores = (q . k) * scale; with a soft cap C, scores = C * tanh(scores / C); softmax in fp32.
+- GQA: query head h reads KV head ``h // (num_heads // num_kv_heads)``.
+"""
+
+import torch
+
+
+def write_kv_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens], int32/int64, -1 = skip
+) -> None:
+    """Store each token's K/V row at its slot; slots < 0 are skipped."""
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat[slots] = key[valid].to(k_cache.dtype)
+    v_flat[slots] = value[valid].to(v_cache.dtype)
+
+
+def copy_blocks_ref(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    src: torch.Tensor,  # [num_pairs], int
+    dst: torch.Tensor,  # [num_pairs], int
+) -> None:
+    """Copy whole blocks src[i] -> dst[i] (copy-on-write). dst blocks must be distinct."""
+    src = src.long().to(k_cache.device)
+    dst = dst.long().to(k_cache.device)
+    k_cache[dst] = k_cache[src]
+    v_cache[dst] = v_cache[src]
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32: context length incl. the new tokens
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1], int32: offsets of each sequence's new tokens
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context (gather + softmax).
+
+    Returns:
+        out: [num_tokens, num_heads, head_dim] in query's dtype. Rows of tokens that belong to no
+        sequence (beyond cu_seqlens_q[-1]) are left untouched.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.zeros_like(query)
+    seq_lens_l = seq_lens.tolist()
+    cu_l = cu_seqlens_q.tolist()
+    tables = block_tables.long()
+    for s, ctx_len in enumerate(seq_lens_l):
+        q_start, q_end = cu_l[s], cu_l[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = -(-ctx_len // block_size)
+        blocks = tables[s, :num_blocks].to(k_cache.device)
+        # [ctx_len, num_kv_heads, head_dim]
+        k = k_cache[blocks].flatten(0, 1)[:ctx_len].float()
+        v = v_cache[blocks].flatten(0, 1)[:ctx_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [ctx_len, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, ctx_len]
+        if soft_cap is not None and soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)[:, None]
+        k_pos = torch.arange(ctx_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None and sliding_window > 0:
+            allowed &= (q_pos - k_pos) < sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out

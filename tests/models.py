@@ -1,0 +1,52 @@
+"""Tiny random-weight models of several families, built from configs (no hub), for CPU tests."""
+
+import torch
+import transformers
+
+import hf_paged  # noqa: F401  (registers attn_implementation="paged")
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# family -> (config class, model class, extra config)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 12}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"num_key_value_heads": 4}),
+    # Sliding-window layers alternating with global ones, logit soft-capping.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16, "final_logit_softcapping": None},
+    ),
+}
+
+
+def tiny_model(family: str = "llama", attn: str = "paged", seed: int = 0, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def cache_kwarg() -> str:
+    """The name generate() takes the cache by: `cache` where models take it so (5.2x), else `past_key_values`."""
+    import inspect
+
+    from transformers import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"

@@ -1,0 +1,243 @@
+"""PagedCache inside model.generate: token-identical to DynamicCache, shared blocks, prefix reuse, errors."""
+
+import pytest
+import torch
+from models import FAMILIES, cache_kwarg, tiny_model
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from hf_paged import PagedCache
+
+CACHE = cache_kwarg()
+
+# Row 0 is left-padded: the batch exercises padding in the prompt and in the paged packing.
+IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 9, 11, 12, 13]])
+MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
+
+
+def _generate(model, cache, **kwargs):
+    kwargs.setdefault("input_ids", IDS)
+    kwargs.setdefault("attention_mask", MASK)
+    return model.generate(**kwargs, **{CACHE: cache})
+
+
+def _dynamic(model):
+    return DynamicCache(config=model.config)
+
+
+def _assert_no_leak(cache: PagedCache):
+    cache.reset()
+    stats = cache.pool.stats
+    assert stats.num_used_blocks == 0, stats
+    cache.pool.check_invariants()
+
+
+def _reference_impl(family: str) -> str:
+    # SDPA has no logit soft-cap; gemma2's reference is eager attention.
+    return "eager" if family == "gemma2" else "sdpa"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("attn", ["paged", "ref"])
+def test_greedy_matches_dynamic_cache(family, attn):
+    impl = _reference_impl(family) if attn == "ref" else "paged"
+    model = tiny_model(family, attn=impl)
+    expected = _generate(tiny_model(family, attn=_reference_impl(family)), _dynamic(model), max_new_tokens=24,
+                         do_sample=False, min_new_tokens=24)  # fmt: skip
+    cache = PagedCache(model, num_blocks=32, block_size=8)
+    out = _generate(model, cache, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert torch.equal(out, expected)
+    _assert_no_leak(cache)
+
+
+@pytest.mark.parametrize("attn", ["paged", "sdpa"])
+def test_beam_search_matches_and_shares_blocks(attn):
+    model = tiny_model("llama", attn=attn)
+    kwargs = dict(max_new_tokens=64, min_new_tokens=64, num_beams=4, do_sample=False)
+    expected = _generate(tiny_model("llama", attn="sdpa"), _dynamic(model), **kwargs)
+    cache = PagedCache(model, num_blocks=256, block_size=16)
+    out = _generate(model, cache, **kwargs)
+    assert torch.equal(out, expected)
+    report = cache.memory_report()
+    # Copying beams costs one table's worth of blocks per beam; shared blocks are counted once.
+    ratio = report.num_used_blocks / report.num_table_entries
+    print(f"beam width 4, 64 new tokens: {report}; blocks used / copying beams = {ratio:.1%}")
+    assert ratio < 0.60, report
+    _assert_no_leak(cache)
+
+
+@pytest.mark.parametrize("attn", ["paged", "sdpa"])
+def test_sampling_with_seed_matches_dynamic_cache(attn):
+    model = tiny_model("qwen2", attn=attn)
+    ref_model = tiny_model("qwen2", attn="sdpa")
+    kwargs = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=20, num_return_sequences=3)
+    torch.manual_seed(123)
+    expected = _generate(ref_model, _dynamic(model), **kwargs)
+    cache = PagedCache(model, num_blocks=64, block_size=8)
+    torch.manual_seed(123)
+    out = _generate(model, cache, **kwargs)
+    assert torch.equal(out, expected)
+    _assert_no_leak(cache)
+
+
+def test_num_return_sequences_stores_prompt_once():
+    model = tiny_model("llama")
+    prompt = torch.arange(3, 3 + 40).unsqueeze(0)  # 40 tokens = 5 blocks of 8
+    cache = PagedCache(model, num_blocks=64, block_size=8)
+    seen = {}
+
+    def after_first_forward(module, args, kwargs, output):
+        seen.setdefault("report", cache.memory_report())
+
+    handle = model.register_forward_hook(after_first_forward, with_kwargs=True)
+    try:
+        model.generate(input_ids=prompt, max_new_tokens=4, do_sample=True, num_return_sequences=4, **{CACHE: cache})
+    finally:
+        handle.remove()
+    report = seen["report"]
+    assert report.num_used_blocks == 5  # the prompt's blocks, once for all four sequences
+    assert report.num_table_entries == 20
+    _assert_no_leak(cache)
+
+
+def test_prefix_reuse_feeds_only_new_tokens():
+    model = tiny_model("llama")
+    system = list(range(10, 42))  # 32 tokens: 4 full blocks of 8
+    first = torch.tensor([system + [50, 51, 52]])
+    second = torch.tensor([system + [60, 61, 62, 63, 64]])
+    cache = PagedCache(model, num_blocks=64, block_size=8)
+    model.generate(input_ids=first, max_new_tokens=5, do_sample=False, **{CACHE: cache})
+    lengths = []
+    handle = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        out = model.generate(
+            input_ids=second, attention_mask=torch.ones_like(second), max_new_tokens=6, do_sample=False,
+            **{CACHE: cache.prepare(second)},
+        )  # fmt: skip
+    finally:
+        handle.remove()
+    assert lengths[0] == second.shape[1] - 32, lengths  # the 4 system blocks were not recomputed
+    fresh = model.generate(input_ids=second, max_new_tokens=6, do_sample=False, **{CACHE: _dynamic(model)})
+    assert torch.equal(out, fresh)
+    assert cache.pool.stats.num_prefix_hit_tokens >= 32
+    _assert_no_leak(cache)
+
+
+def test_prefix_hit_of_whole_prompt_still_computes_last_token():
+    model = tiny_model("llama")
+    prompt = torch.tensor([list(range(10, 34))])  # exactly 3 blocks of 8
+    cache = PagedCache(model, num_blocks=32, block_size=8)
+    first = model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, **{CACHE: cache})
+    again = model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, **{CACHE: cache.prepare(prompt)})
+    assert cache.get_seq_length() > 0
+    assert torch.equal(first, again)
+    _assert_no_leak(cache)
+
+
+def test_streamer_and_stopping_criteria():
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.tolist())
+
+        def end(self):
+            self.chunks.append("end")
+
+    class StopAfter(StoppingCriteria):
+        def __init__(self, length):
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+    model = tiny_model("mistral")
+    prompt = IDS[1:]
+    results = []
+    for cache in (_dynamic(model), PagedCache(model, num_blocks=16, block_size=8)):
+        streamer = Collect()
+        out = model.generate(
+            input_ids=prompt, max_new_tokens=30, do_sample=False, streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([StopAfter(prompt.shape[1] + 7)]), **{CACHE: cache},
+        )  # fmt: skip
+        results.append((out, streamer.chunks))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][0].shape[1] == prompt.shape[1] + 7
+    assert results[0][1] == results[1][1]
+
+
+def test_generation_config_defaults_work():
+    model = tiny_model("llama")
+    model.generation_config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=2)
+    cache = PagedCache(model, num_blocks=16, block_size=8)
+    out = model.generate(input_ids=IDS[1:], **{CACHE: cache})
+    assert out.shape[1] <= IDS.shape[1] + 5
+
+
+def test_pool_too_small_says_how_many_blocks():
+    model = tiny_model("llama")
+    cache = PagedCache(model, num_blocks=2, block_size=8)
+    with pytest.raises(MemoryError, match=r"needs up to \d+ blocks of 8 tokens, the pool has 2"):
+        _generate(model, cache, max_new_tokens=4)
+
+
+def test_pool_exhausted_during_decode_is_a_clear_error():
+    model = tiny_model("llama")
+    cache = PagedCache(model, num_blocks=4, block_size=8)  # 2 rows x 16 tokens fit; 40 do not
+    with pytest.raises(MemoryError, match="out of KV blocks"):
+        _generate(model, cache, max_new_tokens=30, min_new_tokens=30)
+
+
+def test_unsupported_models_get_a_named_error():
+    import transformers
+
+    config = transformers.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    with pytest.raises(ValueError, match="'t5' is an encoder-decoder model"):
+        PagedCache(transformers.T5ForConditionalGeneration(config), num_blocks=4)
+    config = transformers.Qwen3NextConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"'qwen3_next' has layers of type \['linear_attention'\]"):
+        PagedCache(transformers.Qwen3NextForCausalLM(config), num_blocks=4)
+
+
+def test_bad_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="block_size"):
+        PagedCache(model, num_blocks=8, block_size=12)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        PagedCache(model, memory_fraction=1.5)
+
+
+def test_paged_attention_without_paged_cache_falls_back():
+    model = tiny_model("llama", attn="paged")
+    ref = tiny_model("llama", attn="sdpa")
+    kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(**kwargs), ref.generate(**kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels inside generate (device machine)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generate_on_cuda_matches_sdpa(dtype):
+    model = tiny_model("llama", attn="paged").to("cuda", dtype)
+    ref = tiny_model("llama", attn="sdpa").to("cuda", dtype)
+    kwargs = dict(input_ids=IDS.cuda(), attention_mask=MASK.cuda(), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    expected = ref.generate(**kwargs, **{CACHE: _dynamic(ref)})
+    cache = PagedCache(model, num_blocks=32, block_size=16)
+    out = model.generate(**kwargs, **{CACHE: cache})
+    if dtype == torch.float32:
+        assert torch.equal(out, expected)
+    else:  # bf16 rounding may flip a near-tie late in a random model; the start must agree
+        assert torch.equal(out[:, : IDS.shape[1] + 4], expected[:, : IDS.shape[1] + 4])
+        beams = dict(kwargs, num_beams=4)
+        beam_cache = PagedCache(model, num_blocks=64, block_size=16)
+        assert torch.equal(model.generate(**beams, **{CACHE: beam_cache}), ref.generate(**beams, **{CACHE: _dynamic(ref)}))
+        _assert_no_leak(beam_cache)
+    _assert_no_leak(cache)

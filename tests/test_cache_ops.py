@@ -1,0 +1,175 @@
+"""write_kv_triton and copy_blocks_triton against the torch references (kernels/reference.py).
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1; the same tests run unchanged on CUDA.
+Caches start poisoned (NaN) so a slot written by mistake, or one left unwritten, shows up; the
+kernels only copy and cast, so results must match the reference exactly.
+"""
+
+import os
+
+import pytest
+import torch
+from hf_paged.kernels.reference import copy_blocks_ref, write_kv_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    from hf_paged.kernels.cache_ops import copy_blocks_triton, write_kv_triton
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    """[num_blocks, block_size, num_kv_heads, head_dim] K and V caches filled with NaN."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (
+        torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
+        torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
+    )
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_kv_heads, head_dim, block_size",
+    [(2, 64, 16), (3, 80, 8), (2, 256, 32), (40, 128, 16)],  # 3 * 80: not a power of two; 40 * 128 > one tile
+)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_write_kv_matches_reference(dtype, num_kv_heads, head_dim, block_size, slot_dtype):
+    torch.manual_seed(0)
+    num_blocks, num_tokens = 6, 29
+    k_cache, v_cache = _poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    # Non-contiguous key/value: [batch, num_kv_heads, q_len, head_dim] transposed and flattened to tokens
+    # gives a view with strides (head_dim, q_len * head_dim, 1); a permuted head_dim view adds stride != 1.
+    key = torch.randn(1, num_kv_heads, num_tokens, head_dim, dtype=dtype, device=DEVICE).transpose(1, 2)[0]
+    value = torch.randn(num_tokens, head_dim, num_kv_heads, dtype=dtype, device=DEVICE).transpose(1, 2)
+    assert not key.is_contiguous() and value.stride(2) != 1
+    slot_mapping = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens].to(slot_dtype)
+    slot_mapping[::5] = -1  # padding tokens
+
+    write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_ref(key, value, k_ref, v_ref, slot_mapping)
+
+    _assert_same(k_cache, k_ref)
+    _assert_same(v_cache, v_ref)
+    assert k_cache.isnan().any()  # unwritten slots stay poisoned
+
+
+def test_write_kv_casts_to_cache_dtype():
+    torch.manual_seed(1)
+    k_cache, v_cache = _poisoned_cache(4, 16, 2, 64, torch.float16)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    key = torch.randn(10, 2, 64, device=DEVICE)  # float32 rows into a float16 cache
+    value = torch.randn(10, 2, 64, device=DEVICE)
+    slot_mapping = torch.tensor([3, -1, 17, 0, 63, -1, 40, 41, 42, 8], device=DEVICE)
+
+    write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_ref(key, value, k_ref, v_ref, slot_mapping)
+
+    _assert_same(k_cache, k_ref)
+    _assert_same(v_cache, v_ref)
+
+
+def test_write_kv_empty_and_all_padding():
+    k_cache, v_cache = _poisoned_cache(2, 8, 1, 64, torch.float16)
+    empty = torch.empty(0, 1, 64, dtype=torch.float16, device=DEVICE)
+    write_kv_triton(empty, empty, k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=DEVICE))
+    rows = torch.randn(3, 1, 64, dtype=torch.float16, device=DEVICE)
+    write_kv_triton(rows, rows, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int32, device=DEVICE))
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_heads, head_dim, block_size", [(2, 64, 16), (3, 80, 8), (8, 128, 32)])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_copy_blocks_matches_reference(dtype, num_kv_heads, head_dim, block_size, index_dtype):
+    torch.manual_seed(2)
+    num_blocks = 12
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    v_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    k_cache[7:] = float("nan")  # poisoned dst blocks: each must be fully overwritten
+    v_cache[7:] = float("nan")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    src = torch.tensor([4, 0, 6, 2], dtype=index_dtype)  # host tensors: moved to the cache device
+    dst = torch.tensor([9, 7, 11, 8], dtype=index_dtype)
+
+    copy_blocks_triton(k_cache, v_cache, src, dst)
+    copy_blocks_ref(k_ref, v_ref, src, dst)
+
+    _assert_same(k_cache, k_ref)
+    _assert_same(v_cache, v_ref)
+    assert k_cache[10].isnan().all()  # not a dst: untouched
+
+
+def _huge_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    """Two caches of more than 2^31 elements, or a skip where they cannot be allocated.
+
+    On CPU torch.empty maps the pages lazily, so only the blocks the test touches take memory;
+    on CUDA the allocation is real (4 GiB each for the sizes used below).
+    """
+    try:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return torch.empty(shape, dtype=dtype, device=DEVICE), torch.empty(shape, dtype=dtype, device=DEVICE)
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        pytest.skip(f"cannot allocate two {num_blocks}-block caches: {e}")
+
+
+def test_large_block_ids_use_int64_offsets():
+    # block_id * stride_block = 2^22 * 512 = 2^31: element offsets past int32, so 32-bit index math
+    # would wrap. The cache is 2^31 + 8192 fp16 elements (4 GiB) each for K and V.
+    block_size, num_kv_heads, head_dim = 8, 1, 64
+    num_blocks = 2**22 + 16
+    k_cache, v_cache = _huge_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float16)
+    high = torch.tensor([2**22 + 3, 2**22 + 15, 2**22 + 7, 5], device=DEVICE)
+    for cache in (k_cache, v_cache):
+        cache[high] = float("nan")
+        cache[2**22 + 10] = float("nan")
+    torch.manual_seed(3)
+    key = torch.randn(20, num_kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    value = torch.randn(20, num_kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    offsets = torch.arange(20, device=DEVICE) % block_size
+    slot_mapping = high.repeat_interleave(block_size)[:20] * block_size + offsets
+
+    write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    _assert_same(k_cache[high].flatten(0, 1)[:20], key)
+    _assert_same(v_cache[high].flatten(0, 1)[:20], value)
+
+    copy_blocks_triton(k_cache, v_cache, high[:1], torch.tensor([2**22 + 10], device=DEVICE))
+    _assert_same(k_cache[2**22 + 10], k_cache[2**22 + 3])
+    _assert_same(v_cache[2**22 + 10], v_cache[2**22 + 3])
+
+
+def test_write_kv_rejects_bad_arguments():
+    k_cache, v_cache = _poisoned_cache(2, 8, 2, 64, torch.float16)
+    key = torch.randn(4, 2, 64, dtype=torch.float16, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    with pytest.raises(
+        ValueError, match=r"key must be \[num_tokens, num_kv_heads=2, head_dim=64\], got shape \(4, 2, 32\)"
+    ):
+        write_kv_triton(key[..., :32], key[..., :32], k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match=r"slot_mapping dtype must be torch.int32 or torch.int64, got torch.float32"):
+        write_kv_triton(key, key, k_cache, v_cache, slots.float())
+    with pytest.raises(ValueError, match=r"slot_mapping must be \[num_tokens=4\], got shape \(3,\)"):
+        write_kv_triton(key, key, k_cache, v_cache, slots[:3])
+    with pytest.raises(ValueError, match=r"v_cache shape \(2, 8, 1, 64\) must equal k_cache shape"):
+        write_kv_triton(key, key, k_cache, v_cache[:, :, :1], slots)
+
+
+def test_copy_blocks_rejects_bad_arguments():
+    k_cache, v_cache = _poisoned_cache(4, 8, 2, 64, torch.float16)
+    src = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"src and dst must be 1-D of equal length, got shapes \(2,\) and \(1,\)"):
+        copy_blocks_triton(k_cache, v_cache, src, src[:1])
+    with pytest.raises(ValueError, match=r"dst dtype must be torch.int32 or torch.int64, got torch.float32"):
+        copy_blocks_triton(k_cache, v_cache, src, src.float())
+    k_t, v_t = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    with pytest.raises(ValueError, match=r"each cache block must be contiguous"):
+        copy_blocks_triton(k_t, v_t, src, src + 2)

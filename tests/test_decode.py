@@ -1,0 +1,274 @@
+"""paged_decode_triton vs the torch reference (kernels/reference.py).
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (keep shapes small: the interpreter is slow).
+Every case poisons what the kernel must not read (cache slots past a sequence's length, unused
+blocks, unused block-table entries) and what it must write (``out`` starts as NaN).
+"""
+
+import os
+
+import pytest
+import torch
+from hf_paged.kernels.decode import MAX_NUM_SPLITS, choose_num_splits, paged_decode_triton
+from hf_paged.kernels.reference import paged_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 to run on the CPU",
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCES = {  # dtype -> (atol, rtol)
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+# 1 token, a partial first block, exactly 4 blocks of 16 / 1 of 64, and several tiles.
+SEQ_LENS = [1, 17, 64, 150]
+
+
+def _make_inputs(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    num_spare_blocks: int = 3,
+):
+    """Random query and cache, with shuffled block tables and NaN wherever nothing may be read.
+
+    Returns:
+        query [num_seqs, num_heads, head_dim], k_cache and v_cache
+        [num_blocks, block_size, num_kv_heads, head_dim], block_tables [num_seqs,
+        max_blocks_per_seq] int32 (unused entries -1), seq_lens [num_seqs] int32.
+    """
+    torch.manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + num_spare_blocks
+    max_blocks = max(blocks_per_seq + [1]) + 1  # one always-unused column
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    perm = torch.randperm(num_blocks)
+    next_block = 0
+    for s, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+        blocks = perm[next_block : next_block + n_blocks]
+        next_block += n_blocks
+        block_tables[s, :n_blocks] = blocks.int()
+        for i, block in enumerate(blocks.tolist()):
+            live = min(block_size, seq_len - i * block_size)  # slots past seq_len stay NaN
+            k_cache[block, :live] = torch.randn(live, num_kv_heads, head_dim).to(dtype)
+            v_cache[block, :live] = torch.randn(live, num_kv_heads, head_dim).to(dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return (t.to(DEVICE) for t in (query, k_cache, v_cache, block_tables, seq_lens_t))
+
+
+def _check(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_splits: int | None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    query, k_cache, v_cache, block_tables, seq_lens_t = _make_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
+    )
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    result = paged_decode_triton(
+        query, k_cache, v_cache, block_tables, seq_lens_t, scale,
+        max_seq_len=max(seq_lens), sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+        num_splits=num_splits,
+    )  # fmt: skip
+    assert result is out
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(
+        query, k_cache, v_cache, block_tables, seq_lens_t, cu_seqlens_q, scale, sliding_window, soft_cap
+    )
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads",
+    [(4, 4), (4, 2), (8, 2), (16, 2), (4, 1)],
+    ids=["mha", "gqa2", "gqa4", "gqa8", "mqa"],
+)
+def test_head_ratios(num_heads, num_kv_heads, dtype):
+    _check(SEQ_LENS, num_heads, num_kv_heads, 64, 16, dtype, num_splits=3)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128, 256])
+def test_head_dims(head_dim, dtype):
+    _check(SEQ_LENS, 8, 2, head_dim, 16, dtype, num_splits=None)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 24, 64, 256])
+def test_block_sizes_and_splits(block_size, num_splits):
+    # 24: a multiple of 8 that is no power of two (the per-key block-table path).
+    # 8 splits of a 1-token or 17-token sequence leave most splits empty.
+    _check(SEQ_LENS, 4, 2, 64, block_size, torch.float16, num_splits=num_splits)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("sliding_window", [1, 7, 64, 200])
+def test_sliding_window(sliding_window, block_size, num_splits):
+    # 200 > every length (no effect); 64 with block 64 starts the window mid-block.
+    _check(SEQ_LENS, 8, 2, 64, block_size, torch.bfloat16, num_splits, sliding_window=sliding_window)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_soft_cap(dtype):
+    # Cap 1.5 with scores of spread ~ sqrt(head_dim) * scale * 4 = 4: tanh well past its linear part.
+    query, k_cache, v_cache, block_tables, seq_lens = _make_inputs(SEQ_LENS, 8, 2, 64, 16, dtype)
+    query = query * 4
+    out = torch.full_like(query, float("nan"))
+    paged_decode_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, 0.125, max_seq_len=150, soft_cap=1.5, out=out, num_splits=3
+    )
+    cu_seqlens_q = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125, None, 1.5)
+    no_cap = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
+    assert (ref.float() - no_cap.float()).abs().max() > 0.1  # the cap matters in this case
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@needs_triton
+def test_soft_cap_with_window():
+    _check(SEQ_LENS, 8, 2, 64, 16, torch.float32, num_splits=3, sliding_window=40, soft_cap=2.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_zero_length_rows_write_zeros(num_splits):
+    seq_lens = [0, 33, 0, 1, 0]
+    out = _check(seq_lens, 8, 2, 64, 16, torch.float16, num_splits=num_splits)
+    assert torch.equal(out[[0, 2, 4]], torch.zeros_like(out[[0, 2, 4]]))
+
+
+@needs_triton
+def test_all_rows_zero_length():
+    out = _check([0, 0], 4, 2, 64, 16, torch.bfloat16, num_splits=4)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@needs_triton
+def test_kv_width_not_power_of_two():
+    # num_kv_heads * head_dim = 240 and group 2.
+    _check(SEQ_LENS, 6, 3, 80, 16, torch.float16, num_splits=2)
+
+
+@needs_triton
+def test_many_sequences_default_splits():
+    seq_lens = [5, 130, 1, 64, 99, 16, 0, 150]
+    _check(seq_lens, 4, 2, 64, 16, torch.float16, num_splits=None, seed=3)
+
+
+@needs_triton
+def test_strided_views():
+    """Query from a fused qkv tensor, K/V from one combined pool, out a strided view."""
+    query, k_cache, v_cache, block_tables, seq_lens = _make_inputs(SEQ_LENS, 8, 2, 64, 16, torch.float16)
+    num_seqs = query.shape[0]
+    qkv = torch.randn(num_seqs, 8 + 2 + 2, 64, dtype=torch.float16, device=DEVICE)
+    qkv[:, :8] = query
+    kv_pool = torch.stack([k_cache, v_cache], dim=1)  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    wide_tables = torch.full((num_seqs, 2 * block_tables.shape[1]), -1, dtype=torch.int32, device=DEVICE)
+    wide_tables[:, ::2] = block_tables
+    out_buf = torch.full((num_seqs, 8, 2 * 64), float("nan"), dtype=torch.float16, device=DEVICE)
+    out = out_buf[:, :, :64]
+    paged_decode_triton(
+        qkv[:, :8], kv_pool[:, 0], kv_pool[:, 1], wide_tables[:, ::2], seq_lens, 0.125,
+        max_seq_len=150, out=out, num_splits=3,
+    )  # fmt: skip
+    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    assert out_buf[:, :, 64:].isnan().all()  # nothing written outside the view
+
+
+@needs_triton
+def test_max_seq_len_hint_does_not_affect_result():
+    """max_seq_len only picks num_splits: a stale, too-small hint still gives the right answer."""
+    query, k_cache, v_cache, block_tables, seq_lens = _make_inputs(SEQ_LENS, 4, 2, 64, 16, torch.float32)
+    exact = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, 0.125, max_seq_len=150)
+    stale = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, 0.125, max_seq_len=1)
+    torch.testing.assert_close(stale, exact, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_empty_batch():
+    query, k_cache, v_cache, block_tables, seq_lens = _make_inputs([], 4, 2, 64, 16, torch.float16)
+    out = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, 0.125, max_seq_len=0)
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: a pool of more than 2^31 elements (4.3 GB)")
+def test_large_pool_index_overflow():
+    """Blocks whose element offset exceeds 2^31 must be addressed with int64 math."""
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    num_blocks = (2**31) // (block_size * num_kv_heads * head_dim) + 64  # last blocks sit past 2^31 elements
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    seq_lens = torch.tensor([100, 37], dtype=torch.int32, device=DEVICE)
+    block_tables = torch.arange(num_blocks - 16, num_blocks, dtype=torch.int32, device=DEVICE).view(2, 8)
+    torch.manual_seed(0)
+    k_cache[num_blocks - 16 :] = torch.randn_like(k_cache[num_blocks - 16 :])
+    v_cache[num_blocks - 16 :] = torch.randn_like(v_cache[num_blocks - 16 :])
+    query = torch.randn(2, 8, head_dim, dtype=torch.float16, device=DEVICE)
+    cu_seqlens_q = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
+    for num_splits in (1, 3):
+        out = paged_decode_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, 0.125, max_seq_len=100, num_splits=num_splits
+        )
+        torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_choose_num_splits():
+    # A full batch or a short context: one split (the merge is skipped).
+    assert choose_num_splits(4096, num_seqs=256, num_kv_heads=8, num_sms=132) == 1
+    assert choose_num_splits(100, num_seqs=1, num_kv_heads=8, num_sms=132) == 1
+    # A small batch with a long context splits, within the bounds.
+    assert 1 < choose_num_splits(4096, num_seqs=4, num_kv_heads=8, num_sms=132) <= MAX_NUM_SPLITS
+    assert choose_num_splits(1 << 20, num_seqs=1, num_kv_heads=1, num_sms=132) == MAX_NUM_SPLITS
+    assert choose_num_splits(0, num_seqs=0, num_kv_heads=8, num_sms=132) == 1
+
+
+def test_argument_errors():
+    query, k_cache, v_cache, block_tables, seq_lens = _make_inputs([5, 9], 6, 4, 64, 16, torch.float16)
+    args = (k_cache, v_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of num_kv_heads \(4\)"):
+        paged_decode_triton(query, *args, max_seq_len=9)
+    query = query[:, :4]
+    with pytest.raises(ValueError, match=r"num_splits must be in \[1, 64\] or None, got 0"):
+        paged_decode_triton(query, *args, max_seq_len=9, num_splits=0)
+    with pytest.raises(ValueError, match=r"block_tables must be int32 .* got torch.int64"):
+        paged_decode_triton(query, k_cache, v_cache, block_tables.long(), seq_lens, 0.125, max_seq_len=9)
+    with pytest.raises(ValueError, match=r"k_cache/v_cache dtype must equal query dtype torch.float32"):
+        paged_decode_triton(query.float(), *args, max_seq_len=9)
+    with pytest.raises(ValueError, match=r"head_dim must equal query head_dim 32, got 64"):
+        paged_decode_triton(query[..., :32], *args, max_seq_len=9)
+    with pytest.raises(ValueError, match=r"out must match query"):
+        paged_decode_triton(query, *args, max_seq_len=9, out=torch.empty_like(query[:1]))

@@ -1,0 +1,236 @@
+"""paged_prefill_triton against paged_attention_ref (kernels/reference.py).
+
+On CPU the Triton kernel runs under TRITON_INTERPRET=1, so shapes stay small; the same tests run
+unchanged on CUDA. Poisoning:
+- every cache slot that holds no context token is NaN (spare blocks, the tail of each last block,
+  unused table entries point at a NaN block), so a read outside the context shows up as NaN;
+- ``out`` starts as NaN, and rows past ``cu_seqlens_q[-1]`` must stay NaN.
+"""
+
+import os
+
+import pytest
+import torch
+from hf_paged.kernels.reference import paged_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    from hf_paged.kernels.prefill import paged_prefill_triton
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}  # atol, rtol
+
+# (q_len, seq_len) per sequence. q_len == seq_len: fresh prompt; q_len < seq_len: chunked prefill or
+# prefix hit over cached context; q_len == 1: a decode token in a mixed batch; q_len == 0: idle slot.
+MIXED = [(13, 13), (7, 40), (1, 23), (30, 30), (1, 1)]
+
+
+def _make_case(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_tokens=0, spare_blocks=3, seed=0):
+    """Random paged inputs: shuffled block tables, NaN everywhere outside the context.
+
+    Returns:
+        query: [num_tokens + extra_tokens, num_heads, head_dim]; the extra rows belong to no sequence.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        block_tables: [num_seqs, max_blocks_per_seq], int32; unused entries name a NaN block.
+        seq_lens: [num_seqs], int32.
+        cu_seqlens_q: [num_seqs + 1], int32.
+    """
+    torch.manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
+    max_blocks = max(blocks_per_seq) + 1  # one unused column in every row
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    ids = torch.randperm(num_blocks, device=DEVICE)
+    nan_block = ids[-1].item()  # never holds context
+    block_tables = torch.full((len(seqs), max_blocks), nan_block, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for s, (_, seq_len) in enumerate(seqs):
+        n = blocks_per_seq[s]
+        block_tables[s, :n] = ids[used : used + n].int()
+        used += n
+        for pos in range(0, seq_len, block_size):  # fill the context's slots only
+            length = min(block_size, seq_len - pos)
+            block = block_tables[s, pos // block_size].item()
+            k_cache[block, :length] = torch.randn(length, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+            v_cache[block, :length] = torch.randn(length, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    q_lens = [q_len for q_len, _ in seqs]
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens + extra_tokens, num_heads, head_dim, device=DEVICE).to(dtype)
+    seq_lens = torch.tensor([seq_len for _, seq_len in seqs], dtype=torch.int32, device=DEVICE)
+    cu_seqlens_q = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).int()
+    return query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
+
+
+def _check(
+    seqs,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    block_size=16,
+    dtype=torch.float16,
+    sliding_window=None,
+    soft_cap=None,
+    block_m=None,
+    block_n=None,
+    query_view=False,
+):
+    extra = 3
+    query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(
+        seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_tokens=extra
+    )
+    if query_view:  # query as a slice of a fused qkv projection: token stride 3 * num_heads * head_dim
+        qkv = torch.randn(query.shape[0], 3 * num_heads, head_dim, device=DEVICE).to(dtype)
+        qkv[:, :num_heads] = query
+        query = qkv[:, :num_heads]
+        assert not query.is_contiguous()
+    scale = head_dim**-0.5
+    out = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)
+    result = paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+        max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
+        sliding_window=sliding_window, soft_cap=soft_cap, out=out, block_m=block_m, block_n=block_n,
+    )  # fmt: skip
+    assert result is out
+    expected = paged_attention_ref(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap
+    )
+    num_tokens = out.shape[0] - extra
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out[:num_tokens], expected[:num_tokens], atol=atol, rtol=rtol)
+    assert out[num_tokens:].isnan().all(), "rows past cu_seqlens_q[-1] must stay untouched"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (4, 1)])  # MHA, GQA, MQA
+def test_head_ratios_and_dtypes(dtype, num_heads, num_kv_heads):
+    _check(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "head_dim, num_heads, num_kv_heads, seqs",
+    [
+        (32, 4, 2, MIXED),
+        (64, 4, 2, MIXED),
+        (80, 4, 2, MIXED),
+        (96, 4, 2, MIXED),
+        (128, 4, 2, MIXED),
+        (256, 2, 1, [(9, 9), (5, 30), (1, 17)]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_head_dims(head_dim, num_heads, num_kv_heads, seqs, dtype):
+    _check(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 24, 32, 256])
+@pytest.mark.parametrize("block_n", [None, 16])  # default 64 (several blocks per tile) and 16 (part of one)
+def test_block_sizes(block_size, block_n):
+    _check(MIXED, block_size=block_size, block_n=block_n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_several_row_tiles_per_sequence(dtype):
+    # 4 * 50 rows over BLOCK_M = 16 or the default: many row tiles, each with its own causal range.
+    seqs = [(50, 50), (45, 97), (1, 64), (17, 17)]
+    _check(seqs, num_heads=4, num_kv_heads=1, dtype=dtype, block_size=8, block_m=16, block_n=16)
+    _check(seqs, num_heads=4, num_kv_heads=1, dtype=dtype, block_size=8)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 17, 64])
+@pytest.mark.parametrize("block_size, block_m, block_n", [(8, None, None), (16, 16, 16)])
+def test_sliding_window(sliding_window, block_size, block_m, block_n):
+    seqs = [(40, 40), (20, 90), (1, 70), (3, 3)]
+    _check(seqs, block_size=block_size, sliding_window=sliding_window, block_m=block_m, block_n=block_n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("soft_cap", [2.0, 50.0])
+def test_soft_cap(dtype, soft_cap):
+    _check(MIXED, dtype=dtype, soft_cap=soft_cap)
+
+
+def test_soft_cap_with_sliding_window_and_mqa():
+    _check(MIXED, num_heads=4, num_kv_heads=1, block_size=8, sliding_window=9, soft_cap=30.0, block_n=16)
+
+
+def test_idle_sequences_and_single_tokens():
+    # q_len == 0 sequences (idle batch slots) write nothing; a batch of only single tokens also works.
+    _check([(0, 12), (5, 20), (0, 1), (1, 1)])
+    _check([(1, 9), (1, 33), (1, 1)], num_heads=8, num_kv_heads=2)
+
+
+def test_strided_query():
+    _check(MIXED, query_view=True)
+
+
+def test_large_scores_do_not_overflow():
+    # Scores of ~1e3: the running max must keep exp2 in range (no inf/NaN).
+    seqs = [(20, 50)]
+    query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(seqs, 4, 2, 64, 16, torch.float16)
+    query = query * 30
+    out = paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 1.0, max_query_len=20, max_seq_len=50
+    )
+    expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 1.0)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("block_size, block_n", [(8, None), (16, 16)])  # tiles over 8 blocks / within one block
+def test_large_block_ids_use_int64_offsets(block_size, block_n):
+    # block_id * stride_block reaches 2^31 elements (2^22 * 512 or 2^21 * 1024): 32-bit index math
+    # would wrap. K and V are 2^31 + 16 * stride_block fp16 elements (4 GiB) each. On CPU torch.empty
+    # maps pages lazily, so only the few blocks written here take memory; on CUDA the 8 GiB are real.
+    num_kv_heads, head_dim, dtype = 1, 64, torch.float16
+    base = 2**31 // (block_size * num_kv_heads * head_dim)  # first block whose offset is >= 2^31
+    num_blocks = base + 16
+    try:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+        v_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        pytest.skip(f"cannot allocate two {num_blocks}-block caches: {e}")
+    torch.manual_seed(4)
+    block_tables = torch.tensor(
+        [[base + 15, 3, base + 1, base + 8], [base + 9, base + 2, base, 7]], dtype=torch.int32, device=DEVICE
+    )
+    used = block_tables.flatten().long()
+    k_cache[used] = torch.randn(used.numel(), block_size, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v_cache[used] = torch.randn(used.numel(), block_size, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    seq_lens = torch.tensor([3 * block_size + 6, 3 * block_size + 3], dtype=torch.int32, device=DEVICE)
+    cu_seqlens_q = torch.tensor([0, 30, 40], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(40, 2, head_dim, device=DEVICE).to(dtype)
+
+    out = paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125,
+        max_query_len=30, max_seq_len=int(seq_lens.max()), block_n=block_n,
+    )  # fmt: skip
+    expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    del k_cache, v_cache
+
+
+def test_rejects_bad_arguments():
+    query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case([(4, 10)], 4, 2, 64, 16, torch.float16)
+    args = (k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
+    hints = {"max_query_len": 4, "max_seq_len": 10}
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must be a positive multiple of num_kv_heads \(2\)"):
+        paged_prefill_triton(query[:, :3], *args, **hints)
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\], got 512"):
+        big = torch.zeros(4, 16, 2, 512, dtype=torch.float16, device=DEVICE)
+        paged_prefill_triton(query.new_zeros(4, 2, 512), big, big, *args[2:], **hints)
+    with pytest.raises(ValueError, match=r"block_tables must be 2-D int32 .* got torch.int64"):
+        paged_prefill_triton(query, k_cache, v_cache, block_tables.long(), seq_lens, cu_seqlens_q, 0.125, **hints)
+    with pytest.raises(
+        ValueError, match=r"cu_seqlens_q must be int32 of shape \[num_seqs \+ 1=2\], got torch.int32 \(1,\)"
+    ):
+        paged_prefill_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q[:1], 0.125, **hints)
+    with pytest.raises(ValueError, match=r"k_cache/v_cache dtype must equal query dtype torch.float32"):
+        paged_prefill_triton(query.float(), *args, **hints)
+    with pytest.raises(ValueError, match=r"block_n must be a power of two >= 16, got 24"):
+        paged_prefill_triton(query, *args, **hints, block_n=24)
