@@ -25,10 +25,22 @@ import hf_paged
 from hf_paged import PagedCache
 
 SHAPES = {
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256),  # fmt: skip
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=1024),  # fmt: skip
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),  # fmt: skip
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),  # fmt: skip
 }
 
 
@@ -45,23 +57,35 @@ def build_model(shape: str) -> LlamaForCausalLM:
     return model
 
 
-def run(model, cache, attn: str, prompts: torch.Tensor, new_tokens: int, **kwargs) -> tuple[float, int, torch.Tensor]:
-    """Wall seconds and peak bytes above the memory in use before the call."""
+def run(model, make_cache, attn: str, prompts: torch.Tensor, new_tokens: int, **kwargs):
+    """Wall seconds, peak allocated and peak reserved bytes above the call's start, the output, the cache.
+
+    The cache is built inside the measured region, so a preallocated pool counts in full.
+    """
     model.set_attn_implementation(attn)
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     start = time.perf_counter()
+    cache = make_cache()
     out = model.generate(
         input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, past_key_values=cache, **kwargs,
     )  # fmt: skip
     torch.cuda.synchronize()
-    return time.perf_counter() - start, torch.cuda.max_memory_allocated() - base, out
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base
+    reserved = torch.cuda.max_memory_reserved() - base_reserved
+    return elapsed, peak, reserved, out, cache
 
 
-def paged_cache(model, num_blocks: int) -> PagedCache:
-    return PagedCache(model, num_blocks=num_blocks, block_size=16)
+def paged_cache(model, num_blocks: int):
+    return lambda: PagedCache(model, num_blocks=num_blocks, block_size=16)
+
+
+def dynamic_cache(model):
+    return lambda: DynamicCache(config=model.config)
 
 
 def main():
@@ -88,52 +112,55 @@ def main():
     num_blocks = args.batch * math.ceil(total / 16) + args.batch
 
     # Warm-up (CUDA context, Triton compilation, cuBLAS handles) on both paths.
-    run(model, DynamicCache(config=model.config), "sdpa", prompts[:2, :64], 4)
+    run(model, dynamic_cache(model), "sdpa", prompts[:2, :64], 4)
     run(model, paged_cache(model, 64), "paged", prompts[:2, :64], 4)
 
     rows = []
-    t_dyn, m_dyn, out_dyn = run(model, DynamicCache(config=model.config), "sdpa", prompts, args.new_tokens)
-    cache = paged_cache(model, num_blocks)
-    t_pag, m_pag, out_pag = run(model, cache, "paged", prompts, args.new_tokens)
+    t_dyn, m_dyn, r_dyn, out_dyn, _ = run(model, dynamic_cache(model), "sdpa", prompts, args.new_tokens)
+    t_pag, m_pag, r_pag, out_pag, _ = run(model, paged_cache(model, num_blocks), "paged", prompts, args.new_tokens)
     same = (out_dyn == out_pag).float().mean().item()
     tok = args.batch * args.new_tokens
-    rows.append(("greedy", "DynamicCache + sdpa", t_dyn, tok / t_dyn, m_dyn, ""))
-    rows.append(("greedy", "PagedCache + paged", t_pag, tok / t_pag, m_pag,
-                 f"{num_blocks} blocks; {same:.1%} tokens equal to DynamicCache (bf16)"))  # fmt: skip
+    kv_bytes = PagedCache(model, num_blocks=1).kv_bytes_per_block
+    rows.append(("greedy", "DynamicCache + sdpa", t_dyn, tok / t_dyn, m_dyn, r_dyn, ""))
+    rows.append(("greedy", "PagedCache + paged", t_pag, tok / t_pag, m_pag, r_pag,
+                 f"pool {num_blocks} blocks = {num_blocks * kv_bytes / 2**30:.2f} GiB, preallocated; "
+                 f"{same:.1%} tokens equal to DynamicCache (bf16, random weights: near-ties)"))  # fmt: skip
 
     # Beam search: measure the paged high-water mark, then size the pool to it.
     beam = dict(num_beams=4)
-    big = paged_cache(model, args.beam_batch * 4 * math.ceil((args.prompt + args.beam_new_tokens) / 16) + 64)
-    run(model, big, "paged", beam_prompts, args.beam_new_tokens, **beam)
+    big_blocks = args.beam_batch * 4 * math.ceil((args.prompt + args.beam_new_tokens) / 16) + 64
+    *_, big = run(model, paged_cache(model, big_blocks), "paged", beam_prompts, args.beam_new_tokens, **beam)
     peak_blocks = big.peak_used_blocks
     end_report = big.memory_report()
     del big
-    torch.cuda.empty_cache()
-    dyn_cache = DynamicCache(config=model.config)
-    t_bd, m_bd, out_bd = run(model, dyn_cache, "sdpa", beam_prompts, args.beam_new_tokens, **beam)
+    t_bd, m_bd, r_bd, out_bd, dyn_cache = run(model, dynamic_cache(model), "sdpa", beam_prompts, args.beam_new_tokens,
+                                              **beam)  # fmt: skip
     dyn_kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in dyn_cache.layers)
     del dyn_cache
-    torch.cuda.empty_cache()
-    sized = paged_cache(model, peak_blocks)
-    t_bp, m_bp, out_bp = run(model, sized, "paged", beam_prompts, args.beam_new_tokens, **beam)
+    t_bp, m_bp, r_bp, out_bp, _ = run(model, paged_cache(model, peak_blocks), "paged", beam_prompts,
+                                      args.beam_new_tokens, **beam)  # fmt: skip
     paged_kv = end_report.used_bytes
-    rows.append(("beam 4", "DynamicCache + sdpa", t_bd, args.beam_batch * args.beam_new_tokens / t_bd, m_bd,
+    beam_tok = args.beam_batch * args.beam_new_tokens
+    rows.append(("beam 4", "DynamicCache + sdpa", t_bd, beam_tok / t_bd, m_bd, r_bd,
                  f"KV at end {dyn_kv / 2**30:.2f} GiB"))  # fmt: skip
-    rows.append(("beam 4", "PagedCache + paged", t_bp, args.beam_batch * args.beam_new_tokens / t_bp, m_bp,
-                 f"pool {peak_blocks} blocks = peak use; KV at end {paged_kv / 2**30:.2f} GiB "
-                 f"({1 - paged_kv / dyn_kv:.0%} less); {end_report}"))  # fmt: skip
+    rows.append(("beam 4", "PagedCache + paged", t_bp, beam_tok / t_bp, m_bp, r_bp,
+                 f"pool {peak_blocks} blocks = peak use ({peak_blocks * kv_bytes / 2**30:.2f} GiB); KV at end "
+                 f"{paged_kv / 2**30:.2f} GiB ({1 - paged_kv / dyn_kv:.0%} less); {end_report}"))  # fmt: skip
 
     head = (
         f"### generate: {args.shape}, bf16, random weights — {torch.cuda.get_device_name()}, "
         f"{datetime.date.today()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"hf_paged {hf_paged.__version__}\n\n"
-        f"`python benchmarks/generate.py` — greedy: batch {args.batch}, prompt {args.prompt}, {args.new_tokens} "
-        f"new tokens; beam: batch {args.beam_batch} x 4 beams, prompt {args.prompt}, {args.beam_new_tokens} new tokens\n\n"
-        "| workload | cache + attention | time (s) | output tok/s | peak memory above weights (GiB) | notes |\n"
-        "|---|---|---|---|---|---|\n"
+        f"`python benchmarks/generate.py` — greedy: batch {args.batch}, prompt {args.prompt}, "
+        f"{args.new_tokens} new tokens; beam: batch {args.beam_batch} x 4 beams, prompt {args.prompt}, "
+        f"{args.beam_new_tokens} new tokens\n\n"
+        "| workload | cache + attention | time (s) | output tok/s | peak allocated above weights (GiB) "
+        "| peak reserved above start (GiB) | notes |\n"
+        "|---|---|---|---|---|---|---|\n"
     )
     table = head + "".join(
-        f"| {w} | {name} | {t:.2f} | {tps:.0f} | {m / 2**30:.2f} | {note} |\n" for w, name, t, tps, m, note in rows
+        f"| {w} | {name} | {t:.2f} | {tps:.0f} | {m / 2**30:.2f} | {r / 2**30:.2f} | {note} |\n"
+        for w, name, t, tps, m, r, note in rows
     )
     table += (
         f"\ngreedy: paged time / dynamic time = {t_pag / t_dyn:.3f}; peak memory ratio {m_pag / m_dyn:.3f}. "

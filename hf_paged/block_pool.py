@@ -19,14 +19,15 @@ compare with ``==`` and have a stable ``repr``: str, int, or tuples of them.
 
 Free-list policy (allocation always takes the head)::
 
-    head -> [freed blocks without hash] ... [cached blocks, least recently freed first] <- tail
+    head -> [freed, no hash: latest first] [never used: by id] [cached: least recently freed first] <- tail
 
 A freed block that carries a hash is appended at the tail and stays findable by hash (cached,
 ref 0) until it is reallocated, which evicts its hash. A freed block without one (a partial last
 block, a duplicate of an indexed block, every block when prefix caching is off) holds nothing
 worth keeping, so it goes to the head and is reused before any cached block is evicted. A
 sequence frees its blocks last-first, so its last block is evicted first: later blocks are
-shared by fewer prompts (vLLM v1's order).
+shared by fewer prompts (vLLM v1's order). (``reset_prefix_cache`` leaves its unhashed blocks where
+they are, among the cached ones.)
 """
 
 import math
@@ -465,7 +466,7 @@ class BlockPool:
         """Free-list blocks ``allocate`` would take (new blocks + cached-free hits), None if too many."""
         hit_blocks, _ = self._find_cached_blocks(token_ids, extra_key)
         num_take = math.ceil(len(token_ids) / self.block_size) - len(hit_blocks)
-        pass
+        num_take += sum(b.ref_count == 0 for b in hit_blocks)
         return num_take if num_take <= len(self._free) else None
 
     def _num_blocks_to_append(self, seq: _Seq, num_new: int) -> int:

@@ -248,7 +248,9 @@ class PagedCache(Cache):
         batch_size, query_len = shape
         if mask is not None:
             if mask.dim() != 2:
-                raise ValueError(f"PagedCache needs a 2D attention_mask [batch, length], got shape {tuple(mask.shape)}")
+                raise ValueError(
+                    f"PagedCache needs a 2D attention_mask [batch, length], got shape {tuple(mask.shape)}"
+                )
             if mask.shape[1] != self._num_columns + query_len:
                 raise ValueError(
                     f"attention_mask covers {mask.shape[1]} columns, expected past {self._num_columns} + new "

@@ -70,7 +70,7 @@ class KVPool:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
         on_device = {}
-        for k, v in zip(self.k_cache, self.v_cache):
+        for k, v in zip(self.k_cache, self.v_cache, strict=True):
             if k.device not in on_device:
                 on_device[k.device] = (src.to(k.device), dst.to(k.device))
             copy_blocks(k, v, *on_device[k.device])

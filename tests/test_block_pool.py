@@ -239,7 +239,7 @@ def test_lru_eviction_order():
     # a new prompt evicts from the head: a's last block first
     pool.allocate("c", toks(200, 1))
     assert pool.get_block_table("c") == [1] and pool.get_block_hash(1) is None
-    # a's first block still serves: hit b0, which leaves the list; new block b3 evicted next
+    # a's first block still serves: hit b0 leaves the list; the new block evicts the head b3#
     res = pool.allocate("d", toks(0, BS) + [7])
     assert res.block_table == [0, 3] and res.num_cached_tokens == BS
     assert pool.get_free_block_ids() == [2]

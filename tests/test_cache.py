@@ -223,12 +223,16 @@ def test_paged_attention_without_paged_cache_falls_back():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels inside generate (device machine)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels inside generate (device machine)"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_on_cuda_matches_sdpa(dtype):
     model = tiny_model("llama", attn="paged").to("cuda", dtype)
     ref = tiny_model("llama", attn="sdpa").to("cuda", dtype)
-    kwargs = dict(input_ids=IDS.cuda(), attention_mask=MASK.cuda(), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    kwargs = dict(
+        input_ids=IDS.cuda(), attention_mask=MASK.cuda(), max_new_tokens=24, min_new_tokens=24, do_sample=False
+    )
     expected = ref.generate(**kwargs, **{CACHE: _dynamic(ref)})
     cache = PagedCache(model, num_blocks=32, block_size=16)
     out = model.generate(**kwargs, **{CACHE: cache})
@@ -238,6 +242,8 @@ def test_generate_on_cuda_matches_sdpa(dtype):
         assert torch.equal(out[:, : IDS.shape[1] + 4], expected[:, : IDS.shape[1] + 4])
         beams = dict(kwargs, num_beams=4)
         beam_cache = PagedCache(model, num_blocks=64, block_size=16)
-        assert torch.equal(model.generate(**beams, **{CACHE: beam_cache}), ref.generate(**beams, **{CACHE: _dynamic(ref)}))
+        assert torch.equal(
+            model.generate(**beams, **{CACHE: beam_cache}), ref.generate(**beams, **{CACHE: _dynamic(ref)})
+        )
         _assert_no_leak(beam_cache)
     _assert_no_leak(cache)
