@@ -3,6 +3,7 @@
 Public API (imported lazily, so ``import hf_paged.block_pool`` loads neither torch nor transformers):
 
 - ``PagedCache``: a transformers ``Cache`` whose KV lives in the blocks of a preallocated pool;
+- ``ContinuousBatcher`` / ``SamplingParams``: a continuous-batching engine over any HF causal LM;
 - ``attn_implementation="paged"``: the attention function that reads KV straight from the blocks;
 - ``BlockPool``: the pure-Python block allocator (ref counts, LRU free list, prefix hashing).
 
@@ -18,6 +19,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "PagedCache": "hf_paged.cache",
+    "ContinuousBatcher": "hf_paged.engine.engine",
+    "SamplingParams": "hf_paged.engine.params",
+    "RequestOutput": "hf_paged.engine.request",
     "BlockPool": "hf_paged.block_pool",
     "register": "hf_paged.attention",
     "paged_attention_forward": "hf_paged.attention",

@@ -13,7 +13,7 @@
 import torch
 
 from hf_paged.context import get_forward_context
-from hf_paged.kernels import paged_attention
+from hf_paged.kernels import paged_attention, write_kv
 
 ATTN_NAME = "paged"
 
@@ -47,6 +47,17 @@ def paged_attention_forward(
         raise ValueError(f"attn_implementation='paged' is inference-only; got dropout={dropout} in training mode")
     batch_size, num_heads, query_len, head_dim = query.shape
     ctx = ctx.on(query.device)
+    if ctx.kv_caches is not None:  # engine path: no Cache object; write this layer's new K/V here
+        k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+        num_kv_heads = key.shape[1]
+        write_kv(
+            key.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim),
+            value.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim),
+            k_cache,
+            v_cache,
+            ctx.slot_mapping,
+        )
+        key, value = k_cache, v_cache
     if scaling is None:
         scaling = head_dim**-0.5
     if query_len == 1:

@@ -31,9 +31,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_paged.block_pool import BlockPool
 from hf_paged.context import ForwardContext, get_forward_context, reset_forward_context, set_forward_context
 from hf_paged.kernels import write_kv
-from hf_paged.kv_pool import KVPool
+from hf_paged.model_info import ModelInfo
 
-_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _DEFAULT_MEMORY_FRACTION = 0.3
 
 
@@ -128,34 +127,15 @@ class PagedCache(Cache):
         memory_fraction: float = _DEFAULT_MEMORY_FRACTION,
         enable_prefix_caching: bool = True,
     ):
-        config = model.config
-        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        _check_model_supported(config, text_config)
-        num_layers = text_config.num_hidden_layers
-        num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
-        if not 0.0 < memory_fraction <= 1.0:
-            raise ValueError(f"`memory_fraction` must be in (0, 1], got {memory_fraction}")
-        devices = _layer_devices(model, num_layers)
-        dtype = _kv_dtype(model)
-        bytes_per_block = KVPool.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        if num_blocks is None:
-            budget = int(KVPool.free_memory(devices[0]) * memory_fraction)
-            num_blocks = budget // bytes_per_block
-            if num_blocks < 1:
-                raise ValueError(
-                    f"{memory_fraction=} of free memory on {devices[0]} ({budget} bytes) holds no KV block of "
-                    f"{bytes_per_block} bytes; pass num_blocks= or a larger memory_fraction"
-                )
+        info = ModelInfo.from_model(model)
+        num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.kv = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, devices)
+        self.kv = info.make_kv_pool(num_blocks, block_size)
         self.block_size = block_size
-        self.kv_bytes_per_block = bytes_per_block
-        self._model_config = config
+        self.kv_bytes_per_block = info.bytes_per_block(block_size)
+        self._model_config = model.config
         super().__init__(
-            layers=[_PagedLayer(self, i, layer_types[i] == "sliding_attention") for i in range(num_layers)]
+            layers=[_PagedLayer(self, i, t == "sliding_attention") for i, t in enumerate(info.layer_types)]
         )
         self._seq_ids = itertools.count()
         self._rows: list[_Row] = []  # one per batch row, in batch order
@@ -451,45 +431,6 @@ def _gather(cache: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
     out = flat[gather_idx.clamp(min=0)]  # [batch_size, kv_len, num_kv_heads, head_dim]
     out = out.masked_fill((gather_idx < 0)[:, :, None, None], 0)
     return out.transpose(1, 2)
-
-
-def _check_model_supported(config, text_config) -> None:
-    model_type = getattr(config, "model_type", type(config).__name__)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"PagedCache supports decoder-only models; {model_type!r} is an encoder-decoder model. "
-            "Use transformers' EncoderDecoderCache for it"
-        )
-    layer_types = getattr(text_config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in _SUPPORTED_LAYER_TYPES})
-    if other:
-        raise ValueError(
-            f"PagedCache supports attention layers of types {list(_SUPPORTED_LAYER_TYPES)}; model type "
-            f"{model_type!r} has layers of type {other} (linear attention, state-space or chunked layers keep "
-            "state that blocks cannot hold). Use the model's default cache for it"
-        )
-    if not hasattr(text_config, "num_attention_heads") or not hasattr(text_config, "num_hidden_layers"):
-        raise ValueError(f"PagedCache needs a model with attention heads and layers; {model_type!r} has none")
-
-
-def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
-    """The device of each decoder layer's attention weights (accelerate's device_map may spread them)."""
-    default = next(model.parameters()).device
-    devices = [default] * num_layers
-    for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and 0 <= idx < num_layers:
-            param = next(module.parameters(recurse=True), None)
-            if param is not None:
-                devices[idx] = param.device
-    return devices
-
-
-def _kv_dtype(model: torch.nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 # ---- forward hooks -------------------------------------------------------------------------------

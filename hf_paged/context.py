@@ -42,6 +42,9 @@ class ForwardContext:
     # False: update() returns gathered contiguous K/V [batch_size, num_kv_heads, kv_len, head_dim].
     paged: bool = True
     owner: object = None  # the cache or runner that built this context
+    # Engine path (model called with use_cache=False): per-layer (k_cache, v_cache) pools; the attention
+    # function writes the layer's new K/V at slot_mapping itself. None when a PagedCache's update() does it.
+    kv_caches: list | None = None
     _per_device: dict = field(default_factory=dict, repr=False)
 
     def on(self, device: torch.device) -> "ForwardContext":
@@ -62,6 +65,7 @@ class ForwardContext:
                 query_len=self.query_len,
                 paged=self.paged,
                 owner=self.owner,
+                kv_caches=self.kv_caches,
             )
             self._per_device[device] = ctx
         return ctx

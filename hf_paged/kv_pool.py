@@ -75,5 +75,32 @@ class KVPool:
                 on_device[k.device] = (src.to(k.device), dst.to(k.device))
             copy_blocks(k, v, *on_device[k.device])
 
+    def allocate_swap(self, num_slots: int) -> None:
+        """CPU blocks for preemption by swapping: pinned when the pools are on CUDA (async copies)."""
+        shape = (num_slots, self.block_size, self.num_kv_heads, self.head_dim)
+        pin = torch.cuda.is_available() and any(k.is_cuda for k in self.k_cache)
+        self.k_swap = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+        self.v_swap = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU slots: pairs of (block id, CPU slot)."""
+        self._swap(pairs, to_cpu=True)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU slots back to device blocks: pairs of (CPU slot, block id)."""
+        self._swap(pairs, to_cpu=False)
+
+    def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        if not pairs:
+            return
+        first = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        second = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        for layer in range(self.num_layers):
+            for pool, swap in ((self.k_cache[layer], self.k_swap[layer]), (self.v_cache[layer], self.v_swap[layer])):
+                if to_cpu:  # a D2H copy on the current stream: ordered before later kernels reuse the blocks
+                    swap[second] = pool[first.to(pool.device)].to("cpu")
+                else:
+                    pool[second.to(pool.device)] = swap[first].to(pool.device, non_blocking=True)
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)

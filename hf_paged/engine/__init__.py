@@ -1,0 +1,1 @@
+"""ContinuousBatcher: request, scheduler, model runner, sampler, beam search, outputs (see engine.py)."""

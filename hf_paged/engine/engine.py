@@ -1,0 +1,511 @@
+"""ContinuousBatcher: an iteration-level serving engine over any Hugging Face causal LM.
+
+    engine = ContinuousBatcher(model, tokenizer=tok)                 # pool sized from free memory
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=256, temperature=0.7))
+    for delta in engine.stream("Hello", SamplingParams(...)): print(delta.text, end="")
+    rid = engine.add_request(prompt_ids, params); engine.step(); engine.abort(rid)
+
+One ``step()``: the scheduler picks the tokens of the next forward (hf_paged.engine.scheduler), the
+runner computes them in one flat forward (hf_paged.engine.model_runner), the sampler or the beam
+search picks the next tokens, and finished sequences give their blocks back.
+"""
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.block_pool import BlockPool
+from hf_paged.engine.beam_search import BeamState
+from hf_paged.engine.model_runner import ModelRunner
+from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.request import CompletionOutput, Request, RequestOutput
+from hf_paged.engine.request import Sequence as Seq
+from hf_paged.engine.sampler import Sampler
+from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
+from hf_paged.model_info import ModelInfo
+
+
+@dataclass
+class StreamDelta:
+    """What one step added to a streamed request."""
+
+    text: str  # new text ("" without a tokenizer)
+    token_ids: list[int]  # new token ids
+    finish_reason: str | None  # set on the last delta
+
+
+@dataclass
+class EngineMetrics:
+    """Engine-wide counters since construction."""
+
+    num_steps: int
+    num_prompt_tokens: int  # prompt tokens of admitted requests
+    num_computed_tokens: int  # tokens that went through the model
+    num_generated_tokens: int
+    elapsed_s: float  # wall time spent inside step()
+    num_used_blocks: int
+    num_blocks: int
+    token_state_share: float  # slots holding tokens / slots of used blocks
+    prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens looked up
+    num_preemptions: int
+
+    @property
+    def generation_throughput(self) -> float:
+        """Generated tokens per second of step() time."""
+        return self.num_generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+
+class ContinuousBatcher:
+    """Continuous batching with paged KV, prefix caching, chunked prefill and preemption.
+
+    The model is switched to ``attn_implementation="paged"``: the engine calls it as one flat batch
+    ``[1, num_tokens]`` with ``use_cache=False`` and the attention function reads and writes the blocks.
+
+    Args:
+        model: a decoder-only Hugging Face causal LM (full or sliding-window attention layers).
+        tokenizer: optional; enables string prompts, chat messages, stop strings and text outputs.
+        num_blocks: KV blocks in the pool; default: ``memory_fraction`` of free device memory.
+        block_size: tokens per block (a positive multiple of 8).
+        memory_fraction: share of free device memory for the pool when ``num_blocks`` is None.
+        max_num_batched_tokens: token budget of one forward (chunked prefill splits longer prompts).
+        max_num_seqs: most sequences in one forward.
+        enable_prefix_caching: reuse full blocks across requests by content hash.
+        preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
+        swap_space_gb: CPU memory for swapped blocks (swap mode).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        memory_fraction: float = 0.5,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        swap_space_gb: float = 4.0,
+    ):
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+        if swap_space_gb < 0:
+            raise ValueError(f"`swap_space_gb` must be >= 0, got {swap_space_gb}")
+        info = ModelInfo.from_model(model)
+        num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.kv = info.make_kv_pool(num_blocks, block_size)
+        num_swap_slots = 0
+        if preemption_mode == "swap":
+            num_swap_slots = max(1, int(swap_space_gb * 2**30) // info.bytes_per_block(block_size))
+            self.kv.allocate_swap(num_swap_slots)
+        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, preemption_mode, num_swap_slots)
+        if getattr(model.config, "_attn_implementation", None) != "paged":
+            import hf_paged.attention  # noqa: F401  (registers "paged")
+
+            model.set_attn_implementation("paged")
+        self.runner = ModelRunner(model, self.kv, block_size)
+        self.sampler = Sampler()
+        self.vocab_size = (
+            model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() else info.vocab_size
+        )
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.max_model_len = info.max_model_len
+        self.requests: dict[str, Request] = {}
+        self._beams: dict[str, BeamState] = {}
+        self._ids = itertools.count()
+        self._num_steps = self._num_prompt_tokens = self._num_computed = self._num_generated = 0
+        self._elapsed = 0.0
+
+    # ---- submission ------------------------------------------------------------------------------
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Args:
+            prompt: token ids (list of ints), a string (needs a tokenizer), or chat messages
+                (a list of {"role", "content"} dicts; the tokenizer's chat template is applied).
+            params: sampling parameters (default ``SamplingParams()``).
+            request_id: a new unique id (default: a counter).
+
+        Raises:
+            ValueError/TypeError: an empty prompt, a token id outside the vocabulary, a prompt plus
+                ``max_new_tokens`` beyond the model's context or beyond the whole pool, a duplicate id.
+                Nothing is queued then, and requests in flight are not affected.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
+        request = Request(request_id, token_ids, params, prompt_text)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if params.beam_width > 1:
+            self._beams[request_id] = BeamState(params.beam_width, params.length_penalty, params.max_new_tokens)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its output ends with finish_reason "abort"."""
+        request = self.requests.get(str(request_id))
+        if request is None:
+            raise ValueError(f"unknown request id {request_id!r}: not submitted, or already finished and collected")
+        if request.is_finished:
+            return
+        for seq in request.live_seqs:
+            seq.finish_reason = "abort"
+        request.aborted = True
+        self._finish(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward; returns the outputs of the requests that progressed or finished in it."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        touched: dict[str, Request] = {r.request_id: r for r in sched.preempted}
+        if sched.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError(
+                    "bug in hf_paged: requests are waiting but none can be admitted into an empty pool "
+                    f"({self.pool.num_free_blocks}/{self.pool.num_blocks} blocks free)"
+                )
+            return []
+        tables = [self.pool.get_block_table(chunk.seq.seq_id) for chunk in sched.chunks]
+        logits = self.runner.execute(sched, tables)
+        self._num_steps += 1
+        self._num_computed += sched.num_batched_tokens
+        for chunk in sched.chunks:
+            chunk.seq.num_computed = chunk.end
+        self._process_logits(sched, logits, touched)
+        self._elapsed += time.perf_counter() - start
+        return [self._output(r) for r in touched.values()]
+
+    def _process_logits(self, sched: SchedulerOutput, logits: torch.Tensor, touched: dict) -> None:
+        sampling = [c for c in sched.chunks if c.samples]
+        rows, row_params, outputs, prompts, generators, targets = [], [], [], [], [], []
+        beam_rows: dict[str, list[int]] = {}
+        for i, chunk in enumerate(sampling):
+            request = chunk.request
+            touched[request.request_id] = request
+            if request.is_beam_search:
+                beam_rows.setdefault(request.request_id, []).append(i)
+                continue
+            copies = 1 if request.forked else request.params.n  # the prompt's row is sampled n times
+            for _ in range(copies):
+                rows.append(i)
+                row_params.append(request.params)
+                outputs.append(chunk.seq.output_token_ids)
+                prompts.append(request.prompt_token_ids)
+                generators.append(request.generator)
+                targets.append(chunk)
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            out = self.sampler(logits[index], row_params, outputs, prompts, generators, self.eos_token_ids)
+            tokens = out.token_ids.tolist()
+            lps = out.logprobs.tolist() if out.logprobs is not None else None
+            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            j = 0
+            while j < len(targets):
+                chunk = targets[j]
+                request = chunk.request
+                group = [j] if request.forked else list(range(j, j + request.params.n))
+                seqs = [chunk.seq] if request.forked else self._fork(request, chunk.seq, len(group))
+                for row, seq in zip(group, seqs, strict=True):
+                    logprob = None
+                    if lps is not None and request.params.logprobs is not None:
+                        k = request.params.logprobs
+                        logprob = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+                    self._append_token(request, seq, tokens[row], logprob, lps[row] if lps else None)
+                j += len(group)
+        for request_id, idx in beam_rows.items():
+            request = self.requests[request_id]
+            self._beam_step(request, logits[torch.tensor(idx, device=logits.device)])
+        for request in list(touched.values()):
+            if not request.is_finished and not request.live_seqs:
+                self._finish(request)
+
+    def _fork(self, request: Request, seq: Seq, n: int) -> list[Seq]:
+        """After the prompt: seq becomes the first of n samples; the others share its blocks."""
+        children = [seq]
+        for _ in range(n - 1):
+            child = seq.fork()
+            self.pool.fork(seq.seq_id, child.seq_id)
+            children.append(child)
+        request.seqs = children
+        request.forked = True
+        return children
+
+    def _append_token(self, request: Request, seq: Seq, token: int, logprob, token_logprob) -> None:
+        params = request.params
+        seq.token_ids.append(token)
+        self._num_generated += 1
+        if token_logprob is not None:
+            seq.cumulative_logprob += token_logprob
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.monotonic()
+        num_out = seq.num_output_tokens
+        if token in self.eos_token_ids and not params.ignore_eos and num_out > params.min_tokens - 1:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        elif token in params.stop_token_ids and num_out >= params.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        if self.tokenizer is not None:
+            self._detokenize(request, seq)
+        if seq.finish_reason is None and (num_out >= params.max_new_tokens or len(seq.token_ids) >= self._max_len()):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.release_seq(seq)
+
+    def _detokenize(self, request: Request, seq: Seq) -> None:
+        params = request.params
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        if seq.finish_reason is None and params.stop and seq.num_output_tokens >= params.min_tokens:
+            # Only the new tail can hold a new match.
+            search_from = max(0, len(seq.text) - max(len(s) for s in params.stop))
+            for stop in params.stop:
+                at = text.find(stop, search_from)
+                if at >= 0:
+                    text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    break
+        seq.text = text
+
+    def _beam_step(self, request: Request, logits: torch.Tensor) -> None:
+        params = request.params
+        state = self._beams[request.request_id]
+        beams = request.live_seqs
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        num_out = beams[0].num_output_tokens
+        masked = sorted(stop_ids | set(self.eos_token_ids)) if num_out < params.min_tokens else []
+        result = state.step(logits, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams],
+                            stop_ids, masked)  # fmt: skip
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.monotonic()
+        self._num_generated += len(result.new_beams) if not result.done else 1
+        new_seqs = []
+        if not result.done:
+            for parent_idx, token, score in result.new_beams:
+                parent = beams[parent_idx]
+                child = parent.fork()
+                self.pool.fork(parent.seq_id, child.seq_id)
+                child.token_ids.append(token)
+                child.cumulative_logprob = score
+                new_seqs.append(child)
+        for beam in beams:
+            self.scheduler.release_seq(beam)
+        request.seqs = new_seqs
+        request.forked = True
+        if result.done:
+            request.finished_seqs = []
+            for hyp in state.finished[: params.n]:
+                seq = Seq(request.prompt_token_ids + hyp.token_ids, len(request.prompt_token_ids))
+                seq.cumulative_logprob = hyp.sum_logprobs
+                seq.finish_reason, seq.stop_reason = hyp.finish_reason, hyp.stop_reason
+                if self.tokenizer is not None:
+                    seq.text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=params.skip_special_tokens)
+                request.finished_seqs.append(seq)
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        request.metrics.finished_time = time.monotonic()
+        self._beams.pop(request.request_id, None)
+
+    # ---- offline and streaming ---------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:  # fmt: skip
+        """Run prompts to completion (with any requests already queued); outputs in prompt order.
+
+        Args:
+            prompts: one prompt or a list (token-id lists, strings, or chat-message lists).
+            params: one SamplingParams for all, or one per prompt.
+            use_tqdm: show a progress bar of finished requests.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if _is_messages(prompts):
+            prompts = [prompts]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one each")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                ids.append(self.add_request(prompt, p))
+        except Exception:
+            for rid in ids:  # all or nothing: a bad prompt queues none of this call's requests
+                self.abort(rid)
+                self.requests.pop(rid, None)
+            raise
+        pending = set(ids)
+        bar = _progress(len(ids), use_tqdm)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"{self.metrics().generation_throughput:.0f} tok/s", refresh=False)
+        if bar is not None:
+            bar.close()
+        return [self._output(self.requests.pop(rid)) for rid in ids]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield what each step adds to one request (its first sequence); other requests progress too."""
+        params = params if params is not None else SamplingParams()
+        if params.n != 1 or params.beam_width != 1:
+            raise ValueError(f"stream() returns one sequence: needs n=1 and beam_width=1, got n={params.n}, "
+                             f"beam_width={params.beam_width}; use generate() for several")  # fmt: skip
+        rid = self.add_request(prompt, params)
+        request = self.requests[rid]
+        sent_tokens, sent_text = 0, 0
+        try:
+            while not request.is_finished:
+                self.step()
+                seq = request.seqs[0]
+                tokens = seq.output_token_ids[sent_tokens:]
+                text = seq.text[sent_text:]
+                if tokens or request.is_finished:
+                    sent_tokens += len(tokens)
+                    sent_text += len(text)
+                    yield StreamDelta(text=text, token_ids=tokens, finish_reason=seq.finish_reason)
+        finally:
+            if not request.is_finished:
+                self.abort(rid)
+            self.requests.pop(rid, None)
+
+    # ---- reporting ------------------------------------------------------------------------------
+
+    def metrics(self) -> EngineMetrics:
+        s = self.pool.stats
+        return EngineMetrics(
+            num_steps=self._num_steps,
+            num_prompt_tokens=s.num_prefix_query_tokens,
+            num_computed_tokens=self._num_computed,
+            num_generated_tokens=self._num_generated,
+            elapsed_s=self._elapsed,
+            num_used_blocks=s.num_used_blocks,
+            num_blocks=s.num_blocks,
+            token_state_share=s.num_used_slots / s.num_allocated_slots if s.num_allocated_slots else 1.0,
+            prefix_hit_rate=s.prefix_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def _output(self, request: Request) -> RequestOutput:
+        seqs = request.finished_seqs if request.is_beam_search and request.finished_seqs else request.seqs
+        outputs = [
+            CompletionOutput(
+                index=i,
+                token_ids=list(seq.output_token_ids),
+                text=seq.text if self.tokenizer is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+            )
+            for i, seq in enumerate(seqs)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=request.is_finished,
+            metrics=request.metrics,
+            num_cached_tokens=getattr(request, "num_cached_tokens", 0),
+        )
+
+    # ---- input handling ------------------------------------------------------------------------
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a string prompt needs a tokenizer: ContinuousBatcher(model, tokenizer=...)")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if _is_messages(prompt):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "chat messages need a tokenizer with a chat template: ContinuousBatcher(..., tokenizer=)"
+                )
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return None, list(ids)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError(
+                f"a prompt must be a list of token ids, a string or chat messages, got {type(prompt).__name__}"
+            )
+        return None, list(prompt)
+
+    def _max_len(self) -> int:
+        return self.max_model_len if self.max_model_len else 1 << 62
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: a request needs at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(token_ids) + params.max_new_tokens
+        if total > self._max_len():
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_new_tokens"
+            )
+        bs = self.pool.block_size
+        width = max(params.n, params.beam_width)
+        # The prompt's blocks once, plus each sample's own blocks and a copied partial block.
+        needed = -(-len(token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1)
+        if needed > self.pool.num_blocks:
+            raise ValueError(
+                f"the request can need {needed} KV blocks ({len(token_ids)} prompt tokens, "
+                f"{params.max_new_tokens} new, {width} sequences) but the whole pool has {self.pool.num_blocks}; "
+                "lower max_new_tokens or n, or "
+                "give the engine more blocks"
+            )
+
+
+def _is_messages(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,140 @@
+"""Requests, their sequences, and what the engine returns for them.
+
+A request is one prompt with its SamplingParams; it owns a group of sequences (block-pool sequences):
+one while the prompt is computed, then ``n`` parallel samples or ``beam_width`` beams that fork the
+prompt's blocks (copy-on-write). The scheduler admits, runs and preempts a request as a whole.
+"""
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from hf_paged.engine.params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks (new, or preempted by recompute)
+    SWAPPED = "swapped"  # queued; its blocks are in CPU swap space
+    RUNNING = "running"  # holds blocks; scheduled every step
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One token stream in the block pool: the prompt plus what it has generated.
+
+    Invariant: ``num_computed <= len(token_ids)``; the K/V of ``token_ids[:num_computed]`` are in the pool
+    (or in swap space while swapped). Tokens past ``num_computed`` are computed by the next forwards.
+    """
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int):
+        self.seq_id = next(_seq_ids)
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed = 0
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []  # per output token: {token_id: logprob} incl. alternatives
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""  # detokenized output so far (with a tokenizer)
+        self.swap_table: list[int] | None = None  # CPU swap slots per logical block while swapped
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self) -> "Sequence":
+        child = Sequence(list(self.token_ids), self.num_prompt_tokens)
+        child.num_computed = self.num_computed
+        child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = list(self.logprobs)
+        child.text = self.text
+        return child
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_output_tokens: int) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+class Request:
+    """A prompt, its sampling parameters and its group of sequences."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.status = Status.WAITING
+        self.seqs = [Sequence(list(prompt_token_ids), len(prompt_token_ids))]
+        self.finished_seqs: list[Sequence] = []  # beam search: finished hypotheses (not in the pool)
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.generator = None  # torch.Generator for seeded sampling, set by the engine
+        self.forked = params.n == 1 and params.beam_width == 1  # True once the n samples / beams exist
+        self.aborted = False
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.params.beam_width > 1
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (one of ``n``, or one beam)."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, when asked
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far; ``finished`` once every sequence has ended."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False, default=None)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
