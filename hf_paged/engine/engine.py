@@ -71,7 +71,7 @@ class ContinuousBatcher:
         block_size: tokens per block (a positive multiple of 8).
         memory_fraction: share of free device memory for the pool when ``num_blocks`` is None.
         max_num_batched_tokens: token budget of one forward (chunked prefill splits longer prompts).
-        max_num_seqs: most sequences in one forward.
+        max_num_seqs: most sequences in one forward; default min(256, max_num_batched_tokens).
         enable_prefix_caching: reuse full blocks across requests by content hash.
         preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
         swap_space_gb: CPU memory for swapped blocks (swap mode).
@@ -86,11 +86,13 @@ class ContinuousBatcher:
         block_size: int = 16,
         memory_fraction: float = 0.5,
         max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         swap_space_gb: float = 4.0,
     ):
+        if max_num_seqs is None:
+            max_num_seqs = min(256, max_num_batched_tokens) if isinstance(max_num_batched_tokens, int) else 256
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")

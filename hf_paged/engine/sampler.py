@@ -6,9 +6,11 @@ tensor back to the host, so a step does not sync. ``beam_candidates`` is the bea
 beams are ranked, not sampled.
 """
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_paged.engine.params import SamplingParams
@@ -140,28 +142,25 @@ def _check_inputs(
             )
 
 
-def _padded_token_ids(
-    token_ids: Sequence[Sequence[int]],  # [num_seqs][num_tokens of the row]
-    vocab_size: int,
-    device: torch.device,
-) -> torch.Tensor:  # [num_seqs, max_num_tokens], int64; padding and out-of-vocab ids = vocab_size
-    max_num_tokens = max(map(len, token_ids), default=0)
-    padded = torch.tensor(
-        [[*ids, *[vocab_size] * (max_num_tokens - len(ids))] for ids in token_ids], dtype=torch.int64, device=device
-    ).reshape(len(token_ids), max_num_tokens)
-    # Ids past the logits' vocab (an embedding larger than lm_head, as HF notes) cannot be generated:
-    # route them to the padding column too, which is dropped.
-    return padded.masked_fill_((padded < 0) | (padded >= vocab_size), vocab_size)
-
-
 def _token_counts(
     token_ids: Sequence[Sequence[int]],  # [num_seqs][num_tokens of the row]
     vocab_size: int,
     device: torch.device,
 ) -> torch.Tensor:  # [num_seqs, vocab_size], fp32: occurrences of each token in each row
-    padded = _padded_token_ids(token_ids, vocab_size, device)
+    # One flat index (row * (vocab_size + 1) + token) built with numpy and copied once, then one scatter_add:
+    # a padded [num_seqs, max_len] tensor from nested lists measured 4-9x slower to build (20 ms for 256
+    # rows of 500 tokens). fp32 sums of ones are exact below 2**24, so atomic order cannot change a count.
+    lens = [len(ids) for ids in token_ids]
+    num_tokens = sum(lens)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    if num_tokens:
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens)
+        # Ids past the logits' vocab (an embedding larger than lm_head, as HF notes) cannot be generated:
+        # they land in the extra column, which is dropped.
+        flat[(flat < 0) | (flat >= vocab_size)] = vocab_size
+        flat += np.repeat(np.arange(len(lens), dtype=np.int64) * (vocab_size + 1), lens)
+        index = torch.from_numpy(flat).to(device)
+        counts.view(-1).scatter_add_(0, index, torch.ones(num_tokens, dtype=torch.float32, device=device))
     return counts[:, :vocab_size]
 
 

@@ -107,6 +107,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0
 
     # ---- queue ------------------------------------------------------------------------------------
 
@@ -278,6 +279,7 @@ class Scheduler:
             if block not in slot_of:
                 slot_of[block] = self.swap.take()
                 out.swap_out.append((block, slot_of[block]))
+                self.num_swapped_out_blocks += 1
             seq.swap_table.append(slot_of[block])
 
 

@@ -1,0 +1,273 @@
+"""ContinuousBatcher on tiny random models: equal to model.generate, shared blocks, preemption, bad input."""
+
+import pytest
+import torch
+from models import cache_kwarg, tiny_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import DynamicCache, PreTrainedTokenizerFast
+
+from hf_paged import ContinuousBatcher, SamplingParams
+
+CACHE = cache_kwarg()
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed=1, lengths=(5, 17, 33, 8, 40, 23)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=gen).tolist() for n in lengths]
+
+
+NEW_TOKENS = [7, 20, 3, 30, 12, 16]
+
+
+def _hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(
+        input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        do_sample=False, **{CACHE: DynamicCache(config=model.config)},
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """HF greedy outputs of the mixed batch, one request at a time."""
+    model = tiny_model("llama", attn="sdpa")
+    return [_hf_greedy(model, p, m) for p, m in zip(_prompts(), NEW_TOKENS, strict=True)]
+
+
+def _assert_all_free(engine):
+    assert not engine.has_unfinished_requests()
+    stats = engine.pool.stats
+    assert stats.num_used_blocks == 0, stats
+    engine.pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(max_num_batched_tokens=256, num_blocks=64),  # whole prompts in one step
+        dict(max_num_batched_tokens=16, num_blocks=64),  # chunked prefill
+        dict(max_num_batched_tokens=16, num_blocks=64, enable_prefix_caching=False),
+        dict(max_num_batched_tokens=32, num_blocks=14),  # tiny pool: preemption by recompute
+        dict(max_num_batched_tokens=32, num_blocks=14, preemption_mode="swap", swap_space_gb=0.01),
+    ],
+    ids=["one-step", "chunked", "no-prefix-cache", "preempt-recompute", "preempt-swap"],
+)
+def test_greedy_equals_model_generate(reference, config):
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, max_num_seqs=8, **config)
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS]
+    outs = engine.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    if config["num_blocks"] == 14:
+        assert engine.metrics().num_preemptions > 0
+        assert (engine.scheduler.num_swapped_out_blocks > 0) == (config.get("preemption_mode") == "swap")
+    _assert_all_free(engine)
+
+
+def test_prefix_cache_hits_are_not_recomputed(reference):
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    prompt = _prompts()[4]  # 40 tokens
+    first = engine.generate([prompt], SamplingParams(max_new_tokens=12, **GREEDY), use_tqdm=False)[0]
+    computed = engine.metrics().num_computed_tokens
+    second = engine.generate([prompt], SamplingParams(max_new_tokens=12, **GREEDY), use_tqdm=False)[0]
+    assert second.num_cached_tokens == 32  # 4 full blocks; the last prompt token is always computed
+    assert engine.metrics().num_computed_tokens - computed == 40 + 12 - 1 - 32
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == reference[4]
+    _assert_all_free(engine)
+
+
+def test_parallel_sampling_computes_prompt_once_and_shares_blocks():
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64, enable_prefix_caching=False)
+    prompt = _prompts()[4]  # 40 tokens = 5 full blocks
+    rid = engine.add_request(prompt, SamplingParams(n=4, max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+    engine.step()  # the prompt, then 4 samples forked from it
+    request = engine.requests[rid]
+    assert len(request.seqs) == 4
+    assert engine.metrics().num_computed_tokens == 40
+    assert engine.pool.stats.num_used_blocks == 5  # 4 sequences, one copy of the prompt
+    tables = [engine.pool.get_block_table(s.seq_id) for s in request.seqs]
+    assert all(t == tables[0] for t in tables)
+    engine.step()  # each child writes its first token into a new block: no copy needed for full blocks
+    assert engine.pool.stats.num_used_blocks == 5 + 4
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine._output(engine.requests.pop(rid))
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    _assert_all_free(engine)
+
+
+def test_parallel_sampling_copies_only_the_partial_block():
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64, enable_prefix_caching=False)
+    prompt = _prompts()[2]  # 33 tokens: 4 full blocks + 1 token
+    rid = engine.add_request(prompt, SamplingParams(n=3, max_new_tokens=4, seed=0, ignore_eos=True))
+    engine.step()
+    assert engine.pool.stats.num_used_blocks == 5
+    engine.step()  # two children copy the shared partial block, the last writes it in place
+    assert engine.pool.stats.num_used_blocks == 5 + 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.requests.pop(rid)
+    _assert_all_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_across_batches():
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    alone = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64).generate(
+        [prompts[1]], params, use_tqdm=False
+    )[0]
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    together = engine.generate(prompts, [SamplingParams(max_new_tokens=10, temperature=1.0)] * 1 + [params] + [
+        SamplingParams(max_new_tokens=5, temperature=1.0)] * 4, use_tqdm=False)  # fmt: skip
+    assert together[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_equals_hf_beam_search(width):
+    model = tiny_model("llama", attn="sdpa")
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=128)
+    for prompt in _prompts(lengths=(9, 21)):
+        expected = model.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=12, num_beams=width, do_sample=False,
+            **{CACHE: DynamicCache(config=model.config)},
+        )[0, len(prompt) :].tolist()  # fmt: skip
+        out = engine.generate([prompt], SamplingParams(beam_width=width, max_new_tokens=12), use_tqdm=False)[0]
+        got = out.outputs[0].token_ids
+        assert got == expected[: len(got)] and all(t == model.config.pad_token_id for t in expected[len(got) :])
+    _assert_all_free(engine)
+
+
+def test_beam_search_shares_blocks():
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=128)
+    rid = engine.add_request(_prompts()[4], SamplingParams(beam_width=4, max_new_tokens=20))
+    peak_used, peak_entries = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.pool.stats
+        if stats.num_used_blocks > peak_used:
+            peak_used, peak_entries = stats.num_used_blocks, stats.num_table_entries
+    assert peak_used < 0.6 * peak_entries, (peak_used, peak_entries)  # vs a copy of every block per beam
+    engine.requests.pop(rid)
+    _assert_all_free(engine)
+
+
+def _char_tokenizer():
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, 96):
+        vocab[chr(ord("!") + i)] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
+    return fast
+
+
+def test_text_prompts_chat_messages_and_stop_strings():
+    tok = _char_tokenizer()
+    engine = ContinuousBatcher(tiny_model("llama"), tokenizer=tok, block_size=8, num_blocks=64)
+    plain = engine.generate("hello there", SamplingParams(max_new_tokens=20, **GREEDY), use_tqdm=False)[0]
+    text = plain.outputs[0].text
+    assert len(text) == 20 and plain.prompt_token_ids == tok("hello there")["input_ids"]
+    stop = text[8:10]
+    stopped = engine.generate("hello there", SamplingParams(max_new_tokens=20, stop=[stop], **GREEDY), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == text[: text.index(stop)]
+    chat = [{"role": "user", "content": "hi"}]
+    out = engine.generate([chat], SamplingParams(max_new_tokens=3, **GREEDY), use_tqdm=False)[0]
+    expected = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert out.prompt_token_ids == list(expected)
+    deltas = list(engine.stream("hello there", SamplingParams(max_new_tokens=20, **GREEDY)))
+    assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason == "length"
+    _assert_all_free(engine)
+
+
+def test_stop_token_ids_min_tokens_and_logprobs():
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    prompt = _prompts()[1]
+    free_run = engine.generate([prompt], SamplingParams(max_new_tokens=15, **GREEDY), use_tqdm=False)[0]
+    tokens = free_run.outputs[0].token_ids
+    stop_id = tokens[5]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=15, stop_token_ids=[stop_id], **GREEDY),
+                          use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == tokens[: tokens.index(stop_id) + 1]
+    params = SamplingParams(max_new_tokens=15, stop_token_ids=[stop_id], min_tokens=14, logprobs=3, **GREEDY)
+    out = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 14 and stop_id not in out.token_ids[:14]
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in lp and len(lp) >= 3 and all(v <= 0 for v in lp.values())
+    _assert_all_free(engine)
+
+
+def test_abort_mid_stream_frees_blocks_and_others_finish(reference):
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    prompts = _prompts()
+    keep = engine.add_request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS[0], **GREEDY))
+    drop = engine.add_request(prompts[3], SamplingParams(max_new_tokens=30, **GREEDY))
+    for _ in range(4):
+        engine.step()
+    used = engine.pool.stats.num_used_blocks
+    engine.abort(drop)
+    assert engine.pool.stats.num_used_blocks < used
+    assert engine._output(engine.requests[drop]).outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._output(engine.requests[keep]).outputs[0].token_ids == reference[0]
+    with pytest.raises(ValueError, match="unknown request id 'nope'"):
+        engine.abort("nope")
+    _assert_all_free(engine)
+
+
+def test_bad_input_is_rejected_while_others_complete(reference):
+    model = tiny_model("llama")
+    engine = ContinuousBatcher(model, block_size=8, num_blocks=32)
+    prompts = _prompts()
+    ok = engine.add_request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS[0], **GREEDY))
+    engine.step()
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match=r"token id 96 is outside the vocabulary \[0, 96\)"):
+        engine.add_request([5, 96], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds the model's context of 512 tokens"):
+        engine.add_request(prompts[0], SamplingParams(max_new_tokens=600))
+    with pytest.raises(ValueError, match="but the whole pool has 32"):
+        engine.add_request(prompts[4], SamplingParams(max_new_tokens=300))
+    with pytest.raises(ValueError, match="`top_p` must be in"):
+        engine.add_request(prompts[0], SamplingParams(top_p=1.5))
+    with pytest.raises(TypeError, match="a prompt must be a list of token ids"):
+        engine.add_request(3.5, SamplingParams())
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        engine.add_request("text without tokenizer", SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(prompts[1], SamplingParams(), request_id=ok)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._output(engine.requests[ok]).outputs[0].token_ids == reference[0]
+    _assert_all_free(engine)
+
+
+def test_engine_rejects_bad_configuration():
+    with pytest.raises(ValueError, match="`max_num_seqs` \\(64\\) must not exceed `max_num_batched_tokens` \\(32\\)"):
+        ContinuousBatcher(tiny_model("llama"), num_blocks=8, max_num_batched_tokens=32, max_num_seqs=64)
+    with pytest.raises(ValueError, match="`preemption_mode` must be 'recompute' or 'swap', got 'drop'"):
+        ContinuousBatcher(tiny_model("llama"), num_blocks=8, preemption_mode="drop")
+    with pytest.raises(ValueError, match="`block_size` must be a positive multiple of 8"):
+        ContinuousBatcher(tiny_model("llama"), num_blocks=8, block_size=4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2"])
+def test_other_families_greedy(family):
+    ref_model = tiny_model(family, attn="eager" if family == "gemma2" else "sdpa")
+    engine = ContinuousBatcher(tiny_model(family), block_size=8, num_blocks=64, max_num_batched_tokens=16)
+    prompts = _prompts(lengths=(21, 6))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=14, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(ref_model, prompt, 14)
+    _assert_all_free(engine)
