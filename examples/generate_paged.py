@@ -1,46 +1,81 @@
-"""Generate with PagedCache and attn_implementation="paged" on a tiny random Llama (no download).
+"""model.generate with PagedCache on the default model (the embedded SmolLM2-135M-Instruct).
 
-Shows greedy decoding, beam search with its memory report, and a system prompt reused across calls.
-Run: python examples/generate_paged.py
+Three uses of one cache:
+
+1. greedy decoding of a padded batch of chat prompts;
+2. beam search, whose beams share the prompt's blocks (see the memory report);
+3. one system prompt reused across calls: ``cache.prepare()`` attaches its cached blocks, so each call
+   computes only the new question.
+
+Run: python examples/generate_paged.py  (add --model PATH for another model; ~10 s on a laptop CPU)
 """
 
+import argparse
+
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import hf_paged  # noqa: F401  (registers attn_implementation="paged")
 from hf_paged import PagedCache
+from hf_paged.models import load_model
+
+SYSTEM = (
+    "You are a concise assistant for a museum. Visitors ask short questions about art, history and science. "
+    "Answer in one sentence, with facts only, and never invent names or dates that you are not sure about."
+)
 
 
-def main():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = LlamaForCausalLM(config).to(device).eval()
-    model.set_attn_implementation("paged")
+def chat_inputs(tokenizer, questions: list[str], system: str | None = None, device: str = "cpu") -> dict:
+    """Chat-formatted, left-padded ``input_ids`` and ``attention_mask`` for a batch of questions."""
+    conversations = [
+        ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+        for q in questions
+    ]
+    inputs = tokenizer.apply_chat_template(
+        conversations, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+    )
+    return {k: v.to(device) for k, v in inputs.items()}
 
-    cache = PagedCache(model, num_blocks=512, block_size=16)
-    prompts = torch.randint(3, 1000, (4, 40), device=device)
-    out = model.generate(input_ids=prompts, max_new_tokens=32, do_sample=False, past_key_values=cache)
-    print(f"greedy: {tuple(out.shape)} tokens; {cache.memory_report()}")
 
+def answers(tokenizer, inputs: dict, output: torch.Tensor) -> list[str]:
+    new_tokens = output[:, inputs["input_ids"].shape[1] :]
+    return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)  # attn_implementation="paged": the kernels read the blocks
+    device = str(model.device)
+    cache = PagedCache(model, num_blocks=256, block_size=16)  # 256 x 16 token slots
+
+    # 1. Greedy, a padded batch: padding takes no slot in the pool.
+    questions = ["What is the capital of France?", "How many legs does a spider have?"]
+    inputs = chat_inputs(tokenizer, questions, device=device)
+    output = model.generate(**inputs, cache=cache, max_new_tokens=16, do_sample=False)
+    for question, answer in zip(questions, answers(tokenizer, inputs, output), strict=True):
+        print(f"greedy: {question} -> {answer}")
+    print(f"greedy: {cache.memory_report()}")
+
+    # 2. Beam search: the 4 beams fork the prompt's blocks; a shared block is copied only when written.
     cache.reset()
-    out = model.generate(
-        input_ids=prompts[:1], max_new_tokens=32, min_new_tokens=32, num_beams=4, do_sample=False,
-        past_key_values=cache,
-    )  # fmt: skip
+    inputs = chat_inputs(tokenizer, ["Name a famous painting."], device=device)
+    output = model.generate(
+        **inputs, cache=cache, max_new_tokens=12, num_beams=4, num_return_sequences=2, do_sample=False
+    )
+    for i, answer in enumerate(answers(tokenizer, inputs, output)):
+        print(f"beam search, hypothesis {i}: {answer}")
     print(f"beam search, width 4: {cache.memory_report()}")
 
-    # A system prompt reused across calls: prepare() attaches its cached blocks, generate runs only the rest.
-    system = torch.randint(3, 1000, (1, 64), device=device)
-    for turn in range(3):
-        question = torch.randint(3, 1000, (1, 8), device=device)
-        ids = torch.cat([system, question], dim=1)
-        model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, past_key_values=cache.prepare(ids))
+    # 3. A system prompt reused across calls: each call computes only the blocks after the cached prefix.
+    for question in ["Who painted the Mona Lisa?", "What is a fossil?", "When did the Bronze Age begin?"]:
+        inputs = chat_inputs(tokenizer, [question], system=SYSTEM, device=device)
+        before = cache.pool.stats
+        output = model.generate(**inputs, cache=cache.prepare(**inputs), max_new_tokens=16, do_sample=False)
         stats = cache.pool.stats
-        print(f"turn {turn}: prefix hits {stats.num_prefix_hit_tokens}/{stats.num_prefix_query_tokens} prompt tokens")
+        hits = stats.num_prefix_hit_tokens - before.num_prefix_hit_tokens
+        looked_up = stats.num_prefix_query_tokens - before.num_prefix_query_tokens
+        print(f"system prompt: {question} -> {answers(tokenizer, inputs, output)[0]}")
+        print(f"  prefix cache: {hits}/{looked_up} prompt tokens served from cached blocks")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Tiny random-weight models of several families, built from configs (no hub), for CPU tests."""
 
+import os
+
 import torch
 import transformers
 
@@ -34,11 +36,17 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str = "llama", attn: str = "paged", seed: int = 0, **overrides) -> torch.nn.Module:
+# Engine tests run on this device: cpu in CI; HF_PAGED_TEST_DEVICE=cuda runs them on the GPU (device machine).
+DEVICE = os.environ.get("HF_PAGED_TEST_DEVICE", "cpu")
+
+
+def tiny_model(
+    family: str = "llama", attn: str = "paged", seed: int = 0, device: str = "cpu", **overrides
+) -> torch.nn.Module:
     config_cls, model_cls, extra = FAMILIES[family]
     config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
+    model = getattr(transformers, model_cls)(config).eval().to(device)
     model.set_attn_implementation(attn)
     return model
 

@@ -2,13 +2,20 @@
 
 import pytest
 import torch
-from models import cache_kwarg, tiny_model
+from models import DEVICE, cache_kwarg
+from models import tiny_model as _tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
 from hf_paged import ContinuousBatcher, SamplingParams
 
 CACHE = cache_kwarg()
+
+
+def tiny_model(*args, **kwargs):
+    return _tiny_model(*args, device=DEVICE, **kwargs)
+
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -22,8 +29,8 @@ NEW_TOKENS = [7, 20, 3, 30, 12, 16]
 
 def _hf_greedy(model, prompt, max_new_tokens):
     out = model.generate(
-        input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-        do_sample=False, **{CACHE: DynamicCache(config=model.config)},
+        input_ids=torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, do_sample=False, **{CACHE: DynamicCache(config=model.config)},
     )  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
@@ -130,7 +137,7 @@ def test_beam_search_equals_hf_beam_search(width):
     engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=128)
     for prompt in _prompts(lengths=(9, 21)):
         expected = model.generate(
-            input_ids=torch.tensor([prompt]), max_new_tokens=12, num_beams=width, do_sample=False,
+            input_ids=torch.tensor([prompt], device=DEVICE), max_new_tokens=12, num_beams=width, do_sample=False,
             **{CACHE: DynamicCache(config=model.config)},
         )[0, len(prompt) :].tolist()  # fmt: skip
         out = engine.generate([prompt], SamplingParams(beam_width=width, max_new_tokens=12), use_tqdm=False)[0]

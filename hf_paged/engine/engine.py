@@ -75,6 +75,7 @@ class ContinuousBatcher:
         enable_prefix_caching: reuse full blocks across requests by content hash.
         preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
         swap_space_gb: CPU memory for swapped blocks (swap mode).
+        use_cuda_graphs: replay CUDA graphs for decode steps; default: on for a model on one CUDA device.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class ContinuousBatcher:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         swap_space_gb: float = 4.0,
+        use_cuda_graphs: bool | None = None,
     ):
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens) if isinstance(max_num_batched_tokens, int) else 256
@@ -114,7 +116,10 @@ class ContinuousBatcher:
             import hf_paged.attention  # noqa: F401  (registers "paged")
 
             model.set_attn_implementation("paged")
-        self.runner = ModelRunner(model, self.kv, block_size)
+        self.runner = ModelRunner(
+            model, self.kv, block_size, max_num_seqs=max_num_seqs,
+            max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs,
+        )  # fmt: skip
         self.sampler = Sampler()
         self.vocab_size = (
             model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() else info.vocab_size

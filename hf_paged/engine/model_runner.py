@@ -2,21 +2,30 @@
 
 Step, in order:
   1. block movements the scheduler asked for: swap out, swap in, copy-on-write copies;
-  2. plan: the flat batch ``input_ids [1, T]`` / ``position_ids [1, T]`` of every scheduled chunk
+  2. plan (CPU): the flat batch ``input_ids [1, T]`` / ``position_ids [1, T]`` of every scheduled chunk
      (decode tokens first, then prefill chunks), each token's slot, the block tables, the lengths, and
      the indices of the positions that sample;
   3. run: the model's forward with ``use_cache=False`` inside ``forward_context``: the "paged"
      attention function writes each layer's K/V at the slots and reads the blocks; logits are
      computed only at the sampling positions (``logits_to_keep`` with indices).
+
+CUDA graphs: a step of decode tokens only (one token per sequence, every one sampling) replays a graph
+captured for the smallest batch bucket that holds it (``GRAPH_BATCH_SIZES``, captured lazily on first
+use). Run only copies the plan into static buffers and replays: it must stay capturable (no host sync,
+no shape change). Padding rows of a bucket get slot -1 (never written) and length 0 (output zeros).
+Prefill and mixed steps run eagerly.
 """
 
 import itertools
 
+import numpy as np
 import torch
 
 from hf_paged.context import ForwardContext, forward_context
 from hf_paged.engine.scheduler import SchedulerOutput
 from hf_paged.kv_pool import KVPool
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class ModelRunner:
@@ -26,15 +35,39 @@ class ModelRunner:
         model: a Hugging Face causal LM set to attn_implementation="paged".
         kv: the per-layer block pools.
         block_size: tokens per block.
+        max_num_seqs: the largest decode batch (the largest graph bucket).
+        max_model_len: the longest sequence (width of the static block tables).
+        use_cuda_graphs: replay CUDA graphs for decode steps (CUDA only; default: on when on CUDA).
     """
 
-    def __init__(self, model: torch.nn.Module, kv: KVPool, block_size: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv: KVPool,
+        block_size: int,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
+        use_cuda_graphs: bool | None = None,
+    ):
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.k_cache[0].device
         self.input_device = model.get_input_embeddings().weight.device
         self.kv_caches = list(zip(kv.k_cache, kv.v_cache, strict=True))
+        # A 4D mask makes transformers skip building masks (the paged kernels take lengths, not masks);
+        # it also keeps mask code with host syncs out of the captured graphs.
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.input_device)
+        single_device = all(k.device == self.device for k in kv.k_cache) and self.input_device == self.device
+        if use_cuda_graphs is None:
+            use_cuda_graphs = self.device.type == "cuda" and single_device
+        self.use_cuda_graphs = use_cuda_graphs
+        self.graph_sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self._graphs: dict[int, tuple] = {}
+        self._graph_pool = None
+        self._static = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
@@ -51,15 +84,120 @@ class ModelRunner:
         self.kv.swap_out(sched.swap_out)
         self.kv.swap_in(sched.swap_in)
         self.kv.copy_blocks(sched.copies)
+        num_seqs = len(sched.chunks)
+        if (
+            self.use_cuda_graphs
+            and num_seqs <= self.graph_sizes[-1]
+            and sched.num_batched_tokens == num_seqs
+            and all(c.samples for c in sched.chunks)
+        ):
+            return self._replay(sched, block_tables)
         ctx, input_ids, position_ids, logits_idx = self._plan(sched, block_tables)
         with forward_context(ctx):
             out = self.model(
                 input_ids=input_ids.to(self.input_device, non_blocking=True),
                 position_ids=position_ids.to(self.input_device, non_blocking=True),
+                attention_mask=self._no_mask,
                 use_cache=False,
                 logits_to_keep=logits_idx.to(self.input_device, non_blocking=True),
             )
         return out.logits[0].float()
+
+    # ---- CUDA graphs for decode steps --------------------------------------------------------------
+
+    def _replay(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
+        """Copy the decode step into the static buffers and replay the bucket's graph."""
+        num_seqs = len(sched.chunks)
+        bucket = next(b for b in self.graph_sizes if b >= num_seqs)
+        if self._static is None:
+            self._allocate_static()
+        st = self._static
+        bs = self.block_size
+        ids = [c.seq.token_ids[c.start] for c in sched.chunks]
+        positions = [c.start for c in sched.chunks]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
+        width = max(len(t) for t in block_tables)
+        host = st["host"]
+        host["ids"][:num_seqs] = ids
+        host["pos"][:num_seqs] = positions
+        host["slots"][:num_seqs] = slots
+        host["slots"][num_seqs:bucket] = -1
+        host["lens"][:num_seqs] = [p + 1 for p in positions]
+        host["lens"][num_seqs:bucket] = 0
+        tables = host["tables"]
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        st["input_ids"][0, :bucket].copy_(torch.from_numpy(host["ids"][:bucket]), non_blocking=True)
+        st["position_ids"][0, :bucket].copy_(torch.from_numpy(host["pos"][:bucket]), non_blocking=True)
+        st["slot_mapping"][:bucket].copy_(torch.from_numpy(host["slots"][:bucket]), non_blocking=True)
+        st["seq_lens"][:bucket].copy_(torch.from_numpy(host["lens"][:bucket]), non_blocking=True)
+        st["block_tables"][:num_seqs, :width].copy_(torch.from_numpy(tables[:num_seqs, :width]), non_blocking=True)
+        if bucket not in self._graphs:
+            self._capture(bucket)
+        graph, logits = self._graphs[bucket]
+        graph.replay()
+        return logits[0, :num_seqs].float()
+
+    def _allocate_static(self) -> None:
+        max_bs = self.graph_sizes[-1]
+        dev = self.device
+        self._static = {
+            "input_ids": torch.zeros((1, max_bs), dtype=torch.int64, device=dev),
+            "position_ids": torch.zeros((1, max_bs), dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            "seq_lens": torch.zeros((max_bs,), dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros((max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "logits_idx": torch.arange(max_bs, dtype=torch.int64, device=dev),
+            # Host staging (numpy views of one step's plan).
+            "host": {
+                "ids": np.zeros(max_bs, dtype=np.int64),
+                "pos": np.zeros(max_bs, dtype=np.int64),
+                "slots": np.full(max_bs, -1, dtype=np.int64),
+                "lens": np.zeros(max_bs, dtype=np.int32),
+                "tables": np.zeros((max_bs, self.max_blocks_per_seq), dtype=np.int32),
+            },
+        }
+
+    def _capture(self, bucket: int) -> None:
+        """Capture the decode forward for ``bucket`` sequences (after one eager warm-up run)."""
+        st = self._static
+        ctx = ForwardContext(
+            slot_mapping=st["slot_mapping"][:bucket],
+            block_tables=st["block_tables"][:bucket],
+            seq_lens=st["seq_lens"][:bucket],
+            cu_seqlens_q=st["cu_seqlens_q"][: bucket + 1],
+            max_query_len=1,
+            # A fixed hint: the decode kernel's split count must not change between replays.
+            max_seq_len=self.max_model_len,
+            batch_size=1,
+            query_len=bucket,
+            paged=True,
+            owner=self,
+            kv_caches=self.kv_caches,
+        )
+
+        def forward():
+            with forward_context(ctx):
+                return self.model(
+                    input_ids=st["input_ids"][:, :bucket],
+                    position_ids=st["position_ids"][:, :bucket],
+                    attention_mask=self._no_mask,
+                    use_cache=False,
+                    logits_to_keep=st["logits_idx"][:bucket],
+                ).logits
+
+        # The live rows were just written; the warm-up may rewrite their slots with the same K/V.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            forward()  # compiles Triton kernels, creates cuBLAS handles, outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = forward()
+        self._graph_pool = graph.pool()
+        self._graphs[bucket] = (graph, logits)
 
     def _plan(self, sched: SchedulerOutput, block_tables: list[list[int]]):
         """Flat inputs and the ForwardContext for the scheduled chunks (CPU tensors, moved once)."""
@@ -80,9 +218,10 @@ class ModelRunner:
             if chunk.samples:
                 logits_idx.append(len(ids) - 1)
         max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
+        tables_np = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
         for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            tables_np[i, : len(table)] = table
+        tables = torch.from_numpy(tables_np)
         device = self.device
         ctx = ForwardContext(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),

@@ -1,0 +1,302 @@
+"""Throughput benchmark suite: hf_paged's ContinuousBatcher beside transformers, on one GPU, in one run.
+
+Random-weight bf16 models built from configs (no hub; like ``vllm bench --load-format dummy``), random
+prompt ids, EOS ignored, seeded workloads:
+- nano: 256 requests, prompt U[100, 1024], output U[100, 1024] (nano-vllm's bench);
+- sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
+- prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4).
+Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, transformers ``generate`` with
+padded static batches, transformers' built-in continuous batching. Each reports output tokens/s, total
+tokens/s and peak memory; the physical floor is the time to read the weights once per decode step plus
+every KV byte each output token attends to, over the measured copy bandwidth, plus the prefill FLOPs over
+the measured matmul rate.
+
+Run: ``hf-paged bench --workload nano --model qwen3-0.6b`` or ``python benchmarks/throughput.py ...``.
+"""
+
+import argparse
+import datetime
+import gc
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+SHAPES = {
+    "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960)),
+    "llama-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)),
+    "tiny": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1024, max_position_embeddings=4096)),
+}  # fmt: skip
+
+SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_generate", "hf_cb")
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: int = 0) -> Workload:
+    """The seeded prompts and output lengths of a named workload."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, vocab_size - 10, (n,), generator=gen).tolist()
+
+    if name == "nano":
+        n = num_requests or 256
+        lens_in = torch.randint(100, 1025, (n,), generator=gen).tolist()
+        lens_out = torch.randint(100, 1025, (n,), generator=gen).tolist()
+        return Workload(name, [ids(k) for k in lens_in], lens_out)
+    if name == "sharegpt":
+        n = num_requests or 512
+        # lognormal with means ~161 / ~338: mean = exp(mu + sigma^2 / 2)
+        sigma_in, sigma_out = 1.0, 0.9
+        mu_in, mu_out = math.log(161) - sigma_in**2 / 2, math.log(338) - sigma_out**2 / 2
+        lens_in = torch.empty(n).log_normal_(mu_in, sigma_in, generator=gen).clamp(4, 2048).long().tolist()
+        lens_out = torch.empty(n).log_normal_(mu_out, sigma_out, generator=gen).clamp(4, 2048).long().tolist()
+        return Workload(name, [ids(k) for k in lens_in], lens_out)
+    if name == "prefix":
+        n = num_requests or 200
+        prefix = ids(341)
+        uniq = torch.randint(10, 41, (n,), generator=gen).tolist()
+        lens_out = torch.randint(20, 81, (n,), generator=gen).tolist()
+        return Workload(name, [prefix + ids(k) for k in uniq], lens_out)
+    raise ValueError(f"unknown workload {name!r}; choose from nano, sharegpt, prefix")
+
+
+def build_model(shape: str, device: str = "cuda"):
+    import transformers
+
+    config_cls, model_cls, kwargs = SHAPES[shape]
+    config = getattr(transformers, config_cls)(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = getattr(transformers, model_cls)(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def measure_ceilings(device: str = "cuda") -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured on ``device``."""
+    from triton.testing import do_bench
+
+    def copy_ms() -> float:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+        dst = torch.empty_like(src)
+        return do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+
+    def matmul_ms() -> float:
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+        return do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+
+    bandwidth = 2 * (1 << 30) / (copy_ms() * 1e-3)
+    flops = 2 * 8192**3 / (matmul_ms() * 1e-3)
+    torch.cuda.empty_cache()
+    return bandwidth, flops
+
+
+def floor_seconds(model, workload: Workload, bandwidth: float, flops: float, max_concurrency: int) -> float:
+    """Time no engine can beat: weights once per decode step + every attended KV byte + prefill FLOPs."""
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = params * 2
+    num_kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = 2 * config.num_hidden_layers * num_kv_heads * head_dim * 2
+    kv_read = 0
+    for prompt, out_len in zip(workload.prompts, workload.output_lens, strict=True):
+        # output token t attends len(prompt) + t keys
+        kv_read += out_len * len(prompt) + out_len * (out_len - 1) // 2
+    # Fewest decode steps: the requests run in waves of max_concurrency; each wave lasts its longest output.
+    lens = sorted(workload.output_lens, reverse=True)
+    steps = sum(lens[i] for i in range(0, len(lens), max_concurrency))
+    prefill_flops = 2 * params * workload.num_prompt_tokens
+    return (steps * weight_bytes + kv_read * kv_bytes_per_token) / bandwidth + prefill_flops / flops
+
+
+def _reset_memory():
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def run_hf_paged(model, workload: Workload, prefix_caching: bool, args) -> dict:
+    from hf_paged import ContinuousBatcher, SamplingParams
+
+    base = _reset_memory()
+    engine = ContinuousBatcher(
+        model, num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=prefix_caching,
+    )  # fmt: skip
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    warm = engine.generate(
+        workload.prompts[:4], [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 4, use_tqdm=False
+    )
+    assert len(warm) == 4
+    engine.pool.reset_prefix_cache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(workload.prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    m = engine.metrics()
+    note = (f"{engine.pool.num_blocks} blocks, prefix hit {m.prefix_hit_rate:.0%}, "
+            f"{m.num_preemptions} preemptions, {m.num_steps} steps")  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() - base
+    del engine
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note=note)
+
+
+def run_hf_generate(model, workload: Workload, args) -> dict:
+    """transformers generate over padded static batches of ``args.hf_batch`` requests (arrival order)."""
+    model.set_attn_implementation("sdpa")
+    base = _reset_memory()
+    pad = model.config.pad_token_id
+    model.generate(input_ids=torch.tensor([workload.prompts[0][:16]], device="cuda"), max_new_tokens=4)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    generated = 0
+    for i in range(0, len(workload.prompts), args.hf_batch):
+        prompts = workload.prompts[i : i + args.hf_batch]
+        outs = workload.output_lens[i : i + args.hf_batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        # EOS ignored: every row runs to the batch's longest output; only the requested tokens count.
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
+                       do_sample=False, pad_token_id=pad)  # fmt: skip
+        generated += sum(outs)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note=f"batches of {args.hf_batch}, sdpa")
+
+
+def run_hf_cb(model, workload: Workload, args) -> dict:
+    """transformers' built-in continuous batching (ContinuousBatchingManager), sdpa attention."""
+    from transformers import GenerationConfig
+
+    model.set_attn_implementation("sdpa")
+    base = _reset_memory()
+    config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1,
+                              pad_token_id=model.config.pad_token_id)  # fmt: skip
+    start = None
+    generated = 0
+    with model.continuous_batching_context_manager(generation_config=config) as manager:
+        start = time.perf_counter()
+        for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len, eos_token_id=-1)
+        done = 0
+        while done < len(workload.prompts):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers continuous batching returned no result within 600 s")
+            if result.is_finished() if hasattr(result, "is_finished") else True:
+                done += 1
+                generated += len(result.generated_tokens)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note="ContinuousBatchingManager, sdpa")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-paged bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--workload", default="nano", choices=("nano", "sharegpt", "prefix"))
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="a small slice of the workload (< 2 min of GPU)")
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--memory-fraction", type=float, default=0.6)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
+    parser.add_argument("--out", help="append the markdown table to this file (e.g. benchmarks/RESULTS.md)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("hf-paged bench: error: needs a CUDA GPU (the benchmark compares GPU throughput)", file=sys.stderr)
+        return 2
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        print(f"hf-paged bench: error: unknown systems {unknown}; choose from {list(SYSTEMS)}", file=sys.stderr)
+        return 2
+    import transformers
+
+    import hf_paged
+
+    model = build_model(args.model)
+    num_requests = args.num_requests or (32 if args.quick else None)
+    workload = make_workload(args.workload, model.config.vocab_size, num_requests)
+    bandwidth, flops = measure_ceilings()
+    floor = floor_seconds(model, workload, bandwidth, flops, args.max_num_seqs)
+    rows = []
+    for system in systems:
+        try:
+            if system == "hf_paged":
+                r = run_hf_paged(model, workload, True, args)
+            elif system == "hf_paged_no_prefix":
+                r = run_hf_paged(model, workload, False, args)
+            elif system == "hf_generate":
+                r = run_hf_generate(model, workload, args)
+            else:
+                r = run_hf_cb(model, workload, args)
+        except Exception as exc:  # report the failure in the table, go on with the other systems
+            r = dict(elapsed=float("nan"), generated=0, peak=0, note=f"failed: {type(exc).__name__}: {exc}"[:200])
+        rows.append((system, r))
+        print(f"{system}: {r}", flush=True)
+    total_tokens = workload.num_prompt_tokens + workload.num_output_tokens
+    floor_tps = workload.num_output_tokens / floor
+    table = (
+        f"### throughput: {args.workload} workload ({len(workload.prompts)} requests, "
+        f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens), {args.model}, bf16, "
+        f"random weights — {torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, hf_paged {hf_paged.__version__}\n\n"
+        f"`hf-paged bench {' '.join(argv if argv is not None else sys.argv[1:])}` — measured copy bandwidth "
+        f"{bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; physical floor {floor:.2f} s = "
+        f"{floor_tps:.0f} output tok/s\n\n"
+        "| system | time (s) | output tok/s | total tok/s | % of floor | peak memory (GiB) | notes |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    for system, r in rows:
+        out_tps = r["generated"] / r["elapsed"] if r["elapsed"] == r["elapsed"] and r["elapsed"] > 0 else 0.0
+        tot_tps = total_tokens / r["elapsed"] if out_tps else 0.0
+        table += (f"| {system} | {r['elapsed']:.2f} | {out_tps:.0f} | {tot_tps:.0f} | {out_tps / floor_tps:.1%} | "
+                  f"{r['peak'] / 2**30:.1f} | {r['note']} |\n")  # fmt: skip
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

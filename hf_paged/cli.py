@@ -1,0 +1,410 @@
+"""The ``hf-paged`` command: generate with the continuous-batching engine, benchmark, and describe the setup.
+
+    hf-paged generate "What is the capital of France?"          # the embedded SmolLM2-135M-Instruct
+    hf-paged generate --model ./my-model --file prompts.txt --temperature 0 --json
+    hf-paged bench ...                                           # the GPU benchmark suite (hf_paged.bench)
+    hf-paged info                                                # versions, devices, kernel path, default model
+
+``generate`` applies the tokenizer's chat template to each prompt (``--no-chat`` sends raw text; ``--system``
+puts one system prompt in front of every prompt, which prefix caching then computes once), streams the tokens of
+a single prompt as they come, shows a progress bar for several, and ends with a summary of the engine's metrics.
+
+Mistakes in what the user passes (a missing model, a bad flag value, a model that cannot be paged) print one line,
+``hf-paged: error: ...``, to stderr and exit with status 2. Also runnable as ``python -m hf_paged.cli``.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+PROG = "hf-paged"
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_CLI_MAX_NEW_TOKENS = 256  # SamplingParams' default of 16 cuts most answers short
+_CLI_TEMPERATURE = 0.7  # plain sampling at 1.0 rambles on small models; 0 = greedy
+
+
+class UsageError(Exception):
+    """A mistake in the command line that argparse cannot see (e.g. no prompt given)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, ``hf-paged: error: ...``, like every other CLI error."""
+
+    def error(self, message: str):
+        _print_error(f"{message} (see: {self.prog} --help)")
+        raise SystemExit(2)
+
+
+def _print_error(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-paged`` argument parser with its ``generate``, ``bench`` and ``info`` subcommands."""
+    parser = _Parser(prog=PROG, description="PagedAttention for Hugging Face transformers.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate answers with the continuous-batching engine",
+        description="Generate answers with hf_paged's continuous-batching engine (default model: the embedded "
+        "SmolLM2-135M-Instruct). One prompt streams; several show a progress bar.",
+    )
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (each gets the chat template)")
+    gen.add_argument("--file", help="read prompts from this file, one per line ('-' = stdin); blank lines skipped")
+    gen.add_argument("--model", help="embedded default 'smollm2', a model folder, a .gguf file or a cached hub id")
+    gen.add_argument("--system", help="a system prompt in front of every prompt (its blocks are computed once)")
+    gen.add_argument("--no-chat", action="store_true", help="send the prompts as raw text, without chat template")
+    gen.add_argument("--json", action="store_true", help="print the outputs and metrics as one JSON object")
+
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=_CLI_MAX_NEW_TOKENS, help="default: %(default)s")
+    sampling.add_argument("--temperature", type=float, default=_CLI_TEMPERATURE, help="0 = greedy; %(default)s")
+    sampling.add_argument("--top-k", type=int, default=0, help="0 = off")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    sampling.add_argument("--seed", type=int, help="seed each request's sampling")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    sampling.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's blocks)")
+    sampling.add_argument("--beam-width", type=int, default=1, help="> 1 = beam search")
+    sampling.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+
+    engine = gen.add_argument_group("engine")
+    engine.add_argument("--num-blocks", type=_positive_int, help="KV blocks in the pool; default: what the "
+                        "prompts can need, at most --memory-fraction of free memory")  # fmt: skip
+    engine.add_argument("--memory-fraction", type=float, default=0.5, help="default: %(default)s")
+    engine.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block; default: 16")
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="default: %(default)s")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="don't reuse blocks across prompts")
+    engine.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    engine.add_argument("--device", help="default: cuda when available, else cpu")
+    engine.add_argument("--dtype", choices=_DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+
+    commands.add_parser(
+        "bench",
+        help="GPU throughput benchmarks (hf_paged.bench; arguments pass through)",
+        add_help=False,  # `hf-paged bench --help` reaches the benchmark's own parser
+    )
+    commands.add_parser("info", help="versions, devices, kernel path and the default model")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``hf-paged`` command line.
+
+    Args:
+        argv: the arguments after the program name; None = ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 2 for a usage error (one line on stderr), 130 on Ctrl-C.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "info":
+            return _info()
+        return _generate(args)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, already printed)
+        return exit_.code if isinstance(exit_.code, int) else 0
+    except (UsageError, ValueError, TypeError) as err:
+        _print_error(err)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `hf-paged generate ... | head`: stop quietly, as the Python docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+# ---- bench ---------------------------------------------------------------------------------------
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("hf_paged.bench")
+    except ModuleNotFoundError as err:
+        if err.name != "hf_paged.bench":
+            raise
+        _print_error("the benchmark suite (hf_paged.bench) is not in this version of hf_paged")
+        return 2
+    return bench.main(argv)
+
+
+# ---- generate ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Prompt:
+    text: str  # what the user typed, before the system prompt and chat template
+    token_ids: list[int]
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file is not None:
+        if args.file == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            try:
+                with open(args.file, encoding="utf-8") as f:
+                    lines = f.read().splitlines()
+            except OSError as err:
+                raise UsageError(f"--file {args.file!r} cannot be read: {err.strerror}") from None
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise UsageError("no prompt: pass PROMPT... or --file FILE (one prompt per line)")
+    return prompts
+
+
+def _sampling_params(args: argparse.Namespace):
+    from hf_paged.engine.params import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        beam_width=args.beam_width,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _tokenize(tokenizer, texts: list[str], system: str | None, chat: bool) -> list[_Prompt]:
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UsageError("the model's tokenizer has no chat template; pass --no-chat to send raw text")
+    prompts = []
+    for text in texts:
+        if chat:
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": text})
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(f"{system}\n{text}" if system else text)["input_ids"]
+        prompts.append(_Prompt(text, list(ids)))
+    return prompts
+
+
+def _load(args: argparse.Namespace):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from hf_paged import models
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars; the conversion gets one line instead
+    hf_logging.set_verbosity_error()
+    if args.model in (None, models.DEFAULT_MODEL):
+        gguf = models.default_model_path()
+        if not models._converted_dir(gguf, None).is_dir():
+            print(f"{PROG}: converting the embedded {models._DEFAULT_DESCRIPTION} to safetensors, once (~20 s)...",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    return models.load_model(args.model, device=args.device, dtype=dtype)
+
+
+def _num_blocks(model, prompts: list[_Prompt], params, args: argparse.Namespace) -> int:
+    """Blocks for every prompt at once (no preemption), capped by ``--memory-fraction`` of free memory.
+
+    On the CPU a pool of half the free RAM would take tens of seconds to zero, for a few prompts.
+    """
+    from hf_paged.model_info import ModelInfo
+
+    if args.num_blocks is not None:
+        return args.num_blocks
+    bs = args.block_size
+    width = max(params.n, params.beam_width)
+    # As the engine's admission check: the prompt once, then each sequence's own blocks plus a copied partial one.
+    need = sum(-(-len(p.token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1) for p in prompts)
+    return min(need, ModelInfo.from_model(model).num_blocks_for(None, bs, args.memory_fraction))
+
+
+def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
+    from hf_paged.engine.engine import ContinuousBatcher
+
+    class PeakTrackingBatcher(ContinuousBatcher):
+        """Records the pool's high-water mark after every step: EngineMetrics reports the pool as it is now,
+        which is empty again once every request has finished."""
+
+        peak_used_blocks = 0
+        peak_token_state_share = 1.0  # slots holding tokens / slots of used blocks, at the peak
+
+        def step(self):
+            outputs = super().step()
+            stats = self.pool.stats
+            if stats.num_used_blocks > self.peak_used_blocks:
+                self.peak_used_blocks = stats.num_used_blocks
+                self.peak_token_state_share = stats.num_used_slots / stats.num_allocated_slots
+            return outputs
+
+    return PeakTrackingBatcher(
+        model,
+        tokenizer,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        memory_fraction=args.memory_fraction,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hf_paged.models import DEFAULT_MODEL
+
+    texts = _read_prompts(args)
+    params = _sampling_params(args)  # bad sampling values fail here, before the model loads
+    model, tokenizer = _load(args)
+    prompts = _tokenize(tokenizer, texts, args.system, chat=not args.no_chat)
+    engine = _make_engine(model, tokenizer, _num_blocks(model, prompts, params, args), args)
+
+    start = time.perf_counter()
+    if len(prompts) == 1 and params.n == 1 and params.beam_width == 1 and not args.json:
+        finish_reason = None
+        for delta in engine.stream(prompts[0].token_ids, params):
+            print(delta.text, end="", flush=True)
+            finish_reason = delta.finish_reason
+        print()
+        if finish_reason == "length":
+            print(f"[stopped at --max-new-tokens {params.max_new_tokens}]", file=sys.stderr)
+        outputs = None
+    else:
+        use_tqdm = len(prompts) > 1 and not args.json
+        outputs = engine.generate([p.token_ids for p in prompts], params, use_tqdm=use_tqdm)
+    wall_s = time.perf_counter() - start
+
+    metrics = engine.metrics()
+    summary = {
+        "requests": len(prompts),
+        "generated_tokens": metrics.num_generated_tokens,
+        "throughput_tok_s": metrics.generation_throughput,
+        "wall_s": wall_s,
+        "kv_blocks_used_peak": engine.peak_used_blocks,
+        "kv_blocks_total": metrics.num_blocks,
+        "token_state_share_at_peak": engine.peak_token_state_share,
+        "prefix_hit_rate": metrics.prefix_hit_rate,
+        "preemptions": metrics.num_preemptions,
+    }
+    if args.json:
+        outputs = _jsonable(prompts, outputs, beam_search=params.beam_width > 1)
+        print(json.dumps({"model": args.model or DEFAULT_MODEL, "outputs": outputs, "metrics": summary}))
+        return 0
+    if outputs is not None:
+        _print_outputs(prompts, outputs)
+    _print_summary(summary)
+    return 0
+
+
+def _jsonable(prompts: list[_Prompt], outputs, beam_search: bool) -> list[dict]:
+    # Without beam search the engine sums log-probs only when they are asked for (not a CLI flag yet).
+    return [
+        {
+            "prompt": prompt.text,
+            "num_prompt_tokens": len(prompt.token_ids),
+            "num_cached_tokens": out.num_cached_tokens,
+            "completions": [
+                {
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                }
+                | ({"cumulative_logprob": c.cumulative_logprob} if beam_search else {})
+                for c in out.outputs
+            ],
+        }
+        for prompt, out in zip(prompts, outputs, strict=True)
+    ]
+
+
+def _print_outputs(prompts: list[_Prompt], outputs) -> None:
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True), start=1):
+        print(f"[{i}/{len(prompts)}] {prompt.text}")
+        for completion in out.outputs:
+            if len(out.outputs) > 1:
+                print(f"  --- {completion.index + 1} ({completion.finish_reason}) ---")
+            print(completion.text.strip())
+        print()
+
+
+def _print_summary(s: dict) -> None:
+    sys.stdout.flush()  # the summary goes to stderr, after the answers
+    print(
+        f"-- {s['requests']} request(s), {s['generated_tokens']} generated tokens, "
+        f"{s['throughput_tok_s']:.1f} tok/s ({s['wall_s']:.1f} s)\n"
+        f"-- KV blocks used {s['kv_blocks_used_peak']}/{s['kv_blocks_total']} at peak, token states "
+        f"{s['token_state_share_at_peak']:.1%} of their slots; prefix hit rate {s['prefix_hit_rate']:.1%}; "
+        f"preemptions {s['preemptions']}",
+        file=sys.stderr,
+    )
+
+
+# ---- info ----------------------------------------------------------------------------------------
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:
+        return "not installed"
+
+
+def _info() -> int:
+    import torch
+
+    import hf_paged
+    from hf_paged import models
+
+    print(f"hf_paged {hf_paged.__version__} ({os.path.dirname(hf_paged.__file__)})")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}, "
+        f"transformers {_version('transformers')}"
+    )
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            print(f"device cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+        kernels = "Triton kernels (CUDA tensors)"
+    else:
+        print(f"device: CPU ({os.cpu_count()} cores; no CUDA device)")
+        kernels = "torch reference ops (CPU tensors; Triton runs on CUDA tensors only)"
+    print(f"kernel path: {kernels}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1 is set: tests run the Triton launchers on the CPU through Triton's interpreter")
+    try:
+        gguf = models.default_model_path()
+    except ValueError as err:
+        print(f"default model: {err}")
+        return 0
+    converted = models._converted_dir(gguf, None)
+    state = "converted" if converted.is_dir() else "not converted yet; the first use converts it (~20 s)"
+    print(f"default model: {models._DEFAULT_DESCRIPTION} ({models.DEFAULT_MODEL!r}), GGUF {gguf}")
+    print(f"converted cache: {converted} ({state})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
