@@ -23,10 +23,13 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top CPU/GPU ops")
     args = parser.parse_args()
     model = build_model(args.model)
-    engine = ContinuousBatcher(model, memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch)
+    engine = ContinuousBatcher(
+        model, memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch, compile_model=args.compile
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.batch):
         ids = torch.randint(10, 1000, (args.prompt,), generator=gen).tolist()

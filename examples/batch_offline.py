@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
 
     for question, output in zip(QUESTIONS, outputs, strict=True):
         completion = output.outputs[0]
-        print(f"Q: {question}\nA: {completion.text.strip()}  [{completion.finish_reason}, "
-              f"{output.num_cached_tokens}/{len(output.prompt_token_ids)} prompt tokens from the prefix cache]")  # fmt: skip
+        cached = f"{output.num_cached_tokens}/{len(output.prompt_token_ids)} prompt tokens from the prefix cache"
+        print(f"Q: {question}\nA: {completion.text.strip()}  [{completion.finish_reason}, {cached}]")
 
     m = engine.metrics()
     print(

@@ -14,11 +14,11 @@ import argparse
 from hf_paged import ContinuousBatcher, SamplingParams
 from hf_paged.models import load_model
 
-SYSTEM = "You are a friendly travel guide. Keep every answer to one or two sentences."
+SYSTEM = "You are a helpful gardening assistant. Keep every answer short."
 SCRIPT = [
-    "I am visiting Paris for one day. What should I see first?",
-    "And where could I have lunch near there?",
-    "Thanks! What is a good way to get around the city?",
+    "I want to grow tomatoes on my balcony. What do I need?",
+    "How often should I water them?",
+    "What can I plant next to them?",
 ]
 
 
@@ -27,7 +27,7 @@ def chat_turn(engine: ContinuousBatcher, history: list[dict], question: str, par
     history.append({"role": "user", "content": question})
     stats = engine.pool.stats
     hits_before, queried_before = stats.num_prefix_hit_tokens, stats.num_prefix_query_tokens
-    print(f"you> {question}\nbot> ", end="", flush=True)
+    print("bot> ", end="", flush=True)
     answer = ""
     for delta in engine.stream(history, params):  # chat messages: the engine applies the chat template
         print(delta.text, end="", flush=True)
@@ -38,6 +38,14 @@ def chat_turn(engine: ContinuousBatcher, history: list[dict], question: str, par
     print(f"\n     [{hits}/{queried} prompt tokens from the prefix cache]")
     history.append({"role": "assistant", "content": answer.strip()})
     return answer
+
+
+def ask() -> str:
+    """The next question from the terminal; "" at an empty line or end of input."""
+    try:
+        return input("you> ").strip()
+    except EOFError:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,11 +60,11 @@ def main(argv: list[str] | None = None) -> None:
 
     history = [{"role": "system", "content": SYSTEM}]
     if args.interactive:
-        while question := input("you> ").strip():
-            print("\033[F", end="")  # chat_turn prints the question again
+        while question := ask():
             chat_turn(engine, history, question, params)
     else:
         for question in SCRIPT:
+            print(f"you> {question}")
             chat_turn(engine, history, question, params)
     m = engine.metrics()
     print(f"chat: {len(history) // 2} turns, prefix hit rate {m.prefix_hit_rate:.1%} of {m.num_prompt_tokens} "

@@ -18,6 +18,7 @@ from hf_paged.kernels import paged_attention, write_kv
 ATTN_NAME = "paged"
 
 
+@torch.compiler.disable  # reads the forward context and launches Triton kernels: stays eager under torch.compile
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [batch_size, num_heads, query_len, head_dim]

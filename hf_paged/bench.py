@@ -152,7 +152,7 @@ def run_hf_paged(model, workload: Workload, prefix_caching: bool, args) -> dict:
     engine = ContinuousBatcher(
         model, num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=prefix_caching,
+        enable_prefix_caching=prefix_caching, compile_model=args.compile,
     )  # fmt: skip
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     warm = engine.generate(
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-fraction", type=float, default=0.6)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="hf_paged: torch.compile the model")
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
     parser.add_argument("--out", help="append the markdown table to this file (e.g. benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 PROG = "hf-paged"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _CLI_MAX_NEW_TOKENS = 256  # SamplingParams' default of 16 cuts most answers short
-_CLI_TEMPERATURE = 0.7  # plain sampling at 1.0 rambles on small models; 0 = greedy
+_CLI_TEMPERATURE = 0.0  # greedy: small models (the default's 135M) ramble or switch language when sampled
 
 
 class UsageError(Exception):
@@ -74,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--max-new-tokens", type=int, default=_CLI_MAX_NEW_TOKENS, help="default: %(default)s")
-    sampling.add_argument("--temperature", type=float, default=_CLI_TEMPERATURE, help="0 = greedy; %(default)s")
+    sampling.add_argument(
+        "--temperature",
+        type=float,
+        default=_CLI_TEMPERATURE,
+        help="0 = greedy (the default); --n samples differ only with a temperature > 0",
+    )
     sampling.add_argument("--top-k", type=int, default=0, help="0 = off")
     sampling.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     sampling.add_argument("--min-p", type=float, default=0.0, help="0 = off")
@@ -86,13 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
     engine = gen.add_argument_group("engine")
-    engine.add_argument("--num-blocks", type=_positive_int, help="KV blocks in the pool; default: what the "
-                        "prompts can need, at most --memory-fraction of free memory")  # fmt: skip
-    engine.add_argument("--memory-fraction", type=float, default=0.5, help="default: %(default)s")
+    engine.add_argument(
+        "--num-blocks",
+        type=_positive_int,
+        help="KV blocks in the pool; default: what the prompts can need, at most --memory-fraction of free memory",
+    )
+    engine.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.5,
+        help="most of the free device memory the pool may take; default: %(default)s",
+    )
     engine.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block; default: 16")
     engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="default: %(default)s")
     engine.add_argument("--no-prefix-caching", action="store_true", help="don't reuse blocks across prompts")
-    engine.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    engine.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="out of blocks: recompute a preempted request later, or swap its blocks to CPU",
+    )
     engine.add_argument("--device", help="default: cuda when available, else cpu")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
 
@@ -124,15 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, already printed)
         return exit_.code if isinstance(exit_.code, int) else 0
-    except (UsageError, ValueError, TypeError) as err:
-        _print_error(err)
-        return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `hf-paged generate ... | head`: stop quietly, as the Python docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except (UsageError, ValueError, TypeError, OSError) as err:  # OSError: unreadable model files
+        _print_error(err)
+        return 2
 
 
 # ---- bench ---------------------------------------------------------------------------------------
@@ -146,7 +164,10 @@ def _bench(argv: list[str]) -> int:
             raise
         _print_error("the benchmark suite (hf_paged.bench) is not in this version of hf_paged")
         return 2
-    return bench.main(argv)
+    try:
+        return bench.main(argv)
+    except SystemExit as exit_:  # the benchmark's argparse: --help or a usage error
+        return exit_.code if isinstance(exit_.code, int) else 0
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -216,15 +237,22 @@ def _load(args: argparse.Namespace):
 
     from hf_paged import models
 
-    hf_logging.disable_progress_bar()  # "Loading weights" bars; the conversion gets one line instead
-    hf_logging.set_verbosity_error()
     if args.model in (None, models.DEFAULT_MODEL):
         gguf = models.default_model_path()
         if not models._converted_dir(gguf, None).is_dir():
             print(f"{PROG}: converting the embedded {models._DEFAULT_DESCRIPTION} to safetensors, once (~20 s)...",
                   file=sys.stderr, flush=True)  # fmt: skip
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    return models.load_model(args.model, device=args.device, dtype=dtype)
+    # Without transformers' "Loading weights" bars and info logs; restored after, for callers of main() in-process.
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        return models.load_model(args.model, device=args.device, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _num_blocks(model, prompts: list[_Prompt], params, args: argparse.Namespace) -> int:
@@ -400,7 +428,7 @@ def _info() -> int:
         print(f"default model: {err}")
         return 0
     converted = models._converted_dir(gguf, None)
-    state = "converted" if converted.is_dir() else "not converted yet; the first use converts it (~20 s)"
+    state = "converted" if converted.is_dir() else "not converted yet: the first use converts it, ~20 s"
     print(f"default model: {models._DEFAULT_DESCRIPTION} ({models.DEFAULT_MODEL!r}), GGUF {gguf}")
     print(f"converted cache: {converted} ({state})")
     return 0

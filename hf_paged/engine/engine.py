@@ -76,6 +76,7 @@ class ContinuousBatcher:
         preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
         swap_space_gb: CPU memory for swapped blocks (swap mode).
         use_cuda_graphs: replay CUDA graphs for decode steps; default: on for a model on one CUDA device.
+        compile_model: run the model through torch.compile (fuses its elementwise ops; slow first steps).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class ContinuousBatcher:
         preemption_mode: str = "recompute",
         swap_space_gb: float = 4.0,
         use_cuda_graphs: bool | None = None,
+        compile_model: bool = False,
     ):
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens) if isinstance(max_num_batched_tokens, int) else 256
@@ -118,7 +120,7 @@ class ContinuousBatcher:
             model.set_attn_implementation("paged")
         self.runner = ModelRunner(
             model, self.kv, block_size, max_num_seqs=max_num_seqs,
-            max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs,
+            max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs, compile_model=compile_model,
         )  # fmt: skip
         self.sampler = Sampler()
         self.vocab_size = (

@@ -38,6 +38,7 @@ class ModelRunner:
         max_num_seqs: the largest decode batch (the largest graph bucket).
         max_model_len: the longest sequence (width of the static block tables).
         use_cuda_graphs: replay CUDA graphs for decode steps (CUDA only; default: on when on CUDA).
+        compile_model: run the model through torch.compile (CUDA; compiles on the first steps).
     """
 
     def __init__(
@@ -48,8 +49,13 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
         use_cuda_graphs: bool | None = None,
+        compile_model: bool = False,
     ):
         self.model = model
+        # torch.compile fuses the model's elementwise ops (norms, rotary, activations) between the attention
+        # calls, which stay eager (the attention function is excluded from tracing); sizes are dynamic so
+        # decode buckets and prefill lengths share one compilation.
+        self._forward = torch.compile(model, dynamic=True) if compile_model else model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.k_cache[0].device
@@ -94,7 +100,7 @@ class ModelRunner:
             return self._replay(sched, block_tables)
         ctx, input_ids, position_ids, logits_idx = self._plan(sched, block_tables)
         with forward_context(ctx):
-            out = self.model(
+            out = self._forward(
                 input_ids=input_ids.to(self.input_device, non_blocking=True),
                 position_ids=position_ids.to(self.input_device, non_blocking=True),
                 attention_mask=self._no_mask,
@@ -127,8 +133,8 @@ class ModelRunner:
         tables = host["tables"]
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        st["input_ids"][0, :bucket].copy_(torch.from_numpy(host["ids"][:bucket]), non_blocking=True)
-        st["position_ids"][0, :bucket].copy_(torch.from_numpy(host["pos"][:bucket]), non_blocking=True)
+        st["input_ids"][:bucket].copy_(torch.from_numpy(host["ids"][:bucket]), non_blocking=True)
+        st["position_ids"][:bucket].copy_(torch.from_numpy(host["pos"][:bucket]), non_blocking=True)
         st["slot_mapping"][:bucket].copy_(torch.from_numpy(host["slots"][:bucket]), non_blocking=True)
         st["seq_lens"][:bucket].copy_(torch.from_numpy(host["lens"][:bucket]), non_blocking=True)
         st["block_tables"][:num_seqs, :width].copy_(torch.from_numpy(tables[:num_seqs, :width]), non_blocking=True)
@@ -142,8 +148,9 @@ class ModelRunner:
         max_bs = self.graph_sizes[-1]
         dev = self.device
         self._static = {
-            "input_ids": torch.zeros((1, max_bs), dtype=torch.int64, device=dev),
-            "position_ids": torch.zeros((1, max_bs), dtype=torch.int64, device=dev),
+            # Flat: a bucket's [1, bucket] view is then contiguous (torch.compile guards on strides).
+            "input_ids": torch.zeros((max_bs,), dtype=torch.int64, device=dev),
+            "position_ids": torch.zeros((max_bs,), dtype=torch.int64, device=dev),
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
             "seq_lens": torch.zeros((max_bs,), dtype=torch.int32, device=dev),
             "block_tables": torch.zeros((max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev),
@@ -179,9 +186,9 @@ class ModelRunner:
 
         def forward():
             with forward_context(ctx):
-                return self.model(
-                    input_ids=st["input_ids"][:, :bucket],
-                    position_ids=st["position_ids"][:, :bucket],
+                return self._forward(
+                    input_ids=st["input_ids"][:bucket].unsqueeze(0),
+                    position_ids=st["position_ids"][:bucket].unsqueeze(0),
                     attention_mask=self._no_mask,
                     use_cache=False,
                     logits_to_keep=st["logits_idx"][:bucket],
