@@ -7,6 +7,8 @@ import torch
 from hf_paged.kv_pool import KVPool
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# On the CPU a default pool is capped: half of the free RAM would take long to allocate and zero.
+CPU_DEFAULT_POOL_BYTES = 2 << 30
 
 
 @dataclass
@@ -51,7 +53,10 @@ class ModelInfo:
         return KVPool.bytes_per_block(self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def num_blocks_for(self, num_blocks: int | None, block_size: int, memory_fraction: float) -> int:
-        """``num_blocks`` if given, else as many blocks as ``memory_fraction`` of free memory holds."""
+        """``num_blocks`` if given, else as many blocks as ``memory_fraction`` of free memory holds.
+
+        On the CPU the default is capped at ``CPU_DEFAULT_POOL_BYTES`` (2 GiB); pass ``num_blocks`` for more.
+        """
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"`memory_fraction` must be in (0, 1], got {memory_fraction}")
         if num_blocks is not None:
@@ -60,6 +65,8 @@ class ModelInfo:
             return num_blocks
         per_block = self.bytes_per_block(block_size)
         budget = int(KVPool.free_memory(self.devices[0]) * memory_fraction)
+        if self.devices[0].type == "cpu":
+            budget = min(budget, CPU_DEFAULT_POOL_BYTES)
         if budget // per_block < 1:
             raise ValueError(
                 f"memory_fraction={memory_fraction} of free memory on {self.devices[0]} ({budget} bytes) holds no KV "

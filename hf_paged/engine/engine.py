@@ -47,6 +47,7 @@ class EngineMetrics:
     num_generated_tokens: int
     elapsed_s: float  # wall time spent inside step()
     num_used_blocks: int
+    peak_used_blocks: int  # high-water mark since construction
     num_blocks: int
     token_state_share: float  # slots holding tokens / slots of used blocks
     prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens looked up
@@ -76,7 +77,8 @@ class ContinuousBatcher:
         preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
         swap_space_gb: CPU memory for swapped blocks (swap mode).
         use_cuda_graphs: replay CUDA graphs for decode steps; default: on for a model on one CUDA device.
-        compile_model: run the model through torch.compile (fuses its elementwise ops; slow first steps).
+        compile_model: torch.compile the model inside the decode CUDA graphs (fuses its elementwise ops;
+            compiling adds tens of seconds to start-up).
     """
 
     def __init__(
@@ -122,6 +124,8 @@ class ContinuousBatcher:
             model, self.kv, block_size, max_num_seqs=max_num_seqs,
             max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs, compile_model=compile_model,
         )  # fmt: skip
+        if self.runner.use_cuda_graphs:
+            self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
         self.sampler = Sampler()
         self.vocab_size = (
             model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() else info.vocab_size
@@ -133,6 +137,7 @@ class ContinuousBatcher:
         self._ids = itertools.count()
         self._num_steps = self._num_prompt_tokens = self._num_computed = self._num_generated = 0
         self._elapsed = 0.0
+        self._peak_used_blocks = 0
 
     # ---- submission ------------------------------------------------------------------------------
 
@@ -197,6 +202,7 @@ class ContinuousBatcher:
                 )
             return []
         tables = [self.pool.get_block_table(chunk.seq.seq_id) for chunk in sched.chunks]
+        self._peak_used_blocks = max(self._peak_used_blocks, self.pool.num_blocks - self.pool.num_free_blocks)
         logits = self.runner.execute(sched, tables)
         self._num_steps += 1
         self._num_computed += sched.num_batched_tokens
@@ -220,7 +226,8 @@ class ContinuousBatcher:
             for _ in range(copies):
                 rows.append(i)
                 row_params.append(request.params)
-                outputs.append(chunk.seq.output_token_ids)
+                # The output so far matters only to penalties and min_tokens; copying it costs O(length).
+                outputs.append(chunk.seq.output_token_ids if _needs_history(request.params) else ())
                 prompts.append(request.prompt_token_ids)
                 generators.append(request.generator)
                 targets.append(chunk)
@@ -413,6 +420,7 @@ class ContinuousBatcher:
             num_generated_tokens=self._num_generated,
             elapsed_s=self._elapsed,
             num_used_blocks=s.num_used_blocks,
+            peak_used_blocks=self._peak_used_blocks,
             num_blocks=s.num_blocks,
             token_state_share=s.num_used_slots / s.num_allocated_slots if s.num_allocated_slots else 1.0,
             prefix_hit_rate=s.prefix_hit_rate,
@@ -495,6 +503,10 @@ class ContinuousBatcher:
                 "lower max_new_tokens or n, or "
                 "give the engine more blocks"
             )
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    return p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _is_messages(prompt) -> bool:

@@ -38,7 +38,7 @@ class ModelRunner:
         max_num_seqs: the largest decode batch (the largest graph bucket).
         max_model_len: the longest sequence (width of the static block tables).
         use_cuda_graphs: replay CUDA graphs for decode steps (CUDA only; default: on when on CUDA).
-        compile_model: run the model through torch.compile (CUDA; compiles on the first steps).
+        compile_model: compile the model (torch.compile) inside the decode graphs.
     """
 
     def __init__(
@@ -53,9 +53,9 @@ class ModelRunner:
     ):
         self.model = model
         # torch.compile fuses the model's elementwise ops (norms, rotary, activations) between the attention
-        # calls, which stay eager (the attention function is excluded from tracing); sizes are dynamic so
-        # decode buckets and prefill lengths share one compilation.
-        self._forward = torch.compile(model, dynamic=True) if compile_model else model
+        # calls, which stay eager (the attention function is excluded from tracing). Only the captured decode
+        # graphs use it: prefill lengths vary without bound and would keep recompiling.
+        self._graph_forward = torch.compile(model, dynamic=True) if compile_model else model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.k_cache[0].device
@@ -100,7 +100,7 @@ class ModelRunner:
             return self._replay(sched, block_tables)
         ctx, input_ids, position_ids, logits_idx = self._plan(sched, block_tables)
         with forward_context(ctx):
-            out = self._forward(
+            out = self.model(
                 input_ids=input_ids.to(self.input_device, non_blocking=True),
                 position_ids=position_ids.to(self.input_device, non_blocking=True),
                 attention_mask=self._no_mask,
@@ -144,6 +144,14 @@ class ModelRunner:
         graph.replay()
         return logits[0, :num_seqs].float()
 
+    def capture_all(self) -> None:
+        """Capture every decode bucket now (largest first, so smaller graphs reuse its memory pool)."""
+        if self._static is None:
+            self._allocate_static()
+        for bucket in sorted(self.graph_sizes, reverse=True):
+            if bucket not in self._graphs:
+                self._capture(bucket)
+
     def _allocate_static(self) -> None:
         max_bs = self.graph_sizes[-1]
         dev = self.device
@@ -186,7 +194,7 @@ class ModelRunner:
 
         def forward():
             with forward_context(ctx):
-                return self._forward(
+                return self._graph_forward(
                     input_ids=st["input_ids"][:bucket].unsqueeze(0),
                     position_ids=st["position_ids"][:bucket].unsqueeze(0),
                     attention_mask=self._no_mask,
