@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     # 1. Greedy, a padded batch: padding takes no slot in the pool.
     questions = ["What is the capital of France?", "How many legs does a spider have?"]
     inputs = chat_inputs(tokenizer, questions, device=device)
-    output = model.generate(**inputs, cache=cache, max_new_tokens=16, do_sample=False)
+    output = model.generate(**inputs, past_key_values=cache, max_new_tokens=16, do_sample=False)
     for question, answer in zip(questions, answers(tokenizer, inputs, output), strict=True):
         print(f"greedy: {question} -> {answer}")
     print(f"greedy: {cache.memory_report()}")
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     cache.reset()
     inputs = chat_inputs(tokenizer, ["Name a famous painting."], device=device)
     output = model.generate(
-        **inputs, cache=cache, max_new_tokens=12, num_beams=4, num_return_sequences=2, do_sample=False
+        **inputs, past_key_values=cache, max_new_tokens=12, num_beams=4, num_return_sequences=2, do_sample=False
     )
     for i, answer in enumerate(answers(tokenizer, inputs, output)):
         print(f"beam search, hypothesis {i}: {answer}")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     for question in ["Who painted the Mona Lisa?", "What is a fossil?", "When did the Bronze Age begin?"]:
         inputs = chat_inputs(tokenizer, [question], system=SYSTEM, device=device)
         before = cache.pool.stats
-        output = model.generate(**inputs, cache=cache.prepare(**inputs), max_new_tokens=16, do_sample=False)
+        output = model.generate(**inputs, past_key_values=cache.prepare(**inputs), max_new_tokens=16, do_sample=False)
         stats = cache.pool.stats
         hits = stats.num_prefix_hit_tokens - before.num_prefix_hit_tokens
         looked_up = stats.num_prefix_query_tokens - before.num_prefix_query_tokens

@@ -274,22 +274,7 @@ def _num_blocks(model, prompts: list[_Prompt], params, args: argparse.Namespace)
 def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
     from hf_paged.engine.engine import ContinuousBatcher
 
-    class PeakTrackingBatcher(ContinuousBatcher):
-        """Records the pool's high-water mark after every step: EngineMetrics reports the pool as it is now,
-        which is empty again once every request has finished."""
-
-        peak_used_blocks = 0
-        peak_token_state_share = 1.0  # slots holding tokens / slots of used blocks, at the peak
-
-        def step(self):
-            outputs = super().step()
-            stats = self.pool.stats
-            if stats.num_used_blocks > self.peak_used_blocks:
-                self.peak_used_blocks = stats.num_used_blocks
-                self.peak_token_state_share = stats.num_used_slots / stats.num_allocated_slots
-            return outputs
-
-    return PeakTrackingBatcher(
+    return ContinuousBatcher(
         model,
         tokenizer,
         num_blocks=num_blocks,
@@ -331,9 +316,9 @@ def _generate(args: argparse.Namespace) -> int:
         "generated_tokens": metrics.num_generated_tokens,
         "throughput_tok_s": metrics.generation_throughput,
         "wall_s": wall_s,
-        "kv_blocks_used_peak": engine.peak_used_blocks,
+        "kv_blocks_used_peak": engine.metrics().peak_used_blocks,
         "kv_blocks_total": metrics.num_blocks,
-        "token_state_share_at_peak": engine.peak_token_state_share,
+        "token_state_share_at_peak": engine.metrics().token_state_share_at_peak,
         "prefix_hit_rate": metrics.prefix_hit_rate,
         "preemptions": metrics.num_preemptions,
     }

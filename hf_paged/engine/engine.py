@@ -48,6 +48,7 @@ class EngineMetrics:
     elapsed_s: float  # wall time spent inside step()
     num_used_blocks: int
     peak_used_blocks: int  # high-water mark since construction
+    token_state_share_at_peak: float  # token_state_share when peak_used_blocks was reached
     num_blocks: int
     token_state_share: float  # slots holding tokens / slots of used blocks
     prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens looked up
@@ -138,6 +139,7 @@ class ContinuousBatcher:
         self._num_steps = self._num_prompt_tokens = self._num_computed = self._num_generated = 0
         self._elapsed = 0.0
         self._peak_used_blocks = 0
+        self._peak_share = 1.0
 
     # ---- submission ------------------------------------------------------------------------------
 
@@ -191,6 +193,10 @@ class ContinuousBatcher:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward; returns the outputs of the requests that progressed or finished in it."""
+        return [self._output(r) for r in self._run_step()]
+
+    def _run_step(self) -> list[Request]:
+        """One forward; returns the requests that progressed (building their outputs is left to callers)."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         touched: dict[str, Request] = {r.request_id: r for r in sched.preempted}
@@ -202,7 +208,10 @@ class ContinuousBatcher:
                 )
             return []
         tables = [self.pool.get_block_table(chunk.seq.seq_id) for chunk in sched.chunks]
-        self._peak_used_blocks = max(self._peak_used_blocks, self.pool.num_blocks - self.pool.num_free_blocks)
+        if self.pool.num_blocks - self.pool.num_free_blocks > self._peak_used_blocks:
+            stats = self.pool.stats
+            self._peak_used_blocks = stats.num_used_blocks
+            self._peak_share = stats.num_used_slots / stats.num_allocated_slots
         logits = self.runner.execute(sched, tables)
         self._num_steps += 1
         self._num_computed += sched.num_batched_tokens
@@ -210,7 +219,7 @@ class ContinuousBatcher:
             chunk.seq.num_computed = chunk.end
         self._process_logits(sched, logits, touched)
         self._elapsed += time.perf_counter() - start
-        return [self._output(r) for r in touched.values()]
+        return list(touched.values())
 
     def _process_logits(self, sched: SchedulerOutput, logits: torch.Tensor, touched: dict) -> None:
         sampling = [c for c in sched.chunks if c.samples]
@@ -316,7 +325,7 @@ class ContinuousBatcher:
                             stop_ids, masked)  # fmt: skip
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = time.monotonic()
-        self._num_generated += len(result.new_beams) if not result.done else 1
+        self._num_generated += 1  # one more output position for the request (whatever its beams)
         new_seqs = []
         if not result.done:
             for parent_idx, token, score in result.new_beams:
@@ -375,9 +384,9 @@ class ContinuousBatcher:
         pending = set(ids)
         bar = _progress(len(ids), use_tqdm)
         while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
+            for request in self._run_step():
+                if request.is_finished and request.request_id in pending:
+                    pending.discard(request.request_id)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix_str(f"{self.metrics().generation_throughput:.0f} tok/s", refresh=False)
@@ -396,7 +405,7 @@ class ContinuousBatcher:
         sent_tokens, sent_text = 0, 0
         try:
             while not request.is_finished:
-                self.step()
+                self._run_step()
                 seq = request.seqs[0]
                 tokens = seq.output_token_ids[sent_tokens:]
                 text = seq.text[sent_text:]
@@ -421,6 +430,7 @@ class ContinuousBatcher:
             elapsed_s=self._elapsed,
             num_used_blocks=s.num_used_blocks,
             peak_used_blocks=self._peak_used_blocks,
+            token_state_share_at_peak=self._peak_share,
             num_blocks=s.num_blocks,
             token_state_share=s.num_used_slots / s.num_allocated_slots if s.num_allocated_slots else 1.0,
             prefix_hit_rate=s.prefix_hit_rate,
