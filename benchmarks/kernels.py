@@ -24,7 +24,7 @@ import triton.testing
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 32, 256)
-DECODE_CONTEXTS = (512, 4096)
+DECODE_CONTEXTS = (512, 2048, 4096)
 PREFILL_BATCH, PREFILL_LEN = 4, 1024
 QUANTILES = [0.5, 0.2, 0.8]  # do_bench returns (median, p20, p80) in ms
 
@@ -151,6 +151,53 @@ def decode_max_abs_diff(batch: int = 8, context: int = 1000) -> float:
     return (out.float() - ref.float()).abs().max().item()
 
 
+PREFILL_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major); the first is the default
+    (128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
+    (64, 64, 4, 3, True), (128, 32, 4, 4, True), (128, 128, 8, 2, False), (64, 128, 4, 3, True),
+]  # fmt: skip
+
+
+def sweep_prefill(block_size: int) -> list[str]:
+    """Prefill tile configurations on the benchmark's shape: time and max abs diff vs the reference."""
+    from hf_paged.kernels.prefill import paged_prefill_triton
+    from hf_paged.kernels.reference import paged_attention_ref
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    batch, length = PREFILL_BATCH, PREFILL_LEN
+    num_blocks_per_seq = length // block_size
+    k_cache = torch.randn(batch * num_blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda",
+                          dtype=DTYPE, generator=generator)  # fmt: skip
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(batch * num_blocks_per_seq, device="cuda", generator=generator)
+    block_tables = perm.view(batch, num_blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch * length, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    cu_seqlens_q = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM**-0.5
+    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    flops = 4 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2
+    lines = [f"Prefill sweep, block_size {block_size}:", "", "| BLOCK_M | BLOCK_N | warps | stages | K row-major "
+             "| µs | TFLOP/s | max abs diff |", "|---:|---:|---:|---:|---|---:|---:|---:|"]  # fmt: skip
+    for bm, bn, warps, stages, row_major in PREFILL_SWEEP:
+        out = torch.full_like(query, float("nan"))
+
+        def run(bm=bm, bn=bn, warps=warps, stages=stages, row_major=row_major, out=out):
+            paged_prefill_triton(
+                query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_query_len=length,
+                max_seq_len=length, out=out, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                k_row_major=row_major,
+            )  # fmt: skip
+
+        try:
+            us, _, _ = _bench(run)
+            diff = (out.float() - ref.float()).abs().max().item()
+            lines.append(f"| {bm} | {bn} | {warps} | {stages} | {row_major} | {us:.1f} | "
+                         f"{flops / (us * 1e-6) / 1e12:.0f} | {diff:.2e} |")  # fmt: skip
+        except Exception as exc:  # a tile that does not fit (shared memory, registers): report and go on
+            lines.append(f"| {bm} | {bn} | {warps} | {stages} | {row_major} | failed: {type(exc).__name__} | | |")
+    return lines
+
+
 def bench_prefill(gqa_kwargs: dict) -> list[str] | None:
     """Fresh prompts through the paged prefill kernel vs causal SDPA; None if there is no kernel."""
     try:
@@ -201,6 +248,7 @@ def bench_prefill(gqa_kwargs: dict) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the markdown block to this file")
+    parser.add_argument("--prefill-sweep", action="store_true", help="also time prefill tile configurations")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA device; none found, nothing measured.", file=sys.stderr)
@@ -234,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += ["", f"Decode correctness (batch 8, ragged contexts <= 1000): max abs diff vs reference {max_diff:.2e}."]
     prefill = bench_prefill(gqa_kwargs)
+    if args.prefill_sweep:
+        for block_size in (16, 64):
+            lines += [""] + sweep_prefill(block_size)
     lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
 
     text = "\n".join(lines) + "\n"

@@ -63,6 +63,7 @@ def _attend_tile(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    K_ROW_MAJOR: tl.constexpr,  # load K as [BLOCK_N, BLOCK_D] and transpose in registers (else as K^T)
 ):
     """One online-softmax step over the keys [start_n, start_n + BLOCK_N); returns (acc, l_i, m_i)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N], key positions
@@ -83,10 +84,19 @@ def _attend_tile(
         slot_offs = block_ids.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset
     kv_offs = kv_head_off + slot_offs  # [BLOCK_N], int64
 
-    kv_mask_t = key_in_ctx[None, :] & d_mask[:, None]  # [BLOCK_D, BLOCK_N]: real key, real dim
-    k = tl.load(
-        k_cache_ptr + kv_offs[None, :] + offs_d[:, None] * stride_cache_d, mask=kv_mask_t, other=0.0
-    )  # k: [BLOCK_D, BLOCK_N]
+    if K_ROW_MAJOR:
+        k = tl.trans(
+            tl.load(
+                k_cache_ptr + kv_offs[:, None] + offs_d[None, :] * stride_cache_d,
+                mask=key_in_ctx[:, None] & d_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+        )  # k: [BLOCK_D, BLOCK_N]
+    else:
+        kv_mask_t = key_in_ctx[None, :] & d_mask[:, None]  # [BLOCK_D, BLOCK_N]: real key, real dim
+        k = tl.load(
+            k_cache_ptr + kv_offs[None, :] + offs_d[:, None] * stride_cache_d, mask=kv_mask_t, other=0.0
+        )  # k: [BLOCK_D, BLOCK_N]
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -159,8 +169,10 @@ def _paged_prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 caches, and bf16 under the interpreter)
+    K_ROW_MAJOR: tl.constexpr,
 ):
-    tile_idx = tl.program_id(0)
+    # Causal: later row tiles attend to more keys. Launch them first so the short ones fill the tail.
+    tile_idx = tl.num_programs(0) - 1 - tl.program_id(0)
     seq_idx = tl.program_id(1)
     kv_head = tl.program_id(2)
 
@@ -211,21 +223,21 @@ def _paged_prefill_kernel(
             acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
             qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
             stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32,
+            DOT_FP32, K_ROW_MAJOR,
         )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):  # interior: no mask
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
             qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
             stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32,
+            DOT_FP32, K_ROW_MAJOR,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):  # causal edge
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
             qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
             stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32,
+            DOT_FP32, K_ROW_MAJOR,
         )  # fmt: skip
 
     # Every real row sees at least its own key, so l_i > 0 there; padding rows (l_i == 0) are not stored.
@@ -274,6 +286,9 @@ def paged_prefill_triton(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    k_row_major: bool = False,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its paged context (flash attention).
 
@@ -302,6 +317,8 @@ def paged_prefill_triton(
             beyond ``cu_seqlens_q[-1]`` are left untouched.
         block_m: override of BLOCK_M (rows per program), a power of two >= 16.
         block_n: override of BLOCK_N (keys per step), a power of two >= 16.
+        num_warps, num_stages: overrides of the launch meta-parameters (benchmarks/kernels.py sweeps them).
+        k_row_major: load K tiles key-major and transpose in registers instead of loading K^T.
 
     Returns:
         out: [num_tokens, num_heads, head_dim].
@@ -377,7 +394,9 @@ def paged_prefill_triton(
 
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    default_m, default_n, num_warps, num_stages = _default_tiles(query.dtype, block_d)
+    default_m, default_n, default_warps, default_stages = _default_tiles(query.dtype, block_d)
+    num_warps = num_warps or default_warps
+    num_stages = num_stages or default_stages
     # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
     tile_m = block_m or min(default_m, max(16, triton.next_power_of_2(max_query_len * group)))
     tile_n = block_n or default_n
@@ -418,6 +437,7 @@ def paged_prefill_triton(
         BLOCK_D=block_d,
         HAS_WINDOW=has_window,
         HAS_SOFT_CAP=has_soft_cap,
+        K_ROW_MAJOR=k_row_major,
         DOT_FP32=dot_fp32,
         num_warps=num_warps,
         num_stages=num_stages,

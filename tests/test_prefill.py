@@ -79,6 +79,7 @@ def _check(
     block_m=None,
     block_n=None,
     query_view=False,
+    k_row_major=False,
 ):
     extra = 3
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(
@@ -95,6 +96,7 @@ def _check(
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
         max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
         sliding_window=sliding_window, soft_cap=soft_cap, out=out, block_m=block_m, block_n=block_n,
+        k_row_major=k_row_major,
     )  # fmt: skip
     assert result is out
     expected = paged_attention_ref(
@@ -132,6 +134,14 @@ def test_head_dims(head_dim, num_heads, num_kv_heads, seqs, dtype):
 @pytest.mark.parametrize("block_n", [None, 16])  # default 64 (several blocks per tile) and 16 (part of one)
 def test_block_sizes(block_size, block_n):
     _check(MIXED, block_size=block_size, block_n=block_n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_k_row_major_tiles(dtype, block_size):
+    # K loaded key-major and transposed in registers: the same function as the K^T load.
+    _check(MIXED, block_size=block_size, dtype=dtype, k_row_major=True)
+    _check(MIXED, block_size=block_size, dtype=dtype, k_row_major=True, sliding_window=9, soft_cap=20.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
