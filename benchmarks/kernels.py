@@ -152,7 +152,7 @@ def decode_max_abs_diff(batch: int = 8, context: int = 1000) -> float:
 
 
 PREFILL_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major); the first is the default
-    (128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
+    (128, 32, 4, 4, True), (128, 64, 8, 3, False), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
     (64, 64, 4, 3, True), (128, 32, 4, 4, True), (128, 128, 8, 2, False), (64, 128, 4, 3, True),
 ]  # fmt: skip
 

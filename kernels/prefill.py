@@ -250,24 +250,26 @@ def _paged_prefill_kernel(
     )
 
 
-def _default_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
-    """Default (BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100.
+def _default_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int, bool]:
+    """Default (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) for Hopper (H100/H200).
 
-    Heuristic: 2-byte dtypes with head_dim <= 128 use the flash-attention tiles 128 x 64 (8 warps
-    for head_dim > 64); head_dim 256 halves both tiles to fit registers and shared memory. fp32
-    operands take twice the shared memory and registers per element, so they use 64 x 32 tiles,
-    and 32 x 32 without software pipelining for head_dim 256 (Q + K + V tiles = 96 KiB of the
+    Heuristic: 2-byte dtypes with head_dim <= 64 use the flash-attention tiles 128 x 64; head_dim in
+    (64, 128] uses 128 x 32 tiles, 4 warps, 4 stages and key-major K loads, the fastest of the sweep in
+    benchmarks/kernels.py on an H200 (151 µs vs 169 µs for the 128 x 64 / 8 warps / K^T tiles on 4 x 1024
+    tokens, 32/8 heads, block_size 16; RESULTS.md, 2026-11-26); head_dim 256 halves the tiles to fit registers
+    and shared memory. fp32 operands take twice the shared memory and registers per element, so they use
+    64 x 32 tiles, and 32 x 32 without software pipelining for head_dim 256 (Q + K + V tiles = 96 KiB of the
     H100's 227 KiB shared memory per block; two stages would need 160 KiB).
     """
     if dtype == torch.float32:
         if block_d <= 128:
-            return 64, 32, 4, 2
-        return 32, 32, 4, 1
+            return 64, 32, 4, 2, False
+        return 32, 32, 4, 1, False
     if block_d <= 64:
-        return 128, 64, 4, 3
+        return 128, 64, 4, 3, False
     if block_d <= 128:
-        return 128, 64, 8, 3
-    return 64, 32, 8, 2
+        return 128, 32, 4, 4, True
+    return 64, 32, 8, 2, False
 
 
 def paged_prefill_triton(
@@ -288,7 +290,7 @@ def paged_prefill_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    k_row_major: bool = False,
+    k_row_major: bool | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its paged context (flash attention).
 
@@ -318,7 +320,8 @@ def paged_prefill_triton(
         block_m: override of BLOCK_M (rows per program), a power of two >= 16.
         block_n: override of BLOCK_N (keys per step), a power of two >= 16.
         num_warps, num_stages: overrides of the launch meta-parameters (benchmarks/kernels.py sweeps them).
-        k_row_major: load K tiles key-major and transpose in registers instead of loading K^T.
+        k_row_major: load K tiles key-major and transpose in registers instead of loading K^T
+            (default: per the tile heuristic).
 
     Returns:
         out: [num_tokens, num_heads, head_dim].
@@ -394,9 +397,10 @@ def paged_prefill_triton(
 
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    default_m, default_n, default_warps, default_stages = _default_tiles(query.dtype, block_d)
+    default_m, default_n, default_warps, default_stages, default_row_major = _default_tiles(query.dtype, block_d)
     num_warps = num_warps or default_warps
     num_stages = num_stages or default_stages
+    k_row_major = default_row_major if k_row_major is None else k_row_major
     # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
     tile_m = block_m or min(default_m, max(16, triton.next_power_of_2(max_query_len * group)))
     tile_n = block_n or default_n
