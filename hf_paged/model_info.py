@@ -24,6 +24,7 @@ class ModelInfo:
     layer_types: list[str]
     vocab_size: int
     max_model_len: int | None
+    tp_size: int = 1  # tensor-parallel degree: each rank's pools hold num_kv_heads of the config's heads
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> "ModelInfo":
@@ -37,16 +38,27 @@ class ModelInfo:
         _check_model_supported(config, text_config)
         num_layers = text_config.num_hidden_layers
         num_heads = text_config.num_attention_heads
+        model_type = getattr(config, "model_type", type(config).__name__)
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        # Under transformers' tensor parallelism (tp_plan) every rank computes its share of the heads, so its
+        # pools hold that share of every block; all ranks use the same block tables (paper §4.6).
+        tp_size = getattr(model, "tp_size", None) or 1
+        if num_kv_heads % tp_size:
+            raise ValueError(
+                f"{model_type!r} has {num_kv_heads} KV heads, which tensor parallelism of degree {tp_size} cannot "
+                "split evenly; pick a tp degree that divides the KV heads"
+            )
         return cls(
-            model_type=getattr(config, "model_type", type(config).__name__),
+            model_type=model_type,
             num_layers=num_layers,
-            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads // tp_size,
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
             dtype=_kv_dtype(model),
             devices=_layer_devices(model, num_layers),
             layer_types=list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers),
             vocab_size=text_config.vocab_size,
             max_model_len=getattr(text_config, "max_position_embeddings", None),
+            tp_size=tp_size,
         )
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -109,6 +121,12 @@ def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device
             param = next(module.parameters(recurse=True), None)
             if param is not None:
                 devices[idx] = param.device
+    offloaded = [i for i, d in enumerate(devices) if d.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"layers {offloaded} have their weights offloaded (on the meta device); hf_paged keeps each layer's KV "
+            "pool on that layer's device, so load the model with every layer on a GPU or the CPU (no disk offload)"
+        )
     return devices
 
 

@@ -32,7 +32,8 @@ def write_kv(
     if k_cache.is_cuda:
         from .cache_ops import write_kv_triton
 
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        with torch.cuda.device(k_cache.device):  # Triton launches on the current device
+            write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
@@ -49,7 +50,8 @@ def copy_blocks(
     if k_cache.is_cuda:
         from .cache_ops import copy_blocks_triton
 
-        copy_blocks_triton(k_cache, v_cache, src, dst)
+        with torch.cuda.device(k_cache.device):
+            copy_blocks_triton(k_cache, v_cache, src, dst)
     else:
         copy_blocks_ref(k_cache, v_cache, src, dst)
 
@@ -85,17 +87,19 @@ def paged_attention(
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if seq_lens.numel() else 0
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    if max_query_len == 1:
-        from .decode import paged_decode_triton
+    # Triton launches on the current device: with accelerate's device_map, layers live on several GPUs.
+    with torch.cuda.device(query.device):
+        if max_query_len == 1:
+            from .decode import paged_decode_triton
 
-        return paged_decode_triton(
-            query, k_cache, v_cache, block_tables, seq_lens, scale,
-            max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+            return paged_decode_triton(
+                query, k_cache, v_cache, block_tables, seq_lens, scale,
+                max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+            )  # fmt: skip
+        from .prefill import paged_prefill_triton
+
+        return paged_prefill_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
+            out=out,
         )  # fmt: skip
-    from .prefill import paged_prefill_triton
-
-    return paged_prefill_triton(
-        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
-        out=out,
-    )  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 
 from hf_paged.block_pool import BlockPool
 from hf_paged.engine.beam_search import BeamState
+from hf_paged.engine.distributed import RankSync
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import CompletionOutput, Request, RequestOutput
@@ -65,6 +66,12 @@ class ContinuousBatcher:
 
     The model is switched to ``attn_implementation="paged"``: the engine calls it as one flat batch
     ``[1, num_tokens]`` with ``use_cache=False`` and the attention function reads and writes the blocks.
+
+    Several GPUs: a model loaded with accelerate's ``device_map`` keeps each layer's pool on that layer's
+    device (one block table for all). A model loaded with ``tp_plan="auto"`` under ``torchrun`` runs one
+    engine per rank: each rank's pools hold its share of the KV heads, every rank must submit the same
+    requests in the same order, rank 0's sampled tokens are broadcast, and the ranks' schedules are checked
+    to agree every step (hf_paged.engine.distributed).
 
     Args:
         model: a decoder-only Hugging Face causal LM (full or sliding-window attention layers).
@@ -121,13 +128,18 @@ class ContinuousBatcher:
             import hf_paged.attention  # noqa: F401  (registers "paged")
 
             model.set_attn_implementation("paged")
+        if info.tp_size > 1 and use_cuda_graphs is None:
+            use_cuda_graphs = False  # the all-reduces of tensor parallelism run eagerly (not captured yet)
         self.runner = ModelRunner(
             model, self.kv, block_size, max_num_seqs=max_num_seqs,
             max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs, compile_model=compile_model,
         )  # fmt: skip
+        self._sync = RankSync(info.tp_size, self.runner.device)
         if self.runner.use_cuda_graphs:
             self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
         self.sampler = Sampler()
+        head = model.get_output_embeddings()
+        self.sample_device = head.weight.device if head is not None else self.runner.device  # where logits live
         self.vocab_size = (
             model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() else info.vocab_size
         )
@@ -167,7 +179,7 @@ class ContinuousBatcher:
             raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
         request = Request(request_id, token_ids, params, prompt_text)
         if params.seed is not None:
-            request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+            request.generator = torch.Generator(device=self.sample_device).manual_seed(params.seed)
         if params.beam_width > 1:
             self._beams[request_id] = BeamState(params.beam_width, params.length_penalty, params.max_new_tokens)
         self.requests[request_id] = request
@@ -207,6 +219,7 @@ class ContinuousBatcher:
                     f"({self.pool.num_free_blocks}/{self.pool.num_blocks} blocks free)"
                 )
             return []
+        self._sync.check_schedule(sched)
         tables = [self.pool.get_block_table(chunk.seq.seq_id) for chunk in sched.chunks]
         if self.pool.num_blocks - self.pool.num_free_blocks > self._peak_used_blocks:
             stats = self.pool.stats
@@ -243,6 +256,7 @@ class ContinuousBatcher:
         if rows:
             index = torch.tensor(rows, device=logits.device)
             out = self.sampler(logits[index], row_params, outputs, prompts, generators, self.eos_token_ids)
+            self._sync.broadcast(out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)
             tokens = out.token_ids.tolist()
             lps = out.logprobs.tolist() if out.logprobs is not None else None
             top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None

@@ -1,0 +1,113 @@
+"""Several devices: accelerate's device_map, and tensor parallelism (tp_plan="auto") on 2 CPU processes (gloo)."""
+
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from models import tiny_model
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from hf_paged import ContinuousBatcher, PagedCache, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 53)), [3, 4], list(range(40, 61))]
+NEW = [9, 5, 14, 7]
+
+
+def _greedy_engine(model, **kwargs):
+    engine = ContinuousBatcher(model, block_size=8, num_blocks=64, max_num_batched_tokens=24, **kwargs)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in NEW]
+    outs = engine.generate(PROMPTS, params, use_tqdm=False)
+    assert engine.pool.stats.num_used_blocks == 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    tiny_model("llama", attn="sdpa").save_pretrained(path)
+    return str(path)
+
+
+def test_device_map_model_matches(saved_model):
+    """accelerate's dispatch hooks on every layer (what device_map installs across GPUs; on the CPU every
+    device is "cpu", so transformers would skip them: they are attached here directly)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    plain = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
+    mapped = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
+    for module in (mapped.model.embed_tokens, *mapped.model.layers, mapped.model.norm, mapped.lm_head):
+        add_hook_to_module(module, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    assert all(hasattr(layer, "_hf_hook") for layer in mapped.model.layers)
+    assert _greedy_engine(mapped) == _greedy_engine(plain)
+    ids = torch.tensor([PROMPTS[1]])
+    expected = plain.generate(
+        input_ids=ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(config=plain.config)
+    )
+    out = mapped.generate(
+        input_ids=ids,
+        max_new_tokens=8,
+        do_sample=False,
+        past_key_values=PagedCache(mapped, num_blocks=16, block_size=8),
+    )
+    assert torch.equal(out, expected)
+
+
+def test_offloaded_layers_are_refused(saved_model):
+    model = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
+    model.model.layers[1].self_attn.to("meta")
+    with pytest.raises(ValueError, match=r"layers \[1\] have their weights offloaded"):
+        PagedCache(model, num_blocks=8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, world: int, port: int, path: str, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="paged")
+        assert model.tp_size == world
+        greedy = _greedy_engine(model)
+        engine = ContinuousBatcher(model, block_size=8, num_blocks=64)
+        sampled = [o.outputs[0].token_ids for o in engine.generate(
+            PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True), use_tqdm=False)]  # fmt: skip
+        cache = PagedCache(model, num_blocks=16, block_size=8)
+        assert cache.kv.num_kv_heads == model.config.num_key_value_heads // world
+        out = model.generate(input_ids=torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=False,
+                             past_key_values=cache)  # fmt: skip
+        results.put((rank, greedy, sampled, out[0].tolist()))
+    except Exception as exc:  # surface the worker's error in the parent
+        results.put((rank, repr(exc), None, None))
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_tensor_parallel_two_ranks_match_one_process(saved_model):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_worker, args=(rank, 2, port, saved_model, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r[0], r[1:]) for r in (results.get(timeout=300) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    for rank in (0, 1):
+        assert isinstance(got[rank][0], list), got[rank][0]
+    plain = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
+    single = _greedy_engine(plain)
+    assert got[0][0] == got[1][0] == single  # greedy: both ranks equal one process
+    assert got[0][1] == got[1][1]  # sampling: rank 0's tokens are broadcast, the ranks stay in lock-step
+    expected = plain.generate(input_ids=torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=False,
+                              past_key_values=DynamicCache(config=plain.config))  # fmt: skip
+    assert got[0][2] == got[1][2] == expected[0].tolist()
