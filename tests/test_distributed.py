@@ -40,8 +40,11 @@ def test_device_map_model_matches(saved_model):
     mapped = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
     for module in (mapped.model.embed_tokens, *mapped.model.layers, mapped.model.norm, mapped.lm_head):
         add_hook_to_module(module, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    # The top-level hook moves every input to the first device; logits_to_keep must stay where lm_head is.
+    add_hook_to_module(mapped, AlignDevicesHook(execution_device="cpu", io_same_device=True, skip_keys=["cache"]))
     assert all(hasattr(layer, "_hf_hook") for layer in mapped.model.layers)
     assert _greedy_engine(mapped) == _greedy_engine(plain)
+    assert "logits_to_keep" in mapped._hf_hook.skip_keys
     ids = torch.tensor([PROMPTS[1]])
     expected = plain.generate(
         input_ids=ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(config=plain.config)

@@ -25,6 +25,21 @@ from hf_paged.context import ForwardContext, forward_context
 from hf_paged.engine.scheduler import SchedulerOutput
 from hf_paged.kv_pool import KVPool
 
+
+def _keep_on_own_device(model: torch.nn.Module, key: str) -> None:
+    """Stop accelerate's top-level hook (device_map) from moving ``key`` to the first device.
+
+    The indices of ``logits_to_keep`` index the hidden states where the last layer left them, on the
+    ``lm_head``'s device; the hook would move them to the first GPU.
+    """
+    hook = getattr(model, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        if hasattr(h, "skip_keys"):
+            keys = h.skip_keys if isinstance(h.skip_keys, (list, tuple)) else ([h.skip_keys] if h.skip_keys else [])
+            if key not in keys:
+                h.skip_keys = [*keys, key]
+
+
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -60,6 +75,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv.k_cache[0].device
         self.input_device = model.get_input_embeddings().weight.device
+        head = model.get_output_embeddings()
+        self.output_device = head.weight.device if head is not None else self.input_device  # logits_to_keep's
+        _keep_on_own_device(model, "logits_to_keep")
         self.kv_caches = list(zip(kv.k_cache, kv.v_cache, strict=True))
         # A 4D mask makes transformers skip building masks (the paged kernels take lengths, not masks);
         # it also keeps mask code with host syncs out of the captured graphs.
@@ -105,7 +123,7 @@ class ModelRunner:
                 position_ids=position_ids.to(self.input_device, non_blocking=True),
                 attention_mask=self._no_mask,
                 use_cache=False,
-                logits_to_keep=logits_idx.to(self.input_device, non_blocking=True),
+                logits_to_keep=logits_idx.to(self.output_device, non_blocking=True),
             )
         return out.logits[0].float()
 
