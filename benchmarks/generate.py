@@ -19,42 +19,11 @@ import time
 
 import torch
 import transformers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import PagedCache
-
-SHAPES = {
-    "llama-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),  # fmt: skip
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=1024,
-    ),  # fmt: skip
-}
-
-
-def build_model(shape: str) -> LlamaForCausalLM:
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rope_theta=500000.0,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # build in bf16 directly: no fp32 copy of 8B weights
-    try:
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    return model
+from hf_paged.bench import SHAPES, build_model
 
 
 def run(model, make_cache, attn: str, prompts: torch.Tensor, new_tokens: int, **kwargs):

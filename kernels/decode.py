@@ -408,7 +408,7 @@ def paged_decode_triton(
         partial_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
         partial_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
     else:
-        # TODO(decode): the engine will pass static buffers sized for its largest graph bucket.
+        # Allocated per call; inside the engine's CUDA graphs that happens once, at capture (the graph's pool).
         partial_acc = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
         )
