@@ -31,29 +31,14 @@ they are, among the cached ones.)
 """
 
 import math
-import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import NewType
 
-import xxhash
+from hf_paged.prefix_hash import _ROOT_PARENT_HASH, HASH_SEED, BlockHash, hash_block_tokens
 
 BlockId = int
-BlockHash = NewType("BlockHash", int)
-
-HASH_SEED = 0x68665F7061676564  # b"hf_paged" read as a big-endian int
-_ROOT_PARENT_HASH = BlockHash(0)  # h_{-1}, the "parent" of a sequence's first block
-
-
-def hash_block_tokens(
-    parent_hash: BlockHash, token_ids: Sequence[int], extra_key: Hashable | None = None
-) -> BlockHash:
-    """Chained xxh64 of one full block; the formula is in the module docstring."""
-    data = parent_hash.to_bytes(8, "little") + struct.pack(f"<{len(token_ids)}q", *token_ids)
-    if extra_key is not None:
-        data += repr(extra_key).encode()
-    return BlockHash(xxhash.xxh64_intdigest(data, seed=HASH_SEED))
+__all__ = ["BlockId", "BlockHash", "BlockPool", "HASH_SEED", "hash_block_tokens", "AllocationResult", "PoolStats"]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 from hf_paged.block_pool import BlockPool
 from hf_paged.engine.beam_search import BeamState
 from hf_paged.engine.distributed import RankSync
+from hf_paged.engine.inputs import InputProcessor, eos_token_ids, is_messages
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import CompletionOutput, Request, RequestOutput
@@ -140,11 +141,9 @@ class ContinuousBatcher:
         self.sampler = Sampler()
         head = model.get_output_embeddings()
         self.sample_device = head.weight.device if head is not None else self.runner.device  # where logits live
-        self.vocab_size = (
-            model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() else info.vocab_size
-        )
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.max_model_len = info.max_model_len
+        vocab_size = head.weight.shape[0] if head is not None else info.vocab_size
+        self.inputs = InputProcessor(tokenizer, vocab_size, info.max_model_len, self.pool)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.requests: dict[str, Request] = {}
         self._beams: dict[str, BeamState] = {}
         self._ids = itertools.count()
@@ -172,8 +171,8 @@ class ContinuousBatcher:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
-        prompt_text, token_ids = self._tokenize(prompt)
-        self._validate(token_ids, params)
+        prompt_text, token_ids = self.inputs.tokenize(prompt)
+        self.inputs.validate(token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
@@ -309,7 +308,9 @@ class ContinuousBatcher:
             seq.finish_reason, seq.stop_reason = "stop", token
         if self.tokenizer is not None:
             self._detokenize(request, seq)
-        if seq.finish_reason is None and (num_out >= params.max_new_tokens or len(seq.token_ids) >= self._max_len()):
+        if seq.finish_reason is None and (
+            num_out >= params.max_new_tokens or len(seq.token_ids) >= self.inputs.max_len
+        ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.scheduler.release_seq(seq)
@@ -381,7 +382,7 @@ class ContinuousBatcher:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if _is_messages(prompts):
+        if is_messages(prompts):
             prompts = [prompts]
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -475,77 +476,9 @@ class ContinuousBatcher:
             num_cached_tokens=getattr(request, "num_cached_tokens", 0),
         )
 
-    # ---- input handling ------------------------------------------------------------------------
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a string prompt needs a tokenizer: ContinuousBatcher(model, tokenizer=...)")
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        if _is_messages(prompt):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "chat messages need a tokenizer with a chat template: ContinuousBatcher(..., tokenizer=)"
-                )
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return None, list(ids)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.flatten().tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise TypeError(
-                f"a prompt must be a list of token ids, a string or chat messages, got {type(prompt).__name__}"
-            )
-        return None, list(prompt)
-
-    def _max_len(self) -> int:
-        return self.max_model_len if self.max_model_len else 1 << 62
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: a request needs at least one token")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        total = len(token_ids) + params.max_new_tokens
-        if total > self._max_len():
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
-                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_new_tokens"
-            )
-        bs = self.pool.block_size
-        width = max(params.n, params.beam_width)
-        # The prompt's blocks once, plus each sample's own blocks and a copied partial block.
-        needed = -(-len(token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1)
-        if needed > self.pool.num_blocks:
-            raise ValueError(
-                f"the request can need {needed} KV blocks ({len(token_ids)} prompt tokens, "
-                f"{params.max_new_tokens} new, {width} sequences) but the whole pool has {self.pool.num_blocks}; "
-                "lower max_new_tokens or n, or "
-                "give the engine more blocks"
-            )
-
 
 def _needs_history(p: SamplingParams) -> bool:
     return p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _is_messages(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
-
-
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return ()
-    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
 def _progress(total: int, enabled: bool):

@@ -1,0 +1,103 @@
+"""What the engine accepts as a request: prompts in three forms, checked before anything is queued."""
+
+import torch
+
+from hf_paged.block_pool import BlockPool
+from hf_paged.engine.params import SamplingParams
+
+
+class InputProcessor:
+    """Turns a prompt into token ids and refuses requests that could never run.
+
+    Args:
+        tokenizer: optional; needed for string prompts and chat messages.
+        vocab_size: token ids must be in [0, vocab_size).
+        max_model_len: the model's context (None: unbounded).
+        pool: the engine's block pool (a request must fit in the whole pool).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int | None, pool: BlockPool):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.pool = pool
+
+    @property
+    def max_len(self) -> int:
+        return self.max_model_len if self.max_model_len else 1 << 62
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for token ids, a string or chat messages.
+
+        Raises:
+            ValueError: a string or messages without a tokenizer.
+            TypeError: anything else than these three forms.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a string prompt needs a tokenizer: ContinuousBatcher(model, tokenizer=...)")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if is_messages(prompt):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "chat messages need a tokenizer with a chat template: ContinuousBatcher(..., tokenizer=)"
+                )
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return None, list(ids)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError(
+                f"a prompt must be a list of token ids, a string or chat messages, got {type(prompt).__name__}"
+            )
+        return None, list(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse, at submission, a request that is malformed or could never fit (it would stall the engine).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, a prompt + max_new_tokens beyond
+                the model's context or beyond the whole pool.
+        """
+        if not token_ids:
+            raise ValueError("the prompt is empty: a request needs at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(token_ids) + params.max_new_tokens
+        if total > self.max_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_new_tokens"
+            )
+        bs = self.pool.block_size
+        width = max(params.n, params.beam_width)
+        # The prompt's blocks once, plus each sample's own blocks and a copied partial block.
+        needed = -(-len(token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1)
+        if needed > self.pool.num_blocks:
+            raise ValueError(
+                f"the request can need {needed} KV blocks ({len(token_ids)} prompt tokens, "
+                f"{params.max_new_tokens} new, {width} sequences) but the whole pool has {self.pool.num_blocks}; "
+                "lower max_new_tokens or n, or give the engine more blocks"
+            )
+
+
+def is_messages(prompt) -> bool:
+    """A chat: a non-empty list of {"role": ..., "content": ...} dicts."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: its generation config, else its config, else the tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
