@@ -12,6 +12,10 @@ every KV byte each output token attends to, over the measured copy bandwidth, pl
 the measured matmul rate.
 
 Run: ``hf-paged bench --workload nano --model qwen3-0.6b`` or ``python benchmarks/throughput.py ...``.
+Tensor parallelism (2 GPUs), beside 1 GPU on the same checkpoint:
+``python -m hf_paged.bench --model llama-8b --workload sharegpt --systems hf_paged --model-dir /tmp/m8b`` then
+``torchrun --nproc-per-node 2 -m hf_paged.bench --model llama-8b --workload sharegpt --systems hf_paged
+--model-dir /tmp/m8b --tp``.
 """
 
 import argparse
@@ -96,6 +100,33 @@ def build_model(shape: str, device: str = "cuda"):
     finally:
         torch.set_default_dtype(default)
     return model
+
+
+def load_or_build(shape: str, model_dir: str | None, tp: bool):
+    """The benchmark model: built in memory, or loaded from ``model_dir`` (saved there first if missing).
+
+    Tensor parallelism (``tp``) needs a checkpoint to shard: under torchrun, rank 0 saves it and every rank
+    loads it with ``tp_plan="auto"``.
+    """
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    if model_dir is None:
+        return build_model(shape)
+    rank = int(os.environ.get("RANK", "0"))
+    if tp and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if rank == 0 and not os.path.isdir(model_dir):
+        model = build_model(shape)
+        model.save_pretrained(model_dir)
+        del model
+        torch.cuda.empty_cache()
+    if tp:
+        torch.distributed.barrier()
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, tp_plan="auto").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda").eval()
 
 
 def measure_ceilings(device: str = "cuda") -> tuple[float, float]:
@@ -241,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="hf_paged: torch.compile the model")
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
     parser.add_argument("--out", help="append the markdown table to this file (e.g. benchmarks/RESULTS.md)")
+    parser.add_argument("--model-dir", help="load the random-weight model from DIR (built and saved there first)")
+    tp_help = "tensor parallelism: run under torchrun; loads --model-dir with tp_plan='auto'"
+    parser.add_argument("--tp", action="store_true", help=tp_help)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("hf-paged bench: error: needs a CUDA GPU (the benchmark compares GPU throughput)", file=sys.stderr)
@@ -254,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import hf_paged
 
-    model = build_model(args.model)
+    if args.tp and (not args.model_dir or set(systems) != {"hf_paged"}):
+        print(
+            "hf-paged bench: error: --tp needs --model-dir and --systems hf_paged (run under torchrun)",
+            file=sys.stderr,
+        )
+        return 2
+    model = load_or_build(args.model, args.model_dir, args.tp)
+    rank = torch.distributed.get_rank() if args.tp else 0
     num_requests = args.num_requests or (32 if args.quick else None)
     workload = make_workload(args.workload, model.config.vocab_size, num_requests)
     bandwidth, flops = measure_ceilings()
@@ -272,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_hf_cb(model, workload, args)
         except Exception as exc:  # report the failure in the table, go on with the other systems
             r = dict(elapsed=float("nan"), generated=0, peak=0, note=f"failed: {type(exc).__name__}: {exc}"[:200])
-        rows.append((system, r))
-        print(f"{system}: {r}", flush=True)
+        rows.append((system + (f" (tp={model.tp_size})" if args.tp else ""), r))
+        if rank == 0:
+            print(f"{system}: {r}", flush=True)
+    if rank != 0:
+        return 0
     total_tokens = workload.num_prompt_tokens + workload.num_output_tokens
     floor_tps = workload.num_output_tokens / floor
     table = (

@@ -84,7 +84,18 @@ class ModelInfo:
                 f"memory_fraction={memory_fraction} of free memory on {self.devices[0]} ({budget} bytes) holds no KV "
                 f"block of {per_block} bytes; pass num_blocks= or a larger memory_fraction"
             )
-        return budget // per_block
+        return self._same_on_every_rank(budget // per_block)
+
+    def _same_on_every_rank(self, num_blocks: int) -> int:
+        """Under tensor parallelism every rank must have the same pool (same schedule): the smallest one."""
+        import torch.distributed as dist
+
+        if self.tp_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return num_blocks
+        device = self.devices[0] if dist.get_backend() == "nccl" else torch.device("cpu")
+        value = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return int(value.item())
 
     def make_kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
         return KVPool(

@@ -1,0 +1,42 @@
+"""The benchmark suite's workloads and physical floor (CPU: the timed part needs a GPU)."""
+
+import statistics
+
+import pytest
+
+from hf_paged.bench import SHAPES, build_model, floor_seconds, main, make_workload
+
+
+def test_workloads_have_the_documented_shapes():
+    nano = make_workload("nano", 1000, None)
+    assert len(nano.prompts) == 256
+    assert all(100 <= len(p) <= 1024 for p in nano.prompts) and all(100 <= n <= 1024 for n in nano.output_lens)
+    share = make_workload("sharegpt", 1000, None)
+    assert 120 < statistics.mean(len(p) for p in share.prompts) < 200
+    assert 280 < statistics.mean(share.output_lens) < 400
+    assert max(len(p) for p in share.prompts) <= 2048
+    prefix = make_workload("prefix", 1000, 50)
+    assert all(p[:341] == prefix.prompts[0][:341] for p in prefix.prompts)
+    assert all(351 <= len(p) <= 381 for p in prefix.prompts) and all(20 <= n <= 80 for n in prefix.output_lens)
+    assert make_workload("nano", 1000, 8).prompts == make_workload("nano", 1000, 8).prompts  # seeded
+    with pytest.raises(ValueError, match="unknown workload 'chat'"):
+        make_workload("chat", 1000, None)
+
+
+def test_floor_grows_with_the_work():
+    model = build_model("tiny", device="cpu")
+    small = make_workload("nano", SHAPES["tiny"][2]["vocab_size"], 8)
+    large = make_workload("nano", SHAPES["tiny"][2]["vocab_size"], 32)
+    bandwidth, flops = 3e12, 7e14
+    assert 0 < floor_seconds(model, small, bandwidth, flops, 256) < floor_seconds(model, large, bandwidth, flops, 256)
+    # Fewer concurrent sequences means more decode steps, each reading the weights again.
+    assert floor_seconds(model, large, bandwidth, flops, 4) > floor_seconds(model, large, bandwidth, flops, 256)
+
+
+def test_bench_without_a_gpu_is_one_clear_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the message printed on a machine without CUDA")
+    assert main(["--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
