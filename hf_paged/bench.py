@@ -264,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="nano", choices=("nano", "sharegpt", "prefix"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--quick", action="store_true", help="a small slice of the workload (< 2 min of GPU)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 requests, outputs clipped to 128 tokens: < 2 min of GPU for all systems",
+    )
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--memory-fraction", type=float, default=0.6)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -296,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = load_or_build(args.model, args.model_dir, args.tp)
     rank = torch.distributed.get_rank() if args.tp else 0
-    num_requests = args.num_requests or (32 if args.quick else None)
+    num_requests = args.num_requests or (16 if args.quick else None)
     workload = make_workload(args.workload, model.config.vocab_size, num_requests)
+    if args.quick:
+        workload.output_lens = [min(n, 128) for n in workload.output_lens]
     bandwidth, flops = measure_ceilings()
     floor = floor_seconds(model, workload, bandwidth, flops, args.max_num_seqs)
     rows = []

