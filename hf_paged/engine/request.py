@@ -103,7 +103,10 @@ class Request:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, on the per-step path: no new list
+            return seqs if seqs[0].finish_reason is None else []
+        return [s for s in seqs if s.finish_reason is None]
 
     @property
     def is_finished(self) -> bool:

@@ -153,7 +153,8 @@ class Scheduler:
         while idx < len(self.running):
             request = self.running[idx]
             # In prefill: slots were allocated at admission for tokens not computed yet.
-            if any(self.pool.num_tokens(seq.seq_id) > seq.num_computed for seq in request.live_seqs):
+            num_tokens = self.pool.num_tokens
+            if any(num_tokens(seq.seq_id) > seq.num_computed for seq in request.live_seqs):
                 prefilling.append(request)
                 idx += 1
                 continue
@@ -186,7 +187,8 @@ class Scheduler:
 
     def _schedule_decode(self, request: Request, out: SchedulerOutput) -> bool:
         """Give each live sequence of ``request`` its next token's slot; False if it had to be preempted."""
-        for seq in request.live_seqs:
+        live = request.live_seqs
+        for seq in live:
             pending = seq.token_ids[self.pool.num_tokens(seq.seq_id) :]  # sampled, not yet in the pool
             while True:
                 pairs = self.pool.append(seq.seq_id, pending) if pending else []
@@ -196,8 +198,9 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is request:
                     return False
-            out.copies.extend(pairs)
-        for seq in request.live_seqs:
+            if pairs:
+                out.copies.extend(pairs)
+        for seq in live:
             num = len(seq.token_ids) - seq.num_computed
             out.chunks.append(ScheduledChunk(request, seq, seq.num_computed, seq.num_computed + num))
             out.num_batched_tokens += num
