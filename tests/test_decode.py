@@ -224,7 +224,10 @@ def test_empty_batch():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: a pool of more than 2^31 elements (4.3 GB)")
+@pytest.mark.skipif(
+    DEVICE != "cuda",
+    reason="needs a CUDA device (runs on the device machine): a pool of more than 2^31 elements (4.3 GB)",
+)
 def test_large_pool_index_overflow():
     """Blocks whose element offset exceeds 2^31 must be addressed with int64 math."""
     block_size, num_kv_heads, head_dim = 16, 2, 64

