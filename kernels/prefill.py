@@ -19,6 +19,11 @@ sliding-window start of its first token to the causal limit of its last token, i
       window edge    every row sees every key    causal edge / end of context
 
 Online softmax in fp32 (exp2 with log2(e) folded into the scores), fp32 accumulator.
+
+Variants (keyword overrides of ``paged_prefill_triton``, timed by ``benchmarks/kernels.py --prefill-sweep``;
+the defaults are the first of each): ``softmax`` "exact" / "fused" / "lazy" update of the unmasked tiles,
+``pack_gqa`` True / False (one query head per program), and ``key=/value=`` (fresh prompts read their
+K/V from the contiguous new-token tensors instead of through the block table).
 """
 
 import os
@@ -34,25 +39,31 @@ MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 
+# softmax= of paged_prefill_triton -> the SOFTMAX constexpr.
+_SOFTMAX_MODES = {"exact": 0, "fused": 1, "lazy": 2}
+
+
 @triton.jit
 def _attend_tile(
     acc,  # [BLOCK_M, BLOCK_D], fp32
     l_i,  # [BLOCK_M], fp32: running softmax denominator
-    m_i,  # [BLOCK_M], fp32: running max of the (log2-scaled) scores
+    m_i,  # [BLOCK_M], fp32: running max of the (log2-scaled) scores (a stale max with SOFTMAX == 2)
     q,  # [BLOCK_M, BLOCK_D]
     q_pos,  # [BLOCK_M], int32: context position of each row's token
     start_n,  # first key position of this tile; a multiple of BLOCK_N
-    k_cache_ptr,
-    v_cache_ptr,
-    table_row_ptr,  # this sequence's block table row
-    kv_head_off,  # int64: kv_head * stride_cache_head
+    k_ptr,  # k_cache (paged) or key (CONTIG)
+    v_ptr,  # v_cache (paged) or value (CONTIG)
+    k_base,  # int64 offset of key position 0 of this KV head: kv_head * stride (+ q_start * stride_t if CONTIG)
+    v_base,  # int64, as k_base for V
+    stride_k_n,  # CONTIG: token stride of key
+    stride_v_n,  # CONTIG: token stride of value
+    table_row_ptr,  # this sequence's block table row (paged)
     ctx_len,
     qk_scale,  # scale (* log2(e) unless there is a soft cap)
     soft_cap,
     sliding_window,
     stride_cache_block,
     stride_cache_offset,
-    stride_cache_d,
     stride_table_b,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -64,6 +75,8 @@ def _attend_tile(
     HAS_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     K_ROW_MAJOR: tl.constexpr,  # load K as [BLOCK_N, BLOCK_D] and transpose in registers (else as K^T)
+    SOFTMAX: tl.constexpr,  # 0 exact, 1 fused, 2 lazy (see paged_prefill_triton's ``softmax``)
+    CONTIG: tl.constexpr,  # K/V rows of key position n at k_base + n * stride_k_n (no block table)
 ):
     """One online-softmax step over the keys [start_n, start_n + BLOCK_N); returns (acc, l_i, m_i)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N], key positions
@@ -74,29 +87,32 @@ def _attend_tile(
         key_in_ctx = tl.full([BLOCK_N], 1, tl.int1)  # interior tiles end at or before ctx_len
     d_mask = offs_d < HEAD_DIM  # [BLOCK_D], head_dim padded to a power of two
 
-    if BLOCK_SIZE % BLOCK_N == 0:
-        # The whole tile lies in one cache block (start_n is a multiple of BLOCK_N): one table read.
-        block_id = tl.load(table_row_ptr + (start_n // BLOCK_SIZE) * stride_table_b).to(tl.int64)
-        slot_offs = block_id * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset  # [BLOCK_N]
+    if CONTIG:
+        k_offs = k_base + offs_n.to(tl.int64) * stride_k_n  # [BLOCK_N], int64
+        v_offs = v_base + offs_n.to(tl.int64) * stride_v_n  # [BLOCK_N], int64
     else:
-        # The tile spans several cache blocks: one table read per key (same-block keys share it).
-        block_ids = tl.load(table_row_ptr + (offs_n // BLOCK_SIZE) * stride_table_b, mask=key_in_ctx, other=0)
-        slot_offs = block_ids.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset
-    kv_offs = kv_head_off + slot_offs  # [BLOCK_N], int64
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # The whole tile lies in one cache block (start_n is a multiple of BLOCK_N): one table read.
+            block_id = tl.load(table_row_ptr + (start_n // BLOCK_SIZE) * stride_table_b).to(tl.int64)
+            slot_offs = block_id * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset  # [BLOCK_N]
+        else:
+            # The tile spans several cache blocks: one table read per key (same-block keys share it).
+            block_ids = tl.load(table_row_ptr + (offs_n // BLOCK_SIZE) * stride_table_b, mask=key_in_ctx, other=0)
+            slot_offs = block_ids.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset
+        k_offs = k_base + slot_offs  # [BLOCK_N], int64
+        v_offs = v_base + slot_offs  # [BLOCK_N], int64 (k_base == v_base: the caches share strides)
 
     if K_ROW_MAJOR:
         k = tl.trans(
             tl.load(
-                k_cache_ptr + kv_offs[:, None] + offs_d[None, :] * stride_cache_d,
+                k_ptr + k_offs[:, None] + offs_d[None, :],
                 mask=key_in_ctx[:, None] & d_mask[None, :],
                 other=0.0,
             )  # [BLOCK_N, BLOCK_D]
         )  # k: [BLOCK_D, BLOCK_N]
     else:
         kv_mask_t = key_in_ctx[None, :] & d_mask[:, None]  # [BLOCK_D, BLOCK_N]: real key, real dim
-        k = tl.load(
-            k_cache_ptr + kv_offs[None, :] + offs_d[:, None] * stride_cache_d, mask=kv_mask_t, other=0.0
-        )  # k: [BLOCK_D, BLOCK_N]
+        k = tl.load(k_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)  # k: [BLOCK_D, BLOCK_N]
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -106,32 +122,122 @@ def _attend_tile(
         # soft_cap * tanh(x / soft_cap), with tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1, no NaN.
         y = s * qk_scale / soft_cap
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * 1.4426950408889634
+    if MASKED or SOFTMAX == 0:
+        if not HAS_SOFT_CAP:
+            s = s * qk_scale
+        if MASKED:
+            visible = key_in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+            if HAS_WINDOW:
+                visible = visible & (q_pos[:, None] - offs_n[None, :] < sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        # A row with no visible key so far has m_new == -inf; exp2(-inf - -inf) would be NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]; 0 when m_i == -inf
+        p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]; 0 where masked
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     else:
-        s = s * qk_scale
-    if MASKED:
-        visible = key_in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
-        if HAS_WINDOW:
-            visible = visible & (q_pos[:, None] - offs_n[None, :] < sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-    # A row with no visible key so far has m_new == -inf; exp2(-inf - -inf) would be NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]; 0 when m_i == -inf
-    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]; 0 where masked
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+        # Interior tile, fused softmax: every row sees all BLOCK_N finite scores, so m_new is finite and
+        # needs no -inf guard (m_i == -inf before a row's first tile gives alpha = exp2(-inf) = 0). The scale
+        # is folded into one FMA per score: max(s) * scale == max(s * scale) as scale > 0.
+        if HAS_SOFT_CAP:
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]; s already log2-scaled
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # [BLOCK_M]
+        if SOFTMAX == 2:
+            # Lazy rescaling (FlashAttention-4): rescale acc only when some row's max grew by more than 8
+            # (powers of two; one block-wide branch), else keep the stale max: p <= 2^8 = 256, far from any
+            # fp16/bf16/fp32 overflow. The first tile always rescales (m_i == -inf).
+            if tl.max(m_new - m_i, 0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+        else:
+            alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        if HAS_SOFT_CAP:
+            p = tl.exp2(s - m_i[:, None])  # [BLOCK_M, BLOCK_N]
+        else:
+            p = tl.exp2(s * qk_scale - m_i[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i + tl.sum(p, 1)
 
     v = tl.load(
-        v_cache_ptr + kv_offs[:, None] + offs_d[None, :] * stride_cache_d,
+        v_ptr + v_offs[:, None] + offs_d[None, :],
         mask=key_in_ctx[:, None] & d_mask[None, :],
         other=0.0,
     )  # v: [BLOCK_N, BLOCK_D]
     if DOT_FP32:
-        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc += tl.dot(p.to(v.dtype), v)
-    return acc, l_i, m_new
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_ranges(
+    acc,  # [BLOCK_M, BLOCK_D], fp32
+    l_i,  # [BLOCK_M], fp32
+    m_i,  # [BLOCK_M], fp32
+    q,  # [BLOCK_M, BLOCK_D]
+    q_pos,  # [BLOCK_M], int32
+    lo,
+    mid_lo,
+    mid_hi,
+    hi,
+    k_ptr,
+    v_ptr,
+    k_base,
+    v_base,
+    stride_k_n,
+    stride_v_n,
+    table_row_ptr,
+    ctx_len,
+    qk_scale,
+    soft_cap,
+    sliding_window,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_table_b,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    K_ROW_MAJOR: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    CONTIG: tl.constexpr,
+):
+    """The three key ranges of the module docstring, in order; returns (acc, l_i, m_i)."""
+    for start_n in range(lo, mid_lo, BLOCK_N):  # window edge
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
+            table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
+            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
+            DOT_FP32, K_ROW_MAJOR, SOFTMAX, CONTIG,
+        )  # fmt: skip
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):  # interior: no mask
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
+            table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
+            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_WINDOW, HAS_SOFT_CAP,
+            DOT_FP32, K_ROW_MAJOR, SOFTMAX, CONTIG,
+        )  # fmt: skip
+    for start_n in range(mid_hi, hi, BLOCK_N):  # causal edge
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
+            table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
+            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
+            DOT_FP32, K_ROW_MAJOR, SOFTMAX, CONTIG,
+        )  # fmt: skip
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -140,6 +246,8 @@ def _paged_prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' K (CONTIG_KV; else any pointer)
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' V (CONTIG_KV; else any pointer)
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq], int32
     seq_lens_ptr,  # [num_seqs], int32
     cu_seqlens_q_ptr,  # [num_seqs + 1], int32
@@ -152,7 +260,10 @@ def _paged_prefill_kernel(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
-    stride_cache_d,
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
     stride_table_s,
     stride_table_b,
     # sizes and scalars
@@ -162,23 +273,27 @@ def _paged_prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # num_heads // num_kv_heads
+    ROWS_PER_TOKEN: tl.constexpr,  # GROUP: rows are (token, head) pairs of one KV head; 1: one query head
     # meta-parameters
-    BLOCK_M: tl.constexpr,  # rows (token, head) per program
+    BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_D: tl.constexpr,  # head_dim padded to a power of two
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 caches, and bf16 under the interpreter)
     K_ROW_MAJOR: tl.constexpr,
+    SOFTMAX: tl.constexpr,  # 0 exact, 1 fused, 2 lazy
+    CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
 ):
     # Causal: later row tiles attend to more keys. Launch them first so the short ones fill the tail.
     tile_idx = tl.num_programs(0) - 1 - tl.program_id(0)
     seq_idx = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    head_idx = tl.program_id(2)  # the KV head (ROWS_PER_TOKEN == GROUP) or the query head (== 1)
+    kv_head = head_idx * ROWS_PER_TOKEN // GROUP
 
     q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
     q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
-    num_rows = q_len * GROUP
+    num_rows = q_len * ROWS_PER_TOKEN
     row_start = tile_idx * BLOCK_M
     if row_start >= num_rows:  # the grid is sized for max_query_len; this sequence is shorter
         return
@@ -187,8 +302,8 @@ def _paged_prefill_kernel(
 
     offs_m = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_valid = offs_m < num_rows  # [BLOCK_M]
-    token_in_seq = offs_m // GROUP  # [BLOCK_M]
-    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+    token_in_seq = offs_m // ROWS_PER_TOKEN  # [BLOCK_M]
+    head = head_idx * ROWS_PER_TOKEN + offs_m % ROWS_PER_TOKEN  # [BLOCK_M]
     q_pos = first_pos + token_in_seq  # [BLOCK_M]
     token_idx = (q_start + token_in_seq).to(tl.int64)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -200,8 +315,8 @@ def _paged_prefill_kernel(
     )  # q: [BLOCK_M, BLOCK_D]
 
     # Key ranges (see the module docstring); every bound is a multiple of BLOCK_N.
-    tile_first_pos = first_pos + row_start // GROUP
-    tile_last_pos = first_pos + (tl.minimum(row_start + BLOCK_M, num_rows) - 1) // GROUP
+    tile_first_pos = first_pos + row_start // ROWS_PER_TOKEN
+    tile_last_pos = first_pos + (tl.minimum(row_start + BLOCK_M, num_rows) - 1) // ROWS_PER_TOKEN
     hi = tile_last_pos + 1  # causal limit of the tile's last token; <= ctx_len
     mid_hi = (tile_first_pos + 1) // BLOCK_N * BLOCK_N  # keys below are visible to every row
     if HAS_WINDOW:
@@ -218,26 +333,30 @@ def _paged_prefill_kernel(
     table_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_table_s
     kv_head_off = kv_head.to(tl.int64) * stride_cache_head
 
-    for start_n in range(lo, mid_lo, BLOCK_N):  # window edge
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
-            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
-            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR,
-        )  # fmt: skip
-    for start_n in range(mid_lo, mid_hi, BLOCK_N):  # interior: no mask
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
-            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
-            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR,
-        )  # fmt: skip
-    for start_n in range(mid_hi, hi, BLOCK_N):  # causal edge
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, ctx_len,
-            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_d,
-            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR,
+    if CONTIG_KV:  # a constexpr branch: the default build has no runtime test here
+        if first_pos == 0:
+            # A fresh prompt: its context is exactly its new tokens, contiguous rows of key/value.
+            acc, l_i, m_i = _attend_ranges(
+                acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, key_ptr, value_ptr,
+                q_start.to(tl.int64) * stride_key_t + kv_head.to(tl.int64) * stride_key_h,
+                q_start.to(tl.int64) * stride_value_t + kv_head.to(tl.int64) * stride_value_h,
+                stride_key_t, stride_value_t, table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window,
+                stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+                BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, SOFTMAX, True,
+            )  # fmt: skip
+        else:
+            acc, l_i, m_i = _attend_ranges(
+                acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, k_cache_ptr, v_cache_ptr, kv_head_off,
+                kv_head_off, stride_cache_offset, stride_cache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap,
+                sliding_window, stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE,
+                BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, SOFTMAX, False,
+            )  # fmt: skip
+    else:  # through the block table
+        acc, l_i, m_i = _attend_ranges(
+            acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, k_cache_ptr, v_cache_ptr, kv_head_off, kv_head_off,
+            stride_cache_offset, stride_cache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window,
+            stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+            BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, SOFTMAX, False,
         )  # fmt: skip
 
     # Every real row sees at least its own key, so l_i > 0 there; padding rows (l_i == 0) are not stored.
@@ -291,6 +410,10 @@ def paged_prefill_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     k_row_major: bool | None = None,
+    softmax: str = "exact",
+    pack_gqa: bool = True,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its paged context (flash attention).
 
@@ -322,6 +445,17 @@ def paged_prefill_triton(
         num_warps, num_stages: overrides of the launch meta-parameters (benchmarks/kernels.py sweeps them).
         k_row_major: load K tiles key-major and transpose in registers instead of loading K^T
             (default: per the tile heuristic).
+        softmax: online-softmax update of the unmasked interior tiles (masked tiles always use "exact").
+            "exact": the reference update with the -inf guard. "fused": no -inf guard (an interior row
+            sees only finite scores) and the scale folded into one FMA per score; needs scale > 0.
+            "lazy": "fused" plus FlashAttention-4 lazy rescaling: the accumulator is rescaled only when
+            some row's max grew by more than 2^8 (one block-wide branch per tile).
+        pack_gqa: True: the rows of a program are (token, query head) pairs of one KV head, so the
+            GQA group shares each K/V tile load. False: one query head per program, BLOCK_M tokens.
+        key, value: [num_tokens, num_kv_heads, head_dim], the new tokens' K/V, rows aligned with
+            ``query`` (the tensors write_kv stored), last dim contiguous. When given, a fresh prompt
+            (seq_len == q_len) reads its K/V from these contiguous rows instead of through the block
+            table; other sequences still read the cache. Both or neither.
 
     Returns:
         out: [num_tokens, num_heads, head_dim].
@@ -382,9 +516,24 @@ def paged_prefill_triton(
             raise ValueError(f"{name} is on {t.device}, but query is on {query.device}")
     if max_query_len < 0 or max_seq_len < 0:
         raise ValueError(f"max_query_len and max_seq_len must be >= 0, got {max_query_len} and {max_seq_len}")
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value is not None and (value < 16 or value & (value - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    for name, tile in (("block_m", block_m), ("block_n", block_n)):
+        if tile is not None and (tile < 16 or tile & (tile - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {tile}")
+    if softmax not in _SOFTMAX_MODES:
+        raise ValueError(f"softmax must be one of {list(_SOFTMAX_MODES)}, got {softmax!r}")
+    if softmax != "exact" and not scale > 0:
+        raise ValueError(f"softmax={softmax!r} folds the scale into max(scores), so scale must be > 0, got {scale}")
+    if (key is None) != (value is None):
+        raise ValueError("key and value must be given together (contiguous K/V of the new tokens) or not at all")
+    if key is not None:
+        want = (num_tokens, num_kv_heads, head_dim)
+        for name, t in (("key", key), ("value", value)):
+            if tuple(t.shape) != want or t.dtype != query.dtype or t.device != query.device or t.stride(2) != 1:
+                raise ValueError(
+                    f"{name} must be {want} {query.dtype} on {query.device} with a contiguous last dim "
+                    f"(rows aligned with query), got {tuple(t.shape)} {t.dtype} on {t.device} "
+                    f"with strides {t.stride()}"
+                )
     if out is None:
         out = torch.zeros_like(query)  # like the reference: rows of no sequence read as 0, never garbage
     elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(2) != 1:
@@ -402,7 +551,8 @@ def paged_prefill_triton(
     num_stages = num_stages or default_stages
     k_row_major = default_row_major if k_row_major is None else k_row_major
     # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
-    tile_m = block_m or min(default_m, max(16, triton.next_power_of_2(max_query_len * group)))
+    rows_per_token = group if pack_gqa else 1
+    tile_m = block_m or min(default_m, max(16, triton.next_power_of_2(max_query_len * rows_per_token)))
     tile_n = block_n or default_n
     has_window = sliding_window is not None and sliding_window > 0
     has_soft_cap = soft_cap is not None and soft_cap > 0
@@ -411,11 +561,16 @@ def paged_prefill_triton(
     # interpreter, so it is upcast there too; on the GPU bf16 runs on tensor cores.
     dot_fp32 = query.dtype == torch.float32 or (interpreting and query.dtype == torch.bfloat16)
 
-    grid = (triton.cdiv(max_query_len * group, tile_m), num_seqs, num_kv_heads)
+    contig_kv = key is not None
+    if not contig_kv:  # never read (CONTIG_KV=False): any pointer and strides of the right dtype
+        key = value = k_cache[0, 0]  # [num_kv_heads, head_dim]
+    grid = (triton.cdiv(max_query_len * rows_per_token, tile_m), num_seqs, num_heads // rows_per_token)
     _paged_prefill_kernel[grid](
         query_ptr=query,
         k_cache_ptr=k_cache,
         v_cache_ptr=v_cache,
+        key_ptr=key,
+        value_ptr=value,
         block_tables_ptr=block_tables,
         seq_lens_ptr=seq_lens,
         cu_seqlens_q_ptr=cu_seqlens_q,
@@ -427,7 +582,10 @@ def paged_prefill_triton(
         stride_cache_block=k_cache.stride(0),
         stride_cache_offset=k_cache.stride(1),
         stride_cache_head=k_cache.stride(2),
-        stride_cache_d=k_cache.stride(3),
+        stride_key_t=key.stride(0) if contig_kv else 0,
+        stride_key_h=key.stride(1) if contig_kv else 0,
+        stride_value_t=value.stride(0) if contig_kv else 0,
+        stride_value_h=value.stride(1) if contig_kv else 0,
         stride_table_s=block_tables.stride(0),
         stride_table_b=block_tables.stride(1),
         qk_scale=float(scale) * (1.0 if has_soft_cap else _LOG2E),
@@ -436,6 +594,7 @@ def paged_prefill_triton(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         GROUP=group,
+        ROWS_PER_TOKEN=rows_per_token,
         BLOCK_M=tile_m,
         BLOCK_N=tile_n,
         BLOCK_D=block_d,
@@ -443,6 +602,8 @@ def paged_prefill_triton(
         HAS_SOFT_CAP=has_soft_cap,
         K_ROW_MAJOR=k_row_major,
         DOT_FP32=dot_fp32,
+        SOFTMAX=_SOFTMAX_MODES[softmax],
+        CONTIG_KV=contig_kv,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -80,32 +80,69 @@ def _check(
     block_n=None,
     query_view=False,
     k_row_major=False,
+    softmax="exact",
+    pack_gqa=True,
+    contig_kv=False,
+    key_ramp=False,
 ):
     extra = 3
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(
         seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_tokens=extra
     )
+    if key_ramp:  # key norms grow with the block id: row maxima rise slowly over the tiles (lazy rescaling)
+        ramp = torch.linspace(0.2, 3.0, k_cache.shape[0], device=DEVICE).to(dtype)[:, None, None, None]
+        k_cache = k_cache * ramp
     if query_view:  # query as a slice of a fused qkv projection: token stride 3 * num_heads * head_dim
         qkv = torch.randn(query.shape[0], 3 * num_heads, head_dim, device=DEVICE).to(dtype)
         qkv[:, :num_heads] = query
         query = qkv[:, :num_heads]
         assert not query.is_contiguous()
     scale = head_dim**-0.5
+    expected = paged_attention_ref(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap
+    )
+    key = value = None
+    if contig_kv:
+        key, value, k_cache, v_cache = _contiguous_new_kv(seqs, k_cache, v_cache, block_tables, query.shape[0])
     out = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)
     result = paged_prefill_triton(
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
         max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
         sliding_window=sliding_window, soft_cap=soft_cap, out=out, block_m=block_m, block_n=block_n,
-        k_row_major=k_row_major,
+        k_row_major=k_row_major, softmax=softmax, pack_gqa=pack_gqa, key=key, value=value,
     )  # fmt: skip
     assert result is out
-    expected = paged_attention_ref(
-        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap
-    )
     num_tokens = out.shape[0] - extra
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out[:num_tokens], expected[:num_tokens], atol=atol, rtol=rtol)
     assert out[num_tokens:].isnan().all(), "rows past cu_seqlens_q[-1] must stay untouched"
+
+
+def _contiguous_new_kv(seqs, k_cache, v_cache, block_tables, num_rows):
+    """The new tokens' K/V as contiguous rows aligned with query, and caches that make misreads show.
+
+    Returns (key, value, k_cache, v_cache): key/value [num_rows, num_kv_heads, head_dim] hold each
+    fresh prompt's (q_len == seq_len) K/V and NaN elsewhere (rows of cached-prefix sequences must be
+    read from the cache); the returned caches are copies with every fresh prompt's blocks set to NaN
+    (those must be read from key/value).
+    """
+    block_size = k_cache.shape[1]
+    shape = (num_rows, *k_cache.shape[2:])
+    key = torch.full(shape, float("nan"), dtype=k_cache.dtype, device=DEVICE)
+    value = torch.full(shape, float("nan"), dtype=k_cache.dtype, device=DEVICE)
+    k_poisoned, v_poisoned = k_cache.clone(), v_cache.clone()
+    q_start = 0
+    for s, (q_len, seq_len) in enumerate(seqs):
+        if q_len == seq_len and q_len > 0:
+            for i in range(q_len):
+                block = block_tables[s, i // block_size].long()
+                key[q_start + i] = k_cache[block, i % block_size]
+                value[q_start + i] = v_cache[block, i % block_size]
+            blocks = block_tables[s, : -(-seq_len // block_size)].long()
+            k_poisoned[blocks] = float("nan")
+            v_poisoned[blocks] = float("nan")
+        q_start += q_len
+    return key, value, k_poisoned, v_poisoned
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -223,6 +260,66 @@ def test_large_block_ids_use_int64_offsets(block_size, block_n):
     expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
     del k_cache, v_cache
+
+
+# Kernel variants (benchmarks/kernels.py --prefill-sweep times them): each must compute the reference.
+VARIANTS = [
+    dict(softmax="fused"),
+    dict(softmax="lazy"),
+    dict(pack_gqa=False),
+    dict(pack_gqa=False, softmax="lazy"),
+    dict(contig_kv=True),
+    dict(contig_kv=True, softmax="lazy"),
+    dict(contig_kv=True, softmax="lazy", pack_gqa=False),
+]
+VARIANT_IDS = ["-".join(f"{k}={v}" for k, v in variant.items()) for variant in VARIANTS]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_variants_mixed_batch(variant, dtype):
+    # Fresh prompts, cached prefixes, single tokens and idle slots, GQA 2:1 and MQA 4:1.
+    _check(MIXED, dtype=dtype, **variant)
+    _check(MIXED + [(0, 5)], num_heads=4, num_kv_heads=1, block_size=8, dtype=dtype, k_row_major=True, **variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_variants_window_soft_cap_and_row_tiles(variant):
+    seqs = [(50, 50), (45, 97), (1, 64), (17, 17)]
+    _check(seqs, num_heads=4, num_kv_heads=1, block_size=8, block_m=16, block_n=16, **variant)
+    _check(seqs, block_size=16, block_m=16, block_n=16, sliding_window=17, soft_cap=20.0, **variant)
+    _check(MIXED, block_size=24, sliding_window=5, **variant)
+
+
+@pytest.mark.parametrize("softmax", ["fused", "lazy"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_rescale_with_rising_maxima(softmax, dtype):
+    # Key norms ramp up over the context: each tile raises the row max a little (kept stale, p up to
+    # 2^8) or a lot (rescaled), in many 16-key interior tiles.
+    seqs = [(60, 60), (20, 130)]
+    _check(seqs, num_heads=4, num_kv_heads=2, block_size=16, block_m=16, block_n=16, dtype=dtype, softmax=softmax,
+           key_ramp=True)  # fmt: skip
+    _check(seqs, num_heads=2, num_kv_heads=2, head_dim=32, dtype=dtype, softmax=softmax, key_ramp=True,
+           soft_cap=5.0)  # fmt: skip
+
+
+def test_variants_reject_bad_arguments():
+    query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case([(4, 4)], 4, 2, 64, 16, torch.float16)
+    args = (k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    hints = {"max_query_len": 4, "max_seq_len": 4}
+    key = torch.zeros(4, 2, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"softmax must be one of \['exact', 'fused', 'lazy'\], got 'online'"):
+        paged_prefill_triton(query, *args, 0.125, **hints, softmax="online")
+    with pytest.raises(ValueError, match=r"softmax='lazy' folds the scale .* must be > 0, got -0.125"):
+        paged_prefill_triton(query, *args, -0.125, **hints, softmax="lazy")
+    with pytest.raises(ValueError, match=r"key and value must be given together"):
+        paged_prefill_triton(query, *args, 0.125, **hints, key=key)
+    with pytest.raises(ValueError, match=r"value must be \(4, 2, 64\) torch.float16 .* got \(3, 2, 64\)"):
+        paged_prefill_triton(query, *args, 0.125, **hints, key=key, value=key[:3])
+    with pytest.raises(ValueError, match=r"key must be \(4, 2, 64\) torch.float16 .* got \(4, 2, 64\) torch.float32"):
+        paged_prefill_triton(query, *args, 0.125, **hints, key=key.float(), value=key)
+    # A negative scale is fine for the exact softmax.
+    paged_prefill_triton(query, *args, -0.125, **hints)
 
 
 def test_rejects_bad_arguments():
