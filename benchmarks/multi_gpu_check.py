@@ -20,8 +20,8 @@ PROMPTS = [list(range(10, 10 + n)) for n in (7, 33, 120, 260, 5, 64)]
 NEW = [40, 24, 60, 17, 33, 50]
 
 
-def greedy(model):
-    engine = ContinuousBatcher(model, num_blocks=512, block_size=16, max_num_batched_tokens=128)
+def greedy(model, **engine_kwargs):
+    engine = ContinuousBatcher(model, num_blocks=512, block_size=16, max_num_batched_tokens=128, **engine_kwargs)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in NEW]
     outs = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
     cache = PagedCache(model, num_blocks=64, block_size=16)
@@ -62,13 +62,15 @@ def main():
     import torch.distributed as dist
 
     two = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", tp_plan="auto")
-    outs, gen = greedy(two)
+    outs, gen = greedy(two)  # decode steps replay CUDA graphs with the NCCL all-reduces captured
+    eager_outs, _ = greedy(two, use_cuda_graphs=False)
     gathered = [None, None]
     dist.all_gather_object(gathered, (outs, gen))
     if dist.get_rank() == 0:
         same_ranks = gathered[0] == gathered[1]
         print(f"tp={two.tp_size}: ranks agree exactly: {same_ranks}; engine tokens equal to 1 GPU: "
-              f"{agreement(outs, ref_outs):.1%}; PagedCache generate equal to 1 GPU: {gen == ref_gen}")  # fmt: skip
+              f"{agreement(outs, ref_outs):.1%}; PagedCache generate equal to 1 GPU: {gen == ref_gen}; "
+              f"CUDA-graph TP tokens equal to eager TP: {agreement(outs, eager_outs):.1%}")  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -1,20 +1,68 @@
-"""Where one engine step spends its time (GPU): schedule, plan, forward, sample, bookkeeping.
+"""Where one engine step spends its time (GPU), and what async scheduling wins back.
 
-Builds a random-weight model (hf_paged.bench shapes), fills the engine with ``--batch`` requests and
-times decode steps phase by phase, synchronising after each phase (so phases do not overlap here the way
-they do in a real run: the sum is an upper bound of the step time).
+Builds a random-weight model (hf_paged.bench shapes), fills the engine with ``--batch`` requests, then:
+1. times decode steps phase by phase (schedule, block tables, forward, sampling, read-back + bookkeeping),
+   synchronising after each phase, so the phases do not overlap: their sum is the synchronous step;
+2. times runs of consecutive steps in steady state with async scheduling off and on (same engine, same
+   batch, alternating), through ``step()`` and through ``_run_step()`` (what ``generate`` calls, no
+   RequestOutputs), with the share of the wall time the GPU is busy;
+3. counts the host-device synchronisations a step makes in async mode (torch's sync debug mode: blocking
+   copies, ``.item()``, ``.tolist()`` of device tensors); the one intended wait (the event of the step
+   before) is not a torch op and is not counted.
 
-Run: python benchmarks/profile_engine.py [--model qwen3-0.6b] [--batch 256] [--prompt 512]
+Run: python benchmarks/profile_engine.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--compile]
 """
 
 import argparse
 import statistics
 import time
+import warnings
 
 import torch
 
 from hf_paged import ContinuousBatcher, SamplingParams
 from hf_paged.bench import build_model
+
+
+def _steady(engine: ContinuousBatcher, async_on: bool, steps: int, outputs: bool) -> tuple[float, float]:
+    """ms per step and the share of the wall time the GPU is busy with the steps' work.
+
+    outputs: call ``step()`` (builds RequestOutputs) rather than ``_run_step()`` (what ``generate`` calls).
+    The GPU's busy time is measured between a CUDA event recorded before each step's forward is queued
+    and one after its sampling, so gaps between steps (the GPU waiting for the host) are not counted.
+    """
+    engine.async_scheduling = async_on
+    run = engine.step if outputs else engine._run_step
+    for _ in range(3):
+        run()
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    execute, launch = engine.runner.execute, engine._launch
+
+    def timed_execute(*args, **kwargs):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        marks.append((start, None))
+        return execute(*args, **kwargs)
+
+    def timed_launch(*args, **kwargs):
+        launched = launch(*args, **kwargs)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        marks[-1] = (marks[-1][0], end)
+        return launched
+
+    engine.runner.execute, engine._launch = timed_execute, timed_launch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    finally:
+        engine.runner.execute, engine._launch = execute, launch
+    wall = time.perf_counter() - t0
+    busy = sum(start.elapsed_time(end) for start, end in marks) / 1e3
+    return wall / steps * 1e3, busy / wall
 
 
 def main():
@@ -28,8 +76,9 @@ def main():
     args = parser.parse_args()
     model = build_model(args.model)
     engine = ContinuousBatcher(
-        model, memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch, compile_model=args.compile
-    )
+        model, memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch, compile_model=args.compile,
+        async_scheduling=False,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.batch):
         ids = torch.randint(10, 1000, (args.prompt,), generator=gen).tolist()
@@ -38,7 +87,8 @@ def main():
         engine.step()  # prefill everything
     for _ in range(3):
         engine.step()
-    phases = {"schedule": [], "tables": [], "forward": [], "sample+book": [], "step total": []}
+
+    phases = {"schedule": [], "tables": [], "forward": [], "sample": [], "read+book": [], "step total": []}
     runner, sched_fn = engine.runner, engine.scheduler.schedule
     for _ in range(args.steps):
         torch.cuda.synchronize()
@@ -52,14 +102,39 @@ def main():
         t3 = time.perf_counter()
         for chunk in sched.chunks:
             chunk.seq.num_computed = chunk.end
-        engine._process_logits(sched, logits, {})
+        launched = engine._launch(sched, logits)
         torch.cuda.synchronize()
         t4 = time.perf_counter()
-        for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+        engine._process(launched, {})
+        t5 = time.perf_counter()
+        for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0), strict=True):
             phases[name].append(value * 1e3)
-    print(f"{args.model}, batch {args.batch}, context ~{args.prompt}: median ms per decode step")
+    print(f"{args.model}, batch {args.batch}, context ~{args.prompt}: median ms per decode step, phases serialised")
     for name, values in phases.items():
         print(f"  {name:12s} {statistics.median(values):8.2f}")
+
+    print("steady state: ms per step, share of the wall time the GPU is busy (one sync at the end)")
+    for outputs in (False, True):
+        for async_on in (False, True, False, True):
+            ms, busy = _steady(engine, async_on, args.steps, outputs)
+            api = "step()     " if outputs else "_run_step()"
+            print(f"  {api} async_scheduling={async_on!s:5s} {ms:8.2f} ms  GPU busy {busy:6.1%}")
+
+    engine.async_scheduling = True
+    engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(5):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught if "ynchroniz" in str(w.message)]
+    print(f"host-device syncs flagged by torch in 5 async steps: {len(syncs)}")
+    for message in sorted(set(syncs))[:10]:
+        print(f"  {message}")
+
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -5,7 +5,8 @@ prompt ids, EOS ignored, seeded workloads:
 - nano: 256 requests, prompt U[100, 1024], output U[100, 1024] (nano-vllm's bench);
 - sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
 - prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4).
-Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, transformers ``generate`` with
+Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without async scheduling
+(``hf_paged_sync``), transformers ``generate`` with
 padded static batches, transformers' built-in continuous batching. Each reports output tokens/s, total
 tokens/s and peak memory; the physical floor is the time to read the weights once per decode step plus
 every KV byte each output token attends to, over the measured copy bandwidth, plus the prefill FLOPs over
@@ -40,7 +41,7 @@ SHAPES = {
         vocab_size=1024, max_position_embeddings=4096)),
 }  # fmt: skip
 
-SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_generate", "hf_cb")
+SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_sync", "hf_generate", "hf_cb")
 
 
 @dataclass
@@ -176,14 +177,14 @@ def _reset_memory():
     return torch.cuda.memory_allocated()
 
 
-def run_hf_paged(model, workload: Workload, prefix_caching: bool, args) -> dict:
+def run_hf_paged(model, workload: Workload, prefix_caching: bool, args, async_scheduling: bool | None = None) -> dict:
     from hf_paged import ContinuousBatcher, SamplingParams
 
     base = _reset_memory()
     engine = ContinuousBatcher(
         model, num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=prefix_caching, compile_model=args.compile,
+        enable_prefix_caching=prefix_caching, compile_model=args.compile, async_scheduling=async_scheduling,
     )  # fmt: skip
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     warm = engine.generate(
@@ -199,7 +200,7 @@ def run_hf_paged(model, workload: Workload, prefix_caching: bool, args) -> dict:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     m = engine.metrics()
     note = (f"{engine.pool.num_blocks} blocks, prefix hit {m.prefix_hit_rate:.0%}, "
-            f"{m.num_preemptions} preemptions, {m.num_steps} steps")  # fmt: skip
+            f"{m.num_preemptions} preemptions, {m.num_steps} steps, async {engine.async_scheduling}")  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base
     del engine
     return dict(elapsed=elapsed, generated=generated, peak=peak, note=note)
@@ -313,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_hf_paged(model, workload, True, args)
             elif system == "hf_paged_no_prefix":
                 r = run_hf_paged(model, workload, False, args)
+            elif system == "hf_paged_sync":  # async scheduling off: the host's work between steps not overlapped
+                r = run_hf_paged(model, workload, True, args, async_scheduling=False)
             elif system == "hf_generate":
                 r = run_hf_generate(model, workload, args)
             else:

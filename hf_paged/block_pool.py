@@ -21,6 +21,10 @@ Free-list policy (allocation always takes the head)::
 
     head -> [freed, no hash: latest first] [never used: by id] [cached: least recently freed first] <- tail
 
+Placeholders (async scheduling): ``append`` accepts ``PLACEHOLDER`` (-1) for tokens whose ids are not known
+yet (sampled on the device, not read back). They must be the sequence's trailing tokens; a block is hashed
+only once every token in it is known, and ``set_token`` fills a placeholder in later.
+
 A freed block that carries a hash is appended at the tail and stays findable by hash (cached,
 ref 0) until it is reallocated, which evicts its hash. A freed block without one (a partial last
 block, a duplicate of an indexed block, every block when prefix caching is off) holds nothing
@@ -38,7 +42,11 @@ from dataclasses import dataclass
 from hf_paged.prefix_hash import _ROOT_PARENT_HASH, HASH_SEED, BlockHash, hash_block_tokens
 
 BlockId = int
-__all__ = ["BlockId", "BlockHash", "BlockPool", "HASH_SEED", "hash_block_tokens", "AllocationResult", "PoolStats"]
+PLACEHOLDER = -1  # a token whose id is not known yet (see the module docstring)
+__all__ = [
+    "BlockId", "BlockHash", "BlockPool", "HASH_SEED", "PLACEHOLDER", "hash_block_tokens", "AllocationResult",
+    "PoolStats",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -247,6 +255,8 @@ class BlockPool:
             raise ValueError(f"`seq_id` {seq_id!r} already has blocks; free it first or pick a new id")
         if len(token_ids) == 0:
             raise ValueError(f"`token_ids` must hold at least one token for seq {seq_id!r}, got an empty sequence")
+        if token_ids[-1] == PLACEHOLDER:
+            raise ValueError(f"seq {seq_id!r}: a new sequence's tokens must all be known, got a trailing placeholder")
         if num_tokens_to_cache is not None and not 0 <= num_tokens_to_cache <= len(token_ids):
             raise ValueError(f"`num_tokens_to_cache` must be in [0, {len(token_ids)}], got {num_tokens_to_cache}")
         hit_blocks, hit_hashes = self._find_cached_blocks(token_ids, extra_key)
@@ -278,7 +288,7 @@ class BlockPool:
         if not 0 <= num_tokens <= len(seq.token_ids):
             raise ValueError(f"`num_tokens` must be in [0, {len(seq.token_ids)}] for seq {seq_id!r}, got {num_tokens}")
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, num_tokens)
+            self._cache_full_blocks(seq, min(num_tokens, self._num_known(seq)))
 
     def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[tuple[BlockId, BlockId]] | None:
         """Append tokens to a sequence: fill its last block, then take new blocks from the free list.
@@ -289,7 +299,8 @@ class BlockPool:
 
         Args:
             seq_id: an allocated sequence.
-            token_ids: the new tokens, one or many (empty: no-op).
+            token_ids: the new tokens, one or many (empty: no-op); trailing ``PLACEHOLDER``s reserve slots
+                for tokens not known yet (``set_token`` fills them in).
 
         Returns:
             ``[(src_block, dst_block)]`` to copy on the device before writing the new K/V (at most
@@ -324,12 +335,31 @@ class BlockPool:
             self._num_table_entries += 1
         seq.token_ids.extend(token_ids)
         if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.token_ids) // bs:
-            self._cache_full_blocks(seq, len(seq.token_ids))
+            self._cache_full_blocks(seq, self._num_known(seq))
         return cow_pairs
+
+    def set_token(self, seq_id: Hashable, position: int, token_id: int) -> None:
+        """Fill in the placeholder at ``position`` (the oldest one); a block it completes is hashed.
+
+        Raises:
+            ValueError: ``position`` does not hold the sequence's first placeholder, or ``token_id`` < 0.
+        """
+        seq = self._get_seq(seq_id)
+        if token_id < 0:
+            raise ValueError(f"`token_id` must be >= 0, got {token_id}")
+        tokens = seq.token_ids
+        if not (0 <= position < len(tokens) and tokens[position] == PLACEHOLDER
+                and (position == 0 or tokens[position - 1] != PLACEHOLDER)):  # fmt: skip
+            raise ValueError(f"position {position} of seq {seq_id!r} is not its first placeholder")
+        tokens[position] = token_id
+        if self.enable_prefix_caching and len(seq.block_hashes) < (position + 1) // self.block_size:
+            self._cache_full_blocks(seq, self._num_known(seq))
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Create ``child_id`` sharing every block of ``parent_id`` (ref += 1). Needs no free block."""
         parent = self._get_seq(parent_id)
+        if parent.token_ids and parent.token_ids[-1] == PLACEHOLDER:
+            raise ValueError(f"seq {parent_id!r} ends with placeholders; fill them in (set_token) before fork")
         if child_id in self._seqs:
             raise ValueError(f"`child_id` {child_id!r} already has blocks; free it first or pick a new id")
         for block_id in parent.block_table:
@@ -381,6 +411,9 @@ class BlockPool:
             n = len(seq.token_ids)
             _check(len(seq.block_table) == math.ceil(n / bs), f"seq {seq_id!r}: table length for {n} tokens")
             _check(len(seq.block_hashes) <= n // bs, f"seq {seq_id!r}: hashes beyond its full blocks")
+            known = self._num_known(seq)
+            _check(PLACEHOLDER not in seq.token_ids[:known], f"seq {seq_id!r}: a placeholder before a known token")
+            _check(len(seq.block_hashes) <= known // bs, f"seq {seq_id!r}: a hashed block holds a placeholder")
             parent_hash = _ROOT_PARENT_HASH
             for block_idx, block_id in enumerate(seq.block_table):
                 num_refs[block_id] += 1
@@ -479,6 +512,14 @@ class BlockPool:
         block.ref_count = 1
         block.num_tokens = 0
         return block
+
+    @staticmethod
+    def _num_known(seq: _Seq) -> int:
+        """Tokens before the first (trailing) placeholder."""
+        n = len(seq.token_ids)
+        while n and seq.token_ids[n - 1] == PLACEHOLDER:
+            n -= 1
+        return n
 
     def _fill(self, block: _Block, num_tokens: int) -> int:
         block.num_tokens += num_tokens

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
 from hf_paged import block_pool
-from hf_paged.block_pool import HASH_SEED, BlockPool, hash_block_tokens
+from hf_paged.block_pool import HASH_SEED, PLACEHOLDER, BlockPool, hash_block_tokens
 
 BS = 8  # block size of the scenario tests
 
@@ -373,6 +373,24 @@ def test_fork_on_full_last_block_needs_no_copy():
     pool.check_invariants()
 
 
+def test_placeholder_block_is_hashed_once_its_token_is_known():
+    pool = BlockPool(8, 8)
+    pool.allocate("a", toks(0, 7))
+    assert pool.append("a", [PLACEHOLDER]) == []  # fills block 0 with an unknown last token
+    assert pool.get_block_hash(pool.get_block_table("a")[0]) is None
+    assert pool.num_cached_prefix_tokens(toks(0, 8) + [1]) == 0
+    with pytest.raises(ValueError, match="must be >= 0"):
+        pool.set_token("a", 7, PLACEHOLDER)
+    with pytest.raises(ValueError, match="ends with placeholders"):
+        pool.fork("a", "b")
+    with pytest.raises(ValueError, match="trailing placeholder"):
+        pool.allocate("c", [1, PLACEHOLDER])
+    pool.set_token("a", 7, 7)
+    assert pool.get_token_ids("a") == toks(0, 8)
+    assert pool.num_cached_prefix_tokens(toks(0, 8) + [1]) == 8  # hit only now
+    pool.check_invariants()
+
+
 # ---- randomized ------------------------------------------------------------------------------
 
 VOCAB = st.integers(0, 3)
@@ -406,6 +424,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.extra: dict[int, str | None] = {}
         self.device: dict[int, list] = {b: [None] * block_size for b in range(num_blocks)}
         self.history: list[tuple[list[int], str | None]] = []  # freed sequences: their blocks may be cached-free
+        self.pending: dict[int, int] = {}  # seq -> trailing placeholders not resolved yet
         self.next_id = 0
 
     def _write(self, seq_id, start):
@@ -461,7 +480,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(seq_id=seqs, new=st.one_of(st.lists(VOCAB, min_size=1, max_size=1), st.lists(VOCAB, max_size=20)))
     def append(self, seq_id, new):
-        if seq_id not in self.shadow:
+        if seq_id not in self.shadow or self.pending.get(seq_id):
             return
         fits = self.pool.can_append(seq_id, len(new))
         before = snapshot(self.pool)
@@ -484,9 +503,43 @@ class PoolMachine(RuleBasedStateMachine):
         for block_idx in range(start // self.bs, math.ceil(end / self.bs) if end > start else 0):
             assert self.pool.ref_count(table[block_idx]) == 1
 
+    @rule(seq_id=seqs, token=VOCAB)
+    def append_placeholder(self, seq_id, token):
+        """Async scheduling: a slot for a token the device knows (and writes) before the host does."""
+        if seq_id not in self.shadow:
+            return
+        fits = self.pool.can_append(seq_id, 1)
+        pairs = self.pool.append(seq_id, [PLACEHOLDER])
+        assert fits == (pairs is not None)
+        if pairs is None:
+            return
+        event("append: placeholder")
+        for src, dst in pairs:
+            self.device[dst] = list(self.device[src])
+        self.shadow[seq_id].append(token)  # the real token: the device computes its K/V now
+        self.pending[seq_id] = self.pending.get(seq_id, 0) + 1
+        self._write(seq_id, len(self.shadow[seq_id]) - 1)
+
+    @rule(seq_id=seqs)
+    def resolve_placeholder(self, seq_id):
+        num = self.pending.get(seq_id, 0)
+        if seq_id not in self.shadow or not num:
+            return
+        tokens = self.shadow[seq_id]
+        pos = len(tokens) - num
+        with pytest.raises(ValueError, match="is not its first placeholder"):
+            self.pool.set_token(seq_id, pos - 1, 0)  # a known token (every sequence starts with one)
+        self.pool.set_token(seq_id, pos, tokens[pos])
+        self.pending[seq_id] = num - 1
+        event("resolve placeholder")
+
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):
         if parent not in self.shadow:
+            return multiple()
+        if self.pending.get(parent):
+            with pytest.raises(ValueError, match="ends with placeholders"):
+                self.pool.fork(parent, self.next_id)
             return multiple()
         child, self.next_id = self.next_id, self.next_id + 1
         self.pool.fork(parent, child)
@@ -497,7 +550,9 @@ class PoolMachine(RuleBasedStateMachine):
     def free(self, seq_id):
         if seq_id in self.shadow:
             self.pool.free(seq_id)
-            self.history.append((self.shadow.pop(seq_id), self.extra.pop(seq_id)))
+            tokens = self.shadow.pop(seq_id)
+            del tokens[len(tokens) - self.pending.pop(seq_id, 0) :]  # placeholders never became known
+            self.history.append((tokens, self.extra.pop(seq_id)))
 
     @rule(seq_id=seqs, cut=st.integers(0, 60))
     def cache_blocks(self, seq_id, cut):
@@ -516,7 +571,8 @@ class PoolMachine(RuleBasedStateMachine):
         for seq_id, tokens in self.shadow.items():
             table = self.pool.get_block_table(seq_id)
             assert len(table) == math.ceil(len(tokens) / self.bs)
-            assert self.pool.get_token_ids(seq_id) == tokens
+            num = self.pending.get(seq_id, 0)
+            assert self.pool.get_token_ids(seq_id) == tokens[: len(tokens) - num] + [PLACEHOLDER] * num
             for pos in range(len(tokens)):
                 slot = self.pool.slot(seq_id, pos)
                 content = self.device[slot // self.bs][slot % self.bs]

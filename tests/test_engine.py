@@ -10,6 +10,18 @@ from transformers import DynamicCache, PreTrainedTokenizerFast
 from hf_paged import ContinuousBatcher, SamplingParams
 
 CACHE = cache_kwarg()
+_ASYNC = {"on": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def scheduling_mode(request):
+    """Every engine test runs with async scheduling off and on (the host one step ahead of the device)."""
+    _ASYNC["on"] = request.param
+    yield request.param
+
+
+def make_engine(*args, **kwargs) -> ContinuousBatcher:
+    return ContinuousBatcher(*args, async_scheduling=_ASYNC["on"], **kwargs)
 
 
 def tiny_model(*args, **kwargs):
@@ -61,7 +73,7 @@ def _assert_all_free(engine):
     ids=["one-step", "chunked", "no-prefix-cache", "preempt-recompute", "preempt-swap"],
 )
 def test_greedy_equals_model_generate(reference, config):
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, max_num_seqs=8, **config)
+    engine = make_engine(tiny_model("llama"), block_size=8, max_num_seqs=8, **config)
     params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS]
     outs = engine.generate(_prompts(), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -73,7 +85,7 @@ def test_greedy_equals_model_generate(reference, config):
 
 
 def test_prefix_cache_hits_are_not_recomputed(reference):
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64)
     prompt = _prompts()[4]  # 40 tokens
     first = engine.generate([prompt], SamplingParams(max_new_tokens=12, **GREEDY), use_tqdm=False)[0]
     computed = engine.metrics().num_computed_tokens
@@ -85,7 +97,7 @@ def test_prefix_cache_hits_are_not_recomputed(reference):
 
 
 def test_parallel_sampling_computes_prompt_once_and_shares_blocks():
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64, enable_prefix_caching=False)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64, enable_prefix_caching=False)
     prompt = _prompts()[4]  # 40 tokens = 5 full blocks
     rid = engine.add_request(prompt, SamplingParams(n=4, max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
     engine.step()  # the prompt, then 4 samples forked from it
@@ -106,7 +118,7 @@ def test_parallel_sampling_computes_prompt_once_and_shares_blocks():
 
 
 def test_parallel_sampling_copies_only_the_partial_block():
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64, enable_prefix_caching=False)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64, enable_prefix_caching=False)
     prompt = _prompts()[2]  # 33 tokens: 4 full blocks + 1 token
     rid = engine.add_request(prompt, SamplingParams(n=3, max_new_tokens=4, seed=0, ignore_eos=True))
     engine.step()
@@ -122,10 +134,10 @@ def test_parallel_sampling_copies_only_the_partial_block():
 def test_seeded_sampling_is_reproducible_across_batches():
     prompts = _prompts()
     params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
-    alone = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64).generate(
+    alone = make_engine(tiny_model("llama"), block_size=8, num_blocks=64).generate(
         [prompts[1]], params, use_tqdm=False
     )[0]
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64)
     together = engine.generate(prompts, [SamplingParams(max_new_tokens=10, temperature=1.0)] * 1 + [params] + [
         SamplingParams(max_new_tokens=5, temperature=1.0)] * 4, use_tqdm=False)  # fmt: skip
     assert together[1].outputs[0].token_ids == alone.outputs[0].token_ids
@@ -134,7 +146,7 @@ def test_seeded_sampling_is_reproducible_across_batches():
 @pytest.mark.parametrize("width", [2, 4])
 def test_beam_search_equals_hf_beam_search(width):
     model = tiny_model("llama", attn="sdpa")
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=128)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=128)
     for prompt in _prompts(lengths=(9, 21)):
         expected = model.generate(
             input_ids=torch.tensor([prompt], device=DEVICE), max_new_tokens=12, num_beams=width, do_sample=False,
@@ -147,7 +159,7 @@ def test_beam_search_equals_hf_beam_search(width):
 
 
 def test_beam_search_shares_blocks():
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=128)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=128)
     rid = engine.add_request(_prompts()[4], SamplingParams(beam_width=4, max_new_tokens=20))
     peak_used, peak_entries = 0, 0
     while engine.has_unfinished_requests():
@@ -174,7 +186,7 @@ def _char_tokenizer():
 
 def test_text_prompts_chat_messages_and_stop_strings():
     tok = _char_tokenizer()
-    engine = ContinuousBatcher(tiny_model("llama"), tokenizer=tok, block_size=8, num_blocks=64)
+    engine = make_engine(tiny_model("llama"), tokenizer=tok, block_size=8, num_blocks=64)
     plain = engine.generate("hello there", SamplingParams(max_new_tokens=20, **GREEDY), use_tqdm=False)[0]
     text = plain.outputs[0].text
     assert len(text) == 20 and plain.prompt_token_ids == tok("hello there")["input_ids"]
@@ -195,7 +207,7 @@ def test_text_prompts_chat_messages_and_stop_strings():
 
 
 def test_stop_token_ids_min_tokens_and_logprobs():
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64)
     prompt = _prompts()[1]
     free_run = engine.generate([prompt], SamplingParams(max_new_tokens=15, **GREEDY), use_tqdm=False)[0]
     tokens = free_run.outputs[0].token_ids
@@ -214,7 +226,7 @@ def test_stop_token_ids_min_tokens_and_logprobs():
 
 
 def test_abort_mid_stream_frees_blocks_and_others_finish(reference):
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=64)
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64)
     prompts = _prompts()
     keep = engine.add_request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS[0], **GREEDY))
     drop = engine.add_request(prompts[3], SamplingParams(max_new_tokens=30, **GREEDY))
@@ -234,7 +246,7 @@ def test_abort_mid_stream_frees_blocks_and_others_finish(reference):
 
 def test_bad_input_is_rejected_while_others_complete(reference):
     model = tiny_model("llama")
-    engine = ContinuousBatcher(model, block_size=8, num_blocks=32)
+    engine = make_engine(model, block_size=8, num_blocks=32)
     prompts = _prompts()
     ok = engine.add_request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS[0], **GREEDY))
     engine.step()
@@ -262,17 +274,17 @@ def test_bad_input_is_rejected_while_others_complete(reference):
 
 def test_engine_rejects_bad_configuration():
     with pytest.raises(ValueError, match="`max_num_seqs` \\(64\\) must not exceed `max_num_batched_tokens` \\(32\\)"):
-        ContinuousBatcher(tiny_model("llama"), num_blocks=8, max_num_batched_tokens=32, max_num_seqs=64)
+        make_engine(tiny_model("llama"), num_blocks=8, max_num_batched_tokens=32, max_num_seqs=64)
     with pytest.raises(ValueError, match="`preemption_mode` must be 'recompute' or 'swap', got 'drop'"):
-        ContinuousBatcher(tiny_model("llama"), num_blocks=8, preemption_mode="drop")
+        make_engine(tiny_model("llama"), num_blocks=8, preemption_mode="drop")
     with pytest.raises(ValueError, match="`block_size` must be a positive multiple of 8"):
-        ContinuousBatcher(tiny_model("llama"), num_blocks=8, block_size=4)
+        make_engine(tiny_model("llama"), num_blocks=8, block_size=4)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2"])
 def test_other_families_greedy(family):
     ref_model = tiny_model(family, attn="eager" if family == "gemma2" else "sdpa")
-    engine = ContinuousBatcher(tiny_model(family), block_size=8, num_blocks=64, max_num_batched_tokens=16)
+    engine = make_engine(tiny_model(family), block_size=8, num_blocks=64, max_num_batched_tokens=16)
     prompts = _prompts(lengths=(21, 6))
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=14, **GREEDY), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):

@@ -8,6 +8,11 @@
 One ``step()``: the scheduler picks the tokens of the next forward (hf_paged.engine.scheduler), the
 runner computes them in one flat forward (hf_paged.engine.model_runner), the sampler or the beam
 search picks the next tokens, and finished sequences give their blocks back.
+
+With async scheduling (default on CUDA) the host runs one step ahead: ``step()`` schedules and queues
+step N+1 on the device, then reads back and applies step N's tokens while the device computes, so the
+outputs a ``step()`` returns are those of the step queued by the call before. A token of step N
+reaches step N+1's input on the device, never through the host.
 """
 
 import itertools
@@ -24,9 +29,11 @@ from hf_paged.engine.inputs import InputProcessor, eos_token_ids, is_messages
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import CompletionOutput, Request, RequestOutput
+from hf_paged.engine.request import PLACEHOLDER
 from hf_paged.engine.request import Sequence as Seq
 from hf_paged.engine.sampler import Sampler
 from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
+from hf_paged.engine.transfer import to_device
 from hf_paged.model_info import ModelInfo
 
 
@@ -85,9 +92,16 @@ class ContinuousBatcher:
         enable_prefix_caching: reuse full blocks across requests by content hash.
         preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
         swap_space_gb: CPU memory for swapped blocks (swap mode).
-        use_cuda_graphs: replay CUDA graphs for decode steps; default: on for a model on one CUDA device.
+        use_cuda_graphs: replay CUDA graphs for decode steps; default: on for a model on one CUDA device (per
+            rank under tensor parallelism: the NCCL all-reduces are captured too; every rank captures the
+            same buckets in the same order at start-up and replays them in lock-step).
         compile_model: torch.compile the model inside the decode CUDA graphs (fuses its elementwise ops;
             compiling adds tens of seconds to start-up).
+        async_scheduling: schedule and queue step N+1 before reading back step N's tokens, so the host's
+            work overlaps the device's (vLLM's async scheduling). A token sampled after a sequence's
+            stop token is computed and discarded. Steps with beam search, penalties, ``min_tokens`` or a
+            prompt forking into ``n`` samples are processed at once. Default: on for a model on CUDA
+            without tensor parallelism.
     """
 
     def __init__(
@@ -105,6 +119,7 @@ class ContinuousBatcher:
         swap_space_gb: float = 4.0,
         use_cuda_graphs: bool | None = None,
         compile_model: bool = False,
+        async_scheduling: bool | None = None,
     ):
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens) if isinstance(max_num_batched_tokens, int) else 256
@@ -129,8 +144,6 @@ class ContinuousBatcher:
             import hf_paged.attention  # noqa: F401  (registers "paged")
 
             model.set_attn_implementation("paged")
-        if info.tp_size > 1 and use_cuda_graphs is None:
-            use_cuda_graphs = False  # the all-reduces of tensor parallelism run eagerly (not captured yet)
         self.runner = ModelRunner(
             model, self.kv, block_size, max_num_seqs=max_num_seqs,
             max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs, compile_model=compile_model,
@@ -151,6 +164,10 @@ class ContinuousBatcher:
         self._elapsed = 0.0
         self._peak_used_blocks = 0
         self._peak_share = 1.0
+        if async_scheduling is None:
+            async_scheduling = self.runner.device.type == "cuda" and info.tp_size == 1
+        self.async_scheduling = bool(async_scheduling)
+        self._inflight: _Launched | None = None  # the step queued last, not processed yet
 
     # ---- submission ------------------------------------------------------------------------------
 
@@ -198,7 +215,17 @@ class ContinuousBatcher:
         self._finish(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is queued, running, or waiting for a token of the step in flight."""
+        if self.scheduler.has_unfinished():
+            return True
+        inflight = self._inflight
+        return inflight is not None and any(not c.request.is_finished for c in inflight.targets)
+
+    def _drain(self) -> None:
+        """Process the step in flight, if any (waits for the device)."""
+        if self._inflight is not None:
+            self._process(self._inflight, {})
+            self._inflight = None
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -207,63 +234,118 @@ class ContinuousBatcher:
         return [self._output(r) for r in self._run_step()]
 
     def _run_step(self) -> list[Request]:
-        """One forward; returns the requests that progressed (building their outputs is left to callers)."""
+        """One forward; returns the requests that progressed (building their outputs is left to callers).
+
+        Async scheduling: step N+1 is scheduled and queued on the device before step N's sampled tokens are
+        read back and processed, so the device never waits for the host's bookkeeping (see ``_launch``).
+        """
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         touched: dict[str, Request] = {r.request_id: r for r in sched.preempted}
-        if sched.is_empty:
+        launched = None
+        if not sched.is_empty:
+            self._sync.check_schedule(sched)
+            tables = [self.pool.get_block_table(chunk.seq.seq_id) for chunk in sched.chunks]
+            if self.pool.num_blocks - self.pool.num_free_blocks > self._peak_used_blocks:
+                stats = self.pool.stats
+                self._peak_used_blocks = stats.num_used_blocks
+                self._peak_share = stats.num_used_slots / stats.num_allocated_slots
+            prev_tokens = self._inflight.token_ids if self._inflight is not None else None
+            logits = self.runner.execute(sched, tables, prev_tokens)
+            self._num_steps += 1
+            self._num_computed += sched.num_batched_tokens
+            for chunk in sched.chunks:
+                chunk.seq.num_computed = chunk.end
+            launched = self._launch(sched, logits)
+        elif self._inflight is None:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(
                     "bug in hf_paged: requests are waiting but none can be admitted into an empty pool "
                     f"({self.pool.num_free_blocks}/{self.pool.num_blocks} blocks free)"
                 )
             return []
-        self._sync.check_schedule(sched)
-        tables = [self.pool.get_block_table(chunk.seq.seq_id) for chunk in sched.chunks]
-        if self.pool.num_blocks - self.pool.num_free_blocks > self._peak_used_blocks:
-            stats = self.pool.stats
-            self._peak_used_blocks = stats.num_used_blocks
-            self._peak_share = stats.num_used_slots / stats.num_allocated_slots
-        logits = self.runner.execute(sched, tables)
-        self._num_steps += 1
-        self._num_computed += sched.num_batched_tokens
-        for chunk in sched.chunks:
-            chunk.seq.num_computed = chunk.end
-        self._process_logits(sched, logits, touched)
+        if self._inflight is not None:  # the previous step: its tokens are needed by now
+            self._process(self._inflight, touched)
+            self._inflight = None
+        if launched is not None:
+            if launched.deferred:
+                self._inflight = launched
+            else:
+                self._process(launched, touched)
         self._elapsed += time.perf_counter() - start
         return list(touched.values())
 
-    def _process_logits(self, sched: SchedulerOutput, logits: torch.Tensor, touched: dict) -> None:
-        sampling = [c for c in sched.chunks if c.samples]
+    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> "_Launched":
+        """Queue the sampling of one step and the copy of its tokens to the host; wait for nothing.
+
+        The step is *deferred* (processed after the next step is queued) when async scheduling is on and
+        every sampling row is a plain sample: no beam search, no prompt that forks into ``n`` samples, no
+        penalty or ``min_tokens`` (they need the previous token on the host). Each row's sequence then gets a
+        ``PLACEHOLDER`` token, which the next step reads on the device (``Sequence.sample_row``).
+        """
         rows, row_params, outputs, prompts, generators, targets = [], [], [], [], [], []
         beam_rows: dict[str, list[int]] = {}
-        for i, chunk in enumerate(sampling):
+        deferred = self.async_scheduling
+        for i, chunk in enumerate(c for c in sched.chunks if c.samples):
             request = chunk.request
-            touched[request.request_id] = request
             if request.is_beam_search:
                 beam_rows.setdefault(request.request_id, []).append(i)
+                deferred = False
                 continue
             copies = 1 if request.forked else request.params.n  # the prompt's row is sampled n times
+            history = _needs_history(request.params)
+            deferred = deferred and copies == 1 and not history
             for _ in range(copies):
                 rows.append(i)
                 row_params.append(request.params)
                 # The output so far matters only to penalties and min_tokens; copying it costs O(length).
-                outputs.append(chunk.seq.output_token_ids if _needs_history(request.params) else ())
+                outputs.append(chunk.seq.output_token_ids if history else ())
                 prompts.append(request.prompt_token_ids)
                 generators.append(request.generator)
                 targets.append(chunk)
+        launched = _Launched(targets=targets, beam_rows=beam_rows, logits=logits, deferred=deferred)
         if rows:
-            index = torch.tensor(rows, device=logits.device)
-            out = self.sampler(logits[index], row_params, outputs, prompts, generators, self.eos_token_ids)
+            row_logits = logits
+            if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:  # beam rows, or a row sampled n times
+                row_logits = logits[to_device(rows, torch.int64, logits.device)]
+            out = self.sampler(row_logits, row_params, outputs, prompts, generators, self.eos_token_ids)
             self._sync.broadcast(out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)
-            tokens = out.token_ids.tolist()
-            lps = out.logprobs.tolist() if out.logprobs is not None else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            launched.token_ids = out.token_ids
+            launched.host = [_to_host(t) for t in (out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)]
+            if out.token_ids.is_cuda:
+                launched.event = torch.cuda.Event()
+                launched.event.record()
+        if deferred:
+            max_len = self.inputs.max_len
+            for row, chunk in enumerate(targets):
+                seq = chunk.seq
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_inflight += 1
+                seq.sample_row = row
+                params = chunk.request.params
+                seq.last_inflight = seq.num_output_tokens >= params.max_new_tokens or len(seq.token_ids) >= max_len
+        else:
+            launched.logits = logits if beam_rows else None
+        return launched
+
+    def _process(self, launched: "_Launched", touched: dict) -> None:
+        """Read a launched step's tokens back (the one wait on the device) and apply them."""
+        for chunk in launched.targets:
+            touched[chunk.request.request_id] = chunk.request
+        for request_id in launched.beam_rows:
+            touched[request_id] = self.requests[request_id]
+        if launched.host is not None:
+            if launched.event is not None:
+                launched.event.synchronize()
+            tokens, lps, top_lps, top_ids = (t.tolist() if t is not None else None for t in launched.host)
+            targets = launched.targets
             j = 0
             while j < len(targets):
                 chunk = targets[j]
                 request = chunk.request
+                if request.is_finished or chunk.seq.is_finished:
+                    j += 1  # aborted, or ended by the previous step's token: this one is discarded
+                    continue
                 group = [j] if request.forked else list(range(j, j + request.params.n))
                 seqs = [chunk.seq] if request.forked else self._fork(request, chunk.seq, len(group))
                 for row, seq in zip(group, seqs, strict=True):
@@ -271,14 +353,28 @@ class ContinuousBatcher:
                     if lps is not None and request.params.logprobs is not None:
                         k = request.params.logprobs
                         logprob = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
-                    self._append_token(request, seq, tokens[row], logprob, lps[row] if lps else None)
+                    if launched.deferred:
+                        self._resolve_placeholder(seq, tokens[row])
+                    else:
+                        seq.token_ids.append(tokens[row])
+                    self._record_token(request, seq, tokens[row], logprob, lps[row] if lps else None)
                 j += len(group)
-        for request_id, idx in beam_rows.items():
+        for request_id, idx in launched.beam_rows.items():
             request = self.requests[request_id]
-            self._beam_step(request, logits[torch.tensor(idx, device=logits.device)])
+            logits = launched.logits
+            self._beam_step(request, logits[to_device(idx, torch.int64, logits.device)])
         for request in list(touched.values()):
             if not request.is_finished and not request.live_seqs:
                 self._finish(request)
+
+    def _resolve_placeholder(self, seq: Seq, token: int) -> None:
+        """The oldest placeholder of ``seq`` becomes ``token`` (in the pool too, if it has the slot)."""
+        pos = len(seq.token_ids) - seq.num_inflight
+        seq.token_ids[pos] = token
+        seq.num_inflight -= 1
+        pool = self.pool
+        if pool.has_seq(seq.seq_id) and pool.num_tokens(seq.seq_id) > pos:
+            pool.set_token(seq.seq_id, pos, token)
 
     def _fork(self, request: Request, seq: Seq, n: int) -> list[Seq]:
         """After the prompt: seq becomes the first of n samples; the others share its blocks."""
@@ -291,9 +387,9 @@ class ContinuousBatcher:
         request.forked = True
         return children
 
-    def _append_token(self, request: Request, seq: Seq, token: int, logprob, token_logprob) -> None:
+    def _record_token(self, request: Request, seq: Seq, token: int, logprob, token_logprob) -> None:
+        """Account for ``token``, just placed in ``seq.token_ids``: logprobs, stop checks, text, finishing."""
         params = request.params
-        seq.token_ids.append(token)
         self._num_generated += 1
         if token_logprob is not None:
             seq.cumulative_logprob += token_logprob
@@ -301,7 +397,7 @@ class ContinuousBatcher:
             seq.logprobs.append(logprob)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = time.monotonic()
-        num_out = seq.num_output_tokens
+        num_out = seq.num_output_tokens - seq.num_inflight  # up to and including this token
         if token in self.eos_token_ids and not params.ignore_eos and num_out > params.min_tokens - 1:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif token in params.stop_token_ids and num_out >= params.min_tokens:
@@ -309,16 +405,17 @@ class ContinuousBatcher:
         if self.tokenizer is not None:
             self._detokenize(request, seq)
         if seq.finish_reason is None and (
-            num_out >= params.max_new_tokens or len(seq.token_ids) >= self.inputs.max_len
+            num_out >= params.max_new_tokens or len(seq.token_ids) - seq.num_inflight >= self.inputs.max_len
         ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
+            seq.drop_inflight()  # a token sampled after this one (async scheduling) is discarded
             self.scheduler.release_seq(seq)
 
     def _detokenize(self, request: Request, seq: Seq) -> None:
         params = request.params
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        if seq.finish_reason is None and params.stop and seq.num_output_tokens >= params.min_tokens:
+        if seq.finish_reason is None and params.stop and len(seq.output_token_ids) >= params.min_tokens:
             # Only the new tail can hold a new match.
             search_from = max(0, len(seq.text) - max(len(s) for s in params.stop))
             for stop in params.stop:
@@ -365,6 +462,8 @@ class ContinuousBatcher:
                 request.finished_seqs.append(seq)
 
     def _finish(self, request: Request) -> None:
+        for seq in request.seqs:
+            seq.drop_inflight()
         self.scheduler.finish(request)
         request.metrics.finished_time = time.monotonic()
         self._beams.pop(request.request_id, None)
@@ -407,6 +506,8 @@ class ContinuousBatcher:
                         bar.set_postfix_str(f"{self.metrics().generation_throughput:.0f} tok/s", refresh=False)
         if bar is not None:
             bar.close()
+        if not self.scheduler.has_unfinished():
+            self._drain()  # only discarded tokens are left in flight: leave the engine idle
         return [self._output(self.requests.pop(rid)) for rid in ids]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -475,6 +576,28 @@ class ContinuousBatcher:
             metrics=request.metrics,
             num_cached_tokens=getattr(request, "num_cached_tokens", 0),
         )
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device; its tokens are read back by ``_process``."""
+
+    targets: list  # [num_rows] ScheduledChunk of each sampled row (a prompt sampled n times has n rows)
+    beam_rows: dict[str, list[int]]  # request id -> its rows of ``logits`` (beam search)
+    logits: torch.Tensor | None  # kept for beam search only
+    deferred: bool  # processed after the next step is queued; its rows' sequences hold placeholders
+    token_ids: torch.Tensor | None = None  # [num_rows] int64 on the device: read by the next step's inputs
+    host: list | None = None  # host copies of (token_ids, logprobs, top_logprobs, top_token_ids) (pinned on CUDA)
+    event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Start copying ``t`` to the host without waiting (pinned memory on CUDA); read it after the event."""
+    if t is None or not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _needs_history(p: SamplingParams) -> bool:

@@ -10,10 +10,14 @@ Step, in order:
      computed only at the sampling positions (``logits_to_keep`` with indices).
 
 CUDA graphs: a step of decode tokens only (one token per sequence, every one sampling) replays a graph
-captured for the smallest batch bucket that holds it (``GRAPH_BATCH_SIZES``, captured lazily on first
-use). Run only copies the plan into static buffers and replays: it must stay capturable (no host sync,
-no shape change). Padding rows of a bucket get slot -1 (never written) and length 0 (output zeros).
-Prefill and mixed steps run eagerly.
+captured for the smallest batch bucket that holds it (``GRAPH_BATCH_SIZES``; the engine captures every
+bucket at start-up). Run only copies the plan into static buffers and replays: it must stay capturable
+(no host sync, no shape change). Padding rows of a bucket get slot -1 (never written) and length 0
+(output zeros). Prefill and mixed steps run eagerly.
+
+Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.engine.transfer),
+and an input token that the previous step sampled but the host has not seen yet (a ``PLACEHOLDER``, async
+scheduling) is copied into the input ids on the device from that step's sampled-token tensor.
 """
 
 import itertools
@@ -23,6 +27,7 @@ import torch
 
 from hf_paged.context import ForwardContext, forward_context
 from hf_paged.engine.scheduler import SchedulerOutput
+from hf_paged.engine.transfer import to_device
 from hf_paged.kv_pool import KVPool
 
 
@@ -94,12 +99,17 @@ class ModelRunner:
         self._static = None
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Run one step.
+    def execute(
+        self, sched: SchedulerOutput, block_tables: list[list[int]], prev_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one step (queues the work on the device; never waits for it).
 
         Args:
             sched: the step (chunks in batch order, block movements).
             block_tables: the block table of each chunk's sequence, in chunk order.
+            prev_tokens: [num_rows] int64 on the device, the tokens sampled by the previous step, whose ids
+                are not on the host yet: an input that is a ``PLACEHOLDER`` of sequence ``seq`` is read from
+                ``prev_tokens[seq.sample_row]`` (async scheduling). None when no input is a placeholder.
 
         Returns:
             logits: [num_sampling_chunks, vocab_size] fp32, one row per chunk whose ``samples`` is True,
@@ -115,21 +125,31 @@ class ModelRunner:
             and sched.num_batched_tokens == num_seqs
             and all(c.samples for c in sched.chunks)
         ):
-            return self._replay(sched, block_tables)
-        ctx, input_ids, position_ids, logits_idx = self._plan(sched, block_tables)
+            return self._replay(sched, block_tables, prev_tokens)
+        ctx, input_ids, position_ids, logits_idx = self._plan(sched, block_tables, prev_tokens)
         with forward_context(ctx):
             out = self.model(
-                input_ids=input_ids.to(self.input_device, non_blocking=True),
-                position_ids=position_ids.to(self.input_device, non_blocking=True),
+                input_ids=input_ids,
+                position_ids=position_ids,
                 attention_mask=self._no_mask,
                 use_cache=False,
-                logits_to_keep=logits_idx.to(self.output_device, non_blocking=True),
+                logits_to_keep=logits_idx,
             )
         return out.logits[0].float()
 
+    def _fill_placeholders(self, input_ids: torch.Tensor, dst: list[int], src: list[int], prev_tokens) -> None:
+        """input_ids[dst[i]] = prev_tokens[src[i]], on the device (the ids never visit the host)."""
+        if not dst:
+            return
+        if prev_tokens is None:
+            raise RuntimeError("bug in hf_paged: a step input is a placeholder but no previous tokens were given")
+        dev = prev_tokens.device
+        values = prev_tokens.index_select(0, to_device(src, torch.int64, dev)).to(input_ids.device)
+        input_ids.index_copy_(0, to_device(dst, torch.int64, input_ids.device), values)
+
     # ---- CUDA graphs for decode steps --------------------------------------------------------------
 
-    def _replay(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
+    def _replay(self, sched: SchedulerOutput, block_tables: list[list[int]], prev_tokens) -> torch.Tensor:
         """Copy the decode step into the static buffers and replay the bucket's graph."""
         num_seqs = len(sched.chunks)
         bucket = next(b for b in self.graph_sizes if b >= num_seqs)
@@ -138,12 +158,16 @@ class ModelRunner:
         st = self._static
         bs = self.block_size
         ids = [c.seq.token_ids[c.start] for c in sched.chunks]
+        dst = [i for i, t in enumerate(ids) if t < 0]  # placeholders: read from prev_tokens on the device
+        src = [sched.chunks[i].seq.sample_row for i in dst]
         positions = [c.start for c in sched.chunks]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
         width = max(len(t) for t in block_tables)
         host = st["host"]
         host["ids"][:num_seqs] = ids
+        host["ids"][num_seqs:bucket] = 0  # padding rows: a valid id (an old placeholder here would be -1)
         host["pos"][:num_seqs] = positions
+        host["pos"][num_seqs:bucket] = 0
         host["slots"][:num_seqs] = slots
         host["slots"][num_seqs:bucket] = -1
         host["lens"][:num_seqs] = [p + 1 for p in positions]
@@ -151,11 +175,13 @@ class ModelRunner:
         tables = host["tables"]
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        st["input_ids"][:bucket].copy_(torch.from_numpy(host["ids"][:bucket]), non_blocking=True)
-        st["position_ids"][:bucket].copy_(torch.from_numpy(host["pos"][:bucket]), non_blocking=True)
-        st["slot_mapping"][:bucket].copy_(torch.from_numpy(host["slots"][:bucket]), non_blocking=True)
-        st["seq_lens"][:bucket].copy_(torch.from_numpy(host["lens"][:bucket]), non_blocking=True)
-        st["block_tables"][:num_seqs, :width].copy_(torch.from_numpy(tables[:num_seqs, :width]), non_blocking=True)
+        # Pinned staging copies: the host arrays are reused next step while these copies may still be queued.
+        for name, key in (("input_ids", "ids"), ("position_ids", "pos"), ("slot_mapping", "slots"), ("seq_lens", "lens")):
+            st[name][:bucket].copy_(torch.from_numpy(host[key][:bucket]).pin_memory(), non_blocking=True)
+        st["block_tables"][:num_seqs, :width].copy_(
+            torch.from_numpy(tables[:num_seqs, :width]).pin_memory(), non_blocking=True
+        )
+        self._fill_placeholders(st["input_ids"], dst, src, prev_tokens)
         if bucket not in self._graphs:
             self._capture(bucket)
         graph, logits = self._graphs[bucket]
@@ -232,8 +258,8 @@ class ModelRunner:
         self._graph_pool = graph.pool()
         self._graphs[bucket] = (graph, logits)
 
-    def _plan(self, sched: SchedulerOutput, block_tables: list[list[int]]):
-        """Flat inputs and the ForwardContext for the scheduled chunks (CPU tensors, moved once)."""
+    def _plan(self, sched: SchedulerOutput, block_tables: list[list[int]], prev_tokens):
+        """Flat inputs (on the input device) and the ForwardContext for the scheduled chunks."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -241,8 +267,15 @@ class ModelRunner:
         q_lens: list[int] = []
         seq_lens: list[int] = []
         logits_idx: list[int] = []
+        dst: list[int] = []  # flat positions whose id is a placeholder
+        src: list[int] = []  # ... and the row of prev_tokens that holds it
         for chunk, table in zip(sched.chunks, block_tables, strict=True):
             seq = chunk.seq
+            if seq.num_inflight:
+                pos = len(seq.token_ids) - seq.num_inflight  # the oldest placeholder
+                if chunk.start <= pos < chunk.end:
+                    dst.append(len(ids) + pos - chunk.start)
+                    src.append(seq.sample_row)
             ids.extend(seq.token_ids[chunk.start : chunk.end])
             positions.extend(range(chunk.start, chunk.end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
@@ -254,13 +287,12 @@ class ModelRunner:
         tables_np = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
         for i, table in enumerate(block_tables):
             tables_np[i, : len(table)] = table
-        tables = torch.from_numpy(tables_np)
         device = self.device
         ctx = ForwardContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-            block_tables=tables.to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            cu_seqlens_q=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32).to(device),
+            slot_mapping=to_device(slots, torch.int64, device),
+            block_tables=to_device(tables_np, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            cu_seqlens_q=to_device([0, *itertools.accumulate(q_lens)], torch.int32, device),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
             batch_size=1,
@@ -269,6 +301,8 @@ class ModelRunner:
             owner=self,
             kv_caches=self.kv_caches,
         )
-        input_ids = torch.tensor([ids], dtype=torch.int64)
-        position_ids = torch.tensor([positions], dtype=torch.int64)
-        return ctx, input_ids, position_ids, torch.tensor(logits_idx, dtype=torch.int64)
+        input_ids = to_device(ids, torch.int64, self.input_device)
+        self._fill_placeholders(input_ids, dst, src, prev_tokens)
+        position_ids = to_device(positions, torch.int64, self.input_device)
+        logits_idx_t = to_device(logits_idx, torch.int64, self.output_device)
+        return ctx, input_ids.unsqueeze(0), position_ids.unsqueeze(0), logits_idx_t

@@ -22,11 +22,21 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+PLACEHOLDER = -1  # a token sampled on the device whose id has not reached the host yet
+
+
 class Sequence:
     """One token stream in the block pool: the prompt plus what it has generated.
 
     Invariant: ``num_computed <= len(token_ids)``; the K/V of ``token_ids[:num_computed]`` are in the pool
     (or in swap space while swapped). Tokens past ``num_computed`` are computed by the next forwards.
+
+    Async scheduling: the last ``num_inflight`` (0-2) entries of ``token_ids`` are ``PLACEHOLDER``s for
+    tokens sampled by steps whose results are not processed yet; the oldest one is resolved first.
+    ``sample_row`` is the row of the latest such step's sampled-token tensor that holds this sequence's
+    token (the next forward reads its input id from there, on the device). ``last_inflight``: the
+    newest placeholder is this sequence's last token (``max_new_tokens`` or the context end): the
+    scheduler gives it no more slots.
     """
 
     def __init__(self, token_ids: list[int], num_prompt_tokens: int):
@@ -40,20 +50,33 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.text = ""  # detokenized output so far (with a tokenizer)
         self.swap_table: list[int] | None = None  # CPU swap slots per logical block while swapped
+        self.num_inflight = 0
+        self.sample_row = -1
+        self.last_inflight = False
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Generated tokens whose ids are known (placeholders excluded)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_inflight]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, placeholders included."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def drop_inflight(self) -> None:
+        """Forget unresolved placeholders (the sequence finished: their tokens are discarded)."""
+        if self.num_inflight:
+            del self.token_ids[-self.num_inflight :]
+            self.num_inflight = 0
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
     def fork(self) -> "Sequence":
+        if self.num_inflight:
+            raise RuntimeError("bug in hf_paged: a sequence with tokens in flight cannot be forked")
         child = Sequence(list(self.token_ids), self.num_prompt_tokens)
         child.num_computed = self.num_computed
         child.cumulative_logprob = self.cumulative_logprob

@@ -1,8 +1,9 @@
 """Sampler: one batched call per engine step turns the last-position logits into the next tokens.
 
 Every stage is a whole-batch tensor op on the logits' device; per-row parameters become one small tensor
-each (built from Python lists, O(num_seqs)), and a stage that no row uses is skipped. Nothing reads a
-tensor back to the host, so a step does not sync. ``beam_candidates`` is the beam-search counterpart:
+each (built from Python lists, O(num_seqs), copied up through pinned memory), and a stage that no row
+uses is skipped. Nothing reads a tensor back to the host and no copy blocks, so sampling never waits for
+the device. ``beam_candidates`` is the beam-search counterpart:
 beams are ranked, not sampled.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.transfer import to_device
 
 _NEG_INF = float("-inf")
 
@@ -93,12 +95,12 @@ class Sampler:
         if sample_rows:
             all_sampled = len(sample_rows) == len(params)
             # Indexing copies, so greedy rows keep their logits; when every row samples, work in place.
-            sample_logits = logits if all_sampled else logits[torch.tensor(sample_rows, device=device)]
+            sample_logits = logits if all_sampled else logits[to_device(sample_rows, torch.int64, device)]
             sampled = _sample(sample_logits, [params[i] for i in sample_rows], [generators[i] for i in sample_rows])
             if all_sampled:
                 token_ids = sampled
             else:
-                token_ids[torch.tensor(sample_rows, device=device)] = sampled
+                token_ids.index_copy_(0, to_device(sample_rows, torch.int64, device), sampled)
 
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
@@ -160,7 +162,7 @@ def _token_counts(
         # they land in the extra column, which is dropped.
         flat[(flat < 0) | (flat >= vocab_size)] = vocab_size
         flat += np.repeat(np.arange(len(lens), dtype=np.int64) * (vocab_size + 1), lens)
-        index = torch.from_numpy(flat).to(device)
+        index = to_device(flat, torch.int64, device)
         counts.view(-1).scatter_add_(0, index, torch.ones(num_tokens, dtype=torch.float32, device=device))
     return counts[:, :vocab_size]
 
@@ -199,12 +201,12 @@ def apply_penalties(
 
     if use_repetition:
         seen = (output_counts + _token_counts(prompt_token_ids, vocab_size, device)) > 0
-        penalty = torch.tensor(repetition, dtype=torch.float32, device=device).unsqueeze(1)
+        penalty = to_device(repetition, torch.float32, device).unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits.copy_(torch.where(seen, penalised, logits))
     if use_output_penalties:
-        frequency_t = torch.tensor(frequency, dtype=torch.float32, device=device).unsqueeze(1)
-        presence_t = torch.tensor(presence, dtype=torch.float32, device=device).unsqueeze(1)
+        frequency_t = to_device(frequency, torch.float32, device).unsqueeze(1)
+        presence_t = to_device(presence, torch.float32, device).unsqueeze(1)
         logits -= frequency_t * output_counts + presence_t * (output_counts > 0)
     return logits
 
@@ -225,7 +227,7 @@ def _apply_min_tokens(
             cols += stop_ids
     if rows:
         device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = _NEG_INF
+        logits[to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)] = _NEG_INF
 
 
 def _sample(
@@ -237,20 +239,20 @@ def _sample(
 
     temperature = [p.temperature for p in params]
     if any(t != 1.0 for t in temperature):
-        logits /= torch.tensor(temperature, dtype=torch.float32, device=device).unsqueeze(1)
+        logits /= to_device(temperature, torch.float32, device).unsqueeze(1)
 
     top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # k >= vocab keeps every token
     if any(top_k):
         max_k = max(top_k)
-        kth_idx = torch.tensor([max(k, 1) - 1 for k in top_k], device=device).unsqueeze(1)
+        kth_idx = to_device([max(k, 1) - 1 for k in top_k], torch.int64, device).unsqueeze(1)
         threshold = logits.topk(max_k, dim=-1).values.gather(1, kth_idx)
         # Rows with top-k off get a -inf threshold, which masks nothing. Ties at the k-th logit all stay (as HF).
-        threshold.masked_fill_(torch.tensor([k == 0 for k in top_k], device=device).unsqueeze(1), _NEG_INF)
+        threshold.masked_fill_(to_device([k == 0 for k in top_k], torch.bool, device).unsqueeze(1), _NEG_INF)
         logits.masked_fill_(logits < threshold, _NEG_INF)
 
     top_p = [p.top_p for p in params]
     if any(p < 1.0 for p in top_p):
-        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+        top_p_t = to_device(top_p, torch.float32, device).unsqueeze(1)
         sorted_logits, sorted_idx = logits.sort(dim=-1)  # ascending
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop a token when the tokens above it already hold >= top_p of the mass (HF's rule). The most
@@ -262,7 +264,7 @@ def _sample(
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
+        min_p_t = to_device(min_p, torch.float32, device).unsqueeze(1)
         logits.masked_fill_(probs < min_p_t * probs.amax(dim=-1, keepdim=True), _NEG_INF)
 
     probs = logits.softmax(dim=-1)

@@ -76,6 +76,11 @@ class Scheduler:
     Preemption frees a request's blocks and requeues it at the front: by recompute (its tokens so far
     are computed again when it is readmitted) or by swap (its blocks are copied to CPU slots first).
 
+    Async scheduling (the engine samples step N on the device while this schedules step N+1): a sequence
+    whose last token is a placeholder gets its slot like any other (the runner reads the id on the
+    device); one whose placeholder is its final token (``last_inflight``) is not scheduled; a waiting
+    request with a placeholder is not admitted until the id is known.
+
     Args:
         pool: the block pool shared with the runner.
         max_num_batched_tokens: the token budget of one forward.
@@ -172,6 +177,8 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_running_seqs() + _max_seqs(request) > self.max_num_seqs:
                 break
+            if any(seq.num_inflight for seq in request.seqs):
+                break  # preempted with a token in flight: readmitted once its id is known (next step)
             if not self._admit(request, out):
                 break
             self.waiting.popleft()
@@ -188,8 +195,14 @@ class Scheduler:
     def _schedule_decode(self, request: Request, out: SchedulerOutput) -> bool:
         """Give each live sequence of ``request`` its next token's slot; False if it had to be preempted."""
         live = request.live_seqs
+        if len(live) == 1:
+            if live[0].last_inflight:
+                return True  # its last token is in flight: nothing left to compute
+        elif any(seq.last_inflight for seq in live):
+            live = [seq for seq in live if not seq.last_inflight]
         for seq in live:
-            pending = seq.token_ids[self.pool.num_tokens(seq.seq_id) :]  # sampled, not yet in the pool
+            # Sampled, not yet in the pool; a placeholder while its id is on the device (async scheduling).
+            pending = seq.token_ids[self.pool.num_tokens(seq.seq_id) :]
             while True:
                 pairs = self.pool.append(seq.seq_id, pending) if pending else []
                 if pairs is not None:

@@ -1,0 +1,141 @@
+"""Async scheduling: the host schedules step N+1 before it reads step N's tokens back.
+
+What can go wrong: an input id that never reaches the device (a placeholder fed to the model), a token
+sampled after a stop token leaking into the output, a length limit overshot by the step in flight, an
+aborted or preempted sequence whose in-flight token is applied to the wrong place, blocks never freed.
+Every test compares against the same engine with async scheduling off, and ends with a leak check.
+"""
+
+import pytest
+import torch
+from models import DEVICE
+from models import tiny_model as _tiny_model
+
+from hf_paged import ContinuousBatcher, SamplingParams
+from hf_paged.engine.request import PLACEHOLDER
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def tiny_model(*args, **kwargs):
+    return _tiny_model(*args, device=DEVICE, **kwargs)
+
+
+def _prompts(seed=1, lengths=(5, 17, 33, 8, 40, 23)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _engine(async_scheduling: bool, **kwargs) -> ContinuousBatcher:
+    torch.manual_seed(0)  # same random weights for both engines
+    kwargs = dict(block_size=8, num_blocks=64) | kwargs
+    return ContinuousBatcher(tiny_model("llama"), async_scheduling=async_scheduling, **kwargs)
+
+
+def _assert_all_free(engine):
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.stats.num_used_blocks == 0
+    engine.pool.check_invariants()
+
+
+def _run(engine, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def test_steps_are_deferred_and_placeholders_never_leak():
+    engine = _engine(True)
+    prompts = _prompts()[:2]
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=4, **GREEDY)) for p in prompts]
+    assert engine.step() == []  # the prompts are queued and sampled on the device; nothing is read back yet
+    seqs = [engine.requests[r].seqs[0] for r in rids]
+    assert engine._inflight is not None and engine._inflight.deferred
+    assert all(s.token_ids[-1] == PLACEHOLDER and s.num_inflight == 1 and s.output_token_ids == [] for s in seqs)
+    outs = engine.step()  # step 2 is queued (its inputs read on the device), then step 1 is processed
+    assert sorted(o.request_id for o in outs) == sorted(rids)
+    assert all(len(o.outputs[0].token_ids) == 1 and PLACEHOLDER not in o.outputs[0].token_ids for o in outs)
+    assert all(s.num_inflight == 1 for s in seqs)  # step 2's tokens are in flight
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert PLACEHOLDER not in out.outputs[0].token_ids
+    got = [engine._output(engine.requests.pop(r)).outputs[0].token_ids for r in rids]
+    assert [[g] for g in got] == _run(_engine(False), prompts, SamplingParams(max_new_tokens=4, **GREEDY))
+    # 2 prompts + 3 decode steps of 2 tokens each: the step in flight at the length limit computes nothing more
+    assert engine.metrics().num_computed_tokens == sum(map(len, prompts)) + 3 * 2
+    _assert_all_free(engine)
+
+
+def test_stop_token_discards_the_token_computed_after_it():
+    prompt = _prompts()[1]
+    free_run = _run(_engine(False), [prompt], SamplingParams(max_new_tokens=15, **GREEDY))[0][0]
+    stop_id = free_run[5]
+    params = SamplingParams(max_new_tokens=15, stop_token_ids=[stop_id], **GREEDY)
+    sync, eager = _engine(False), _engine(True)
+    expected = _run(sync, [prompt], params)[0][0]
+    out = eager.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected == free_run[: free_run.index(stop_id) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # The step after the stop token was already queued: one token computed and thrown away.
+    assert eager.metrics().num_computed_tokens == sync.metrics().num_computed_tokens + 1
+    assert eager.metrics().num_generated_tokens == sync.metrics().num_generated_tokens
+    _assert_all_free(eager)
+
+
+def test_mixed_requests_equal_the_synchronous_engine():
+    """Plain samples run deferred; penalties, min_tokens, n > 1 and beams force their steps to be processed at once."""
+    prompts = _prompts()
+    params = [
+        SamplingParams(max_new_tokens=9, temperature=0.9, top_k=20, seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                       ignore_eos=True),  # fmt: skip
+        SamplingParams(max_new_tokens=7, temperature=1.0, n=3, seed=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, beam_width=2),
+        SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.8, min_tokens=4, seed=3, logprobs=2),
+        SamplingParams(max_new_tokens=16, **GREEDY),
+    ]
+    for budget in (512, 16):  # whole prompts, then chunked prefill mixing with decode
+        expected = _run(_engine(False, max_num_batched_tokens=budget), prompts, params)
+        engine = _engine(True, max_num_batched_tokens=budget)
+        assert _run(engine, prompts, params) == expected
+        _assert_all_free(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_tokens_in_flight(mode):
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in (7, 20, 3, 30, 12, 16)]
+    config = dict(num_blocks=14, max_num_batched_tokens=32, max_num_seqs=8, preemption_mode=mode, swap_space_gb=0.01)
+    expected = _run(_engine(False, **config), prompts, params)
+    engine = _engine(True, **config)
+    assert _run(engine, prompts, params) == expected
+    assert engine.metrics().num_preemptions > 0
+    _assert_all_free(engine)
+
+
+def test_abort_with_a_token_in_flight():
+    prompts = _prompts()
+    engine = _engine(True)
+    keep = engine.add_request(prompts[0], SamplingParams(max_new_tokens=8, **GREEDY))
+    drop = engine.add_request(prompts[3], SamplingParams(max_new_tokens=30, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    seq = engine.requests[drop].seqs[0]
+    assert seq.num_inflight == 1
+    engine.abort(drop)
+    out = engine._output(engine.requests.pop(drop)).outputs[0]
+    assert out.finish_reason == "abort" and PLACEHOLDER not in seq.token_ids and len(out.token_ids) == 2
+    while engine.has_unfinished_requests():
+        engine.step()  # the aborted request's row of the step in flight is dropped
+    got = engine._output(engine.requests.pop(keep)).outputs[0].token_ids
+    assert got == _run(_engine(False), [prompts[0]], SamplingParams(max_new_tokens=8, **GREEDY))[0][0]
+    _assert_all_free(engine)
+
+
+def test_stream_delivers_every_token_once():
+    prompt = _prompts()[2]
+    params = SamplingParams(max_new_tokens=11, **GREEDY)
+    engine = _engine(True)
+    deltas = list(engine.stream(prompt, params))
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == _run(_engine(False), [prompt], params)[0][0]
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    _assert_all_free(engine)
