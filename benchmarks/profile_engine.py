@@ -130,7 +130,9 @@ def main():
                 engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught if "ynchroniz" in str(w.message)]
+    syncs = [
+        f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught if "ynchroniz" in str(w.message)
+    ]
     print(f"host-device syncs flagged by torch in 5 async steps: {len(syncs)}")
     for message in sorted(set(syncs))[:10]:
         print(f"  {message}")

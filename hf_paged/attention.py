@@ -48,16 +48,13 @@ def paged_attention_forward(
         raise ValueError(f"attn_implementation='paged' is inference-only; got dropout={dropout} in training mode")
     batch_size, num_heads, query_len, head_dim = query.shape
     ctx = ctx.on(query.device)
+    new_key = new_value = None  # the new tokens' K/V [num_tokens, num_kv_heads, head_dim] (engine path)
     if ctx.kv_caches is not None:  # engine path: no Cache object; write this layer's new K/V here
         k_cache, v_cache = ctx.kv_caches[module.layer_idx]
         num_kv_heads = key.shape[1]
-        write_kv(
-            key.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim),
-            value.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim),
-            k_cache,
-            v_cache,
-            ctx.slot_mapping,
-        )
+        new_key = key.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        new_value = value.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping)
         key, value = k_cache, v_cache
     if scaling is None:
         scaling = head_dim**-0.5
@@ -67,6 +64,10 @@ def paged_attention_forward(
         q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     if ctx.token_idx is not None:
         q = q.index_select(0, ctx.token_idx)
+        if new_key is not None:
+            new_key, new_value = new_key.index_select(0, ctx.token_idx), new_value.index_select(0, ctx.token_idx)
+    if query_len == 1 or (new_key is not None and new_key.stride(2) != 1):
+        new_key = new_value = None  # decode reads the blocks; the prefill kernel needs a contiguous last dim
     out = paged_attention(
         q,
         key,
@@ -79,6 +80,8 @@ def paged_attention_forward(
         max_seq_len=ctx.max_seq_len,
         sliding_window=sliding_window if sliding_window else None,
         soft_cap=softcap if softcap else None,
+        key=new_key,  # fresh prompts read their K/V here instead of through the block table
+        value=new_value,
     )  # [num_tokens, num_heads, head_dim]
     if ctx.token_idx is not None:
         full = out.new_zeros(batch_size * query_len, num_heads, head_dim)

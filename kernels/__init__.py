@@ -69,12 +69,17 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' K, rows as query
+    value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' V
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     On CUDA, a batch whose sequences each carry one new token (``max_query_len == 1``) takes the
     split-K decode kernel; any other batch takes the varlen prefill kernel. ``max_query_len`` and
     ``max_seq_len`` are host-side hints (no device sync); computed from the tensors when omitted.
+    ``key``/``value`` (optional, already written to the cache): the prefill kernel reads a fresh
+    sequence's K/V (no cached context) from them instead of through the block table, which is faster;
+    the result is the same.
 
     Returns:
         out: [num_tokens, num_heads, head_dim], query's dtype.
@@ -101,5 +106,5 @@ def paged_attention(
         return paged_prefill_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
-            out=out,
+            out=out, key=key, value=value,
         )  # fmt: skip

@@ -53,7 +53,10 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Sizes that change from step to step are not specialised (Triton would compile a new kernel whenever one
+# of them became 1 or a multiple of 16 in the middle of serving): the split count, the block table's width,
+# and the strides of the partial log-sum-exps that follow the split count.
+@triton.jit(do_not_specialize=["num_splits", "stride_bts", "stride_pls", "stride_plh"])
 def _paged_decode_kernel(
     # pointers
     query_ptr,  # [num_seqs, num_heads, head_dim]
@@ -211,7 +214,7 @@ def _paged_decode_kernel(
         tl.store(pl_ptrs, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pls", "stride_plh"])
 def _merge_splits_kernel(
     # pointers
     partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim], fp32

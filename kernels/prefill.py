@@ -21,7 +21,8 @@ sliding-window start of its first token to the causal limit of its last token, i
 Online softmax in fp32 (exp2 with log2(e) folded into the scores), fp32 accumulator.
 
 Variants (keyword overrides of ``paged_prefill_triton``, timed by ``benchmarks/kernels.py --prefill-sweep``;
-the defaults are the first of each): ``softmax`` "exact" / "fused" / "lazy" update of the unmasked tiles,
+defaults: "fused" when the scale is positive, else "exact"; packed GQA; paged reads unless key/value are given):
+``softmax`` "exact" / "fused" / "lazy" update of the unmasked tiles,
 ``pack_gqa`` True / False (one query head per program), and ``key=/value=`` (fresh prompts read their
 K/V from the contiguous new-token tensors instead of through the block table).
 """
@@ -240,7 +241,9 @@ def _attend_ranges(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The block table's row stride is its width, which changes from step to step: not specialised (Triton would
+# compile a new kernel for width 1 and for widths divisible by 16 in the middle of serving).
+@triton.jit(do_not_specialize=["stride_table_s"])
 def _paged_prefill_kernel(
     # pointers
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -369,8 +372,12 @@ def _paged_prefill_kernel(
     )
 
 
-def _default_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int, bool]:
+def _default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) -> tuple[int, int, int, int, bool]:
     """Default (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) for Hopper (H100/H200).
+
+    With ``contig_kv`` (fresh prompts read their K/V from the contiguous key/value tensors) 2-byte dtypes
+    with head_dim in (64, 128] use 128 x 64 tiles, 8 warps, 3 stages, K^T loads: 130 µs vs 150 µs for the
+    paged-read default on the same shape (the variant sweep of benchmarks/kernels.py, H200, RESULTS.md).
 
     Heuristic: 2-byte dtypes with head_dim <= 64 use the flash-attention tiles 128 x 64; head_dim in
     (64, 128] uses 128 x 32 tiles, 4 warps, 4 stages and key-major K loads, the fastest of the sweep in
@@ -387,7 +394,7 @@ def _default_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int
     if block_d <= 64:
         return 128, 64, 4, 3, False
     if block_d <= 128:
-        return 128, 32, 4, 4, True
+        return (128, 64, 8, 3, False) if contig_kv else (128, 32, 4, 4, True)
     return 64, 32, 8, 2, False
 
 
@@ -410,7 +417,7 @@ def paged_prefill_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     k_row_major: bool | None = None,
-    softmax: str = "exact",
+    softmax: str | None = None,
     pack_gqa: bool = True,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
@@ -445,7 +452,8 @@ def paged_prefill_triton(
         num_warps, num_stages: overrides of the launch meta-parameters (benchmarks/kernels.py sweeps them).
         k_row_major: load K tiles key-major and transpose in registers instead of loading K^T
             (default: per the tile heuristic).
-        softmax: online-softmax update of the unmasked interior tiles (masked tiles always use "exact").
+        softmax: online-softmax update of the unmasked interior tiles (masked tiles always use "exact");
+            default "fused" (2% faster on the H200 benchmark shape; RESULTS.md), "exact" when scale <= 0.
             "exact": the reference update with the -inf guard. "fused": no -inf guard (an interior row
             sees only finite scores) and the scale folded into one FMA per score; needs scale > 0.
             "lazy": "fused" plus FlashAttention-4 lazy rescaling: the accumulator is rescaled only when
@@ -519,6 +527,8 @@ def paged_prefill_triton(
     for name, tile in (("block_m", block_m), ("block_n", block_n)):
         if tile is not None and (tile < 16 or tile & (tile - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {tile}")
+    if softmax is None:
+        softmax = "fused" if scale > 0 else "exact"
     if softmax not in _SOFTMAX_MODES:
         raise ValueError(f"softmax must be one of {list(_SOFTMAX_MODES)}, got {softmax!r}")
     if softmax != "exact" and not scale > 0:
@@ -546,7 +556,9 @@ def paged_prefill_triton(
 
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    default_m, default_n, default_warps, default_stages, default_row_major = _default_tiles(query.dtype, block_d)
+    default_m, default_n, default_warps, default_stages, default_row_major = _default_tiles(
+        query.dtype, block_d, key is not None
+    )
     num_warps = num_warps or default_warps
     num_stages = num_stages or default_stages
     k_row_major = default_row_major if k_row_major is None else k_row_major

@@ -85,8 +85,9 @@ def test_mixed_requests_equal_the_synchronous_engine():
     prompts = _prompts()
     params = [
         SamplingParams(max_new_tokens=9, temperature=0.9, top_k=20, seed=1, ignore_eos=True),
-        SamplingParams(max_new_tokens=12, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
-                       ignore_eos=True),  # fmt: skip
+        SamplingParams(
+            max_new_tokens=12, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, ignore_eos=True
+        ),  # fmt: skip
         SamplingParams(max_new_tokens=7, temperature=1.0, n=3, seed=2, ignore_eos=True),
         SamplingParams(max_new_tokens=6, beam_width=2),
         SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.8, min_tokens=4, seed=3, logprobs=2),

@@ -290,3 +290,14 @@ def test_other_families_greedy(family):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(ref_model, prompt, 14)
     _assert_all_free(engine)
+
+
+def test_warmup_forward_writes_nothing_to_the_pool():
+    """The start-up dummy prefill (run on CUDA) must leave every block as it was."""
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=16)
+    for k in engine.kv.k_cache + engine.kv.v_cache:
+        k.normal_()
+    before = [t.clone() for t in engine.kv.k_cache + engine.kv.v_cache]
+    engine.runner.warmup(40)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.kv.k_cache + engine.kv.v_cache, strict=True))
+    _assert_all_free(engine)

@@ -80,7 +80,7 @@ def _check(
     block_n=None,
     query_view=False,
     k_row_major=False,
-    softmax="exact",
+    softmax=None,  # the default: "fused"
     pack_gqa=True,
     contig_kv=False,
     key_ramp=False,
@@ -264,7 +264,7 @@ def test_large_block_ids_use_int64_offsets(block_size, block_n):
 
 # Kernel variants (benchmarks/kernels.py --prefill-sweep times them): each must compute the reference.
 VARIANTS = [
-    dict(softmax="fused"),
+    dict(softmax="exact"),
     dict(softmax="lazy"),
     dict(pack_gqa=False),
     dict(pack_gqa=False, softmax="lazy"),
@@ -318,7 +318,8 @@ def test_variants_reject_bad_arguments():
         paged_prefill_triton(query, *args, 0.125, **hints, key=key, value=key[:3])
     with pytest.raises(ValueError, match=r"key must be \(4, 2, 64\) torch.float16 .* got \(4, 2, 64\) torch.float32"):
         paged_prefill_triton(query, *args, 0.125, **hints, key=key.float(), value=key)
-    # A negative scale is fine for the exact softmax.
+    # A negative scale is fine for the exact softmax, which the default falls back to.
+    paged_prefill_triton(query, *args, -0.125, **hints, softmax="exact")
     paged_prefill_triton(query, *args, -0.125, **hints)
 
 

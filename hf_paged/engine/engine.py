@@ -28,8 +28,7 @@ from hf_paged.engine.distributed import RankSync
 from hf_paged.engine.inputs import InputProcessor, eos_token_ids, is_messages
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.request import CompletionOutput, Request, RequestOutput
-from hf_paged.engine.request import PLACEHOLDER
+from hf_paged.engine.request import PLACEHOLDER, CompletionOutput, Request, RequestOutput
 from hf_paged.engine.request import Sequence as Seq
 from hf_paged.engine.sampler import Sampler
 from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
@@ -149,6 +148,8 @@ class ContinuousBatcher:
             max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs, compile_model=compile_model,
         )  # fmt: skip
         self._sync = RankSync(info.tp_size, self.runner.device)
+        if self.runner.device.type == "cuda":
+            self.runner.warmup(max_num_batched_tokens)  # kernels compiled, allocator grown: before any request
         if self.runner.use_cuda_graphs:
             self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
         self.sampler = Sampler()

@@ -176,7 +176,12 @@ class ModelRunner:
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
         # Pinned staging copies: the host arrays are reused next step while these copies may still be queued.
-        for name, key in (("input_ids", "ids"), ("position_ids", "pos"), ("slot_mapping", "slots"), ("seq_lens", "lens")):
+        for name, key in (
+            ("input_ids", "ids"),
+            ("position_ids", "pos"),
+            ("slot_mapping", "slots"),
+            ("seq_lens", "lens"),
+        ):
             st[name][:bucket].copy_(torch.from_numpy(host[key][:bucket]).pin_memory(), non_blocking=True)
         st["block_tables"][:num_seqs, :width].copy_(
             torch.from_numpy(tables[:num_seqs, :width]).pin_memory(), non_blocking=True
@@ -187,6 +192,38 @@ class ModelRunner:
         graph, logits = self._graphs[bucket]
         graph.replay()
         return logits[0, :num_seqs].float()
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int) -> None:
+        """One dummy prefill of ``num_tokens`` tokens at start-up; nothing is written to the pool.
+
+        It compiles the prefill kernel, picks the GEMM algorithms of a full-budget step and grows the
+        memory allocator to a full step's activations before the first request, so the first requests do
+        not pay for it (and a budget too large for the memory left after the pool fails here, not mid-run).
+        """
+        num_tokens = max(1, min(num_tokens, self.max_model_len))
+        dev = self.device
+        ctx = ForwardContext(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),  # -1: never written
+            block_tables=torch.zeros((1, -(-num_tokens // self.block_size)), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            batch_size=1,
+            query_len=num_tokens,
+            paged=True,
+            owner=self,
+            kv_caches=self.kv_caches,
+        )
+        with forward_context(ctx):
+            self.model(
+                input_ids=torch.zeros((1, num_tokens), dtype=torch.int64, device=self.input_device),
+                position_ids=torch.arange(num_tokens, device=self.input_device).unsqueeze(0),
+                attention_mask=self._no_mask,
+                use_cache=False,
+                logits_to_keep=torch.tensor([num_tokens - 1], device=self.output_device),
+            )
 
     def capture_all(self) -> None:
         """Capture every decode bucket now (largest first, so smaller graphs reuse its memory pool)."""
