@@ -10,7 +10,10 @@ Builds a random-weight model (hf_paged.bench shapes), fills the engine with ``--
    copies, ``.item()``, ``.tolist()`` of device tensors); the one intended wait (the event of the step
    before) is not a torch op and is not counted.
 
+4. times mixed steps (the batch's decode tokens plus one new prompt, run eagerly, without CUDA graphs).
+
 Run: python benchmarks/profile_engine.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--compile]
+Tensor parallelism: torchrun --nproc-per-node 2 benchmarks/profile_engine.py --model llama-8b --model-dir DIR --tp
 """
 
 import argparse
@@ -21,7 +24,7 @@ import warnings
 import torch
 
 from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.bench import build_model
+from hf_paged.bench import load_or_build
 
 
 def _steady(engine: ContinuousBatcher, async_on: bool, steps: int, outputs: bool) -> tuple[float, float]:
@@ -73,16 +76,21 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top CPU/GPU ops")
+    parser.add_argument("--model-dir", help="load the random-weight model from DIR (saved there first)")
+    parser.add_argument("--tp", action="store_true", help="tensor parallelism under torchrun (needs --model-dir)")
     args = parser.parse_args()
-    model = build_model(args.model)
+    model = load_or_build(args.model, args.model_dir, args.tp)
+    rank = torch.distributed.get_rank() if args.tp else 0
+    say = print if rank == 0 else (lambda *a, **k: None)
     engine = ContinuousBatcher(
         model, memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch, compile_model=args.compile,
         async_scheduling=False,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
+    max_new = min(10_000, (engine.info.max_model_len or 1 << 30) - args.prompt)  # never finishes while timed
     for _ in range(args.batch):
         ids = torch.randint(10, 1000, (args.prompt,), generator=gen).tolist()
-        engine.add_request(ids, SamplingParams(max_new_tokens=10_000, temperature=0.0, ignore_eos=True))
+        engine.add_request(ids, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
     while any(len(r.seqs[0].token_ids) == r.seqs[0].num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # prefill everything
     for _ in range(3):
@@ -109,16 +117,36 @@ def main():
         t5 = time.perf_counter()
         for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0), strict=True):
             phases[name].append(value * 1e3)
-    print(f"{args.model}, batch {args.batch}, context ~{args.prompt}: median ms per decode step, phases serialised")
+    tp = f", tp={model.tp_size}" if args.tp else ""
+    say(f"{args.model}{tp}, batch {args.batch}, context ~{args.prompt}: median ms per decode step, phases serialised")
     for name, values in phases.items():
-        print(f"  {name:12s} {statistics.median(values):8.2f}")
+        say(f"  {name:12s} {statistics.median(values):8.2f}")
 
-    print("steady state: ms per step, share of the wall time the GPU is busy (one sync at the end)")
+    say("steady state: ms per step, share of the wall time the GPU is busy (one sync at the end)")
     for outputs in (False, True):
         for async_on in (False, True, False, True):
             ms, busy = _steady(engine, async_on, args.steps, outputs)
             api = "step()     " if outputs else "_run_step()"
-            print(f"  {api} async_scheduling={async_on!s:5s} {ms:8.2f} ms  GPU busy {busy:6.1%}")
+            say(f"  {api} async_scheduling={async_on!s:5s} {ms:8.2f} ms  GPU busy {busy:6.1%}")
+
+    mixed = []
+    for _ in range(5):  # swap one request for a new prompt: its prefill runs with everyone's decode token
+        engine._drain()
+        victim = next(iter(engine.requests))
+        engine.abort(victim)
+        engine.requests.pop(victim)
+        ids = torch.randint(10, 1000, (args.prompt,), generator=gen).tolist()
+        engine.add_request(ids, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine._run_step()
+        engine._drain()
+        torch.cuda.synchronize()
+        mixed.append((time.perf_counter() - t0) * 1e3)
+    say(
+        f"mixed step ({args.batch - 1} decode tokens + a {args.prompt}-token prompt, eager): "
+        f"median {statistics.median(mixed):.2f} ms"
+    )
 
     engine.async_scheduling = True
     engine.step()
@@ -133,19 +161,21 @@ def main():
     syncs = [
         f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught if "ynchroniz" in str(w.message)
     ]
-    print(f"host-device syncs flagged by torch in 5 async steps: {len(syncs)}")
+    say(f"host-device syncs flagged by torch in 5 async steps: {len(syncs)}")
     for message in sorted(set(syncs))[:10]:
-        print(f"  {message}")
+        say(f"  {message}")
 
-    if args.torch_profile:
+    if args.torch_profile and rank == 0:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 engine.step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+        say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        say(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    if args.tp:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ def _tp_worker(rank: int, world: int, port: int, path: str, results):
         model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="paged")
         assert model.tp_size == world
         greedy = _greedy_engine(model)
-        engine = ContinuousBatcher(model, block_size=8, num_blocks=64)
+        assert _greedy_engine(model, async_scheduling=True) == greedy
+        engine = ContinuousBatcher(model, block_size=8, num_blocks=64, async_scheduling=True)  # deferred steps
         sampled = [o.outputs[0].token_ids for o in engine.generate(
             PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True), use_tqdm=False)]  # fmt: skip
         cache = PagedCache(model, num_blocks=16, block_size=8)

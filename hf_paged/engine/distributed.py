@@ -2,9 +2,12 @@
 
 Every rank schedules deterministically from the same inputs; two things keep the ranks identical:
 - the sampled tokens of each step are broadcast from rank 0 (sampling draws random numbers, and each rank's
-  generator is its own), so every rank appends the same tokens;
+  generator is its own), so every rank appends the same tokens; the broadcast is a device collective queued
+  after the sampling, so it never makes the host wait (async scheduling works under tensor parallelism);
 - a fingerprint of each step's schedule (which tokens of which requests, the block copies) is compared
-  across ranks with one small all-reduce; a mismatch raises instead of computing garbage.
+  across ranks with one small all-reduce before the step is queued; a mismatch raises instead of computing
+  garbage (or hanging in mismatched collectives). With NCCL the check goes through a CPU (gloo) group of
+  the same ranks, so it waits for the other ranks' hosts, not for the GPU work queued before it.
 """
 
 import torch
@@ -27,6 +30,8 @@ class RankSync:
         if self.enabled:
             nccl = dist.get_backend() == "nccl"
             self.device = device if nccl else torch.device("cpu")
+            # Every rank builds its engine, so every rank makes this group, in the same order.
+            self._check_group = dist.new_group(backend="gloo") if nccl else None
 
     def check_schedule(self, sched: SchedulerOutput) -> None:
         """Raise if the ranks scheduled different steps."""
@@ -41,8 +46,8 @@ class RankSync:
             )
         )
         fp = xxhash.xxh64_intdigest(plan.encode()) & ((1 << 62) - 1)
-        both = torch.tensor([fp, -fp], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        both = torch.tensor([fp, -fp], dtype=torch.int64)  # host tensors: no device sync
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._check_group)
         if both[0].item() != -both[1].item():
             raise RuntimeError(
                 "bug in hf_paged, or ranks fed different requests: tensor-parallel ranks scheduled different "

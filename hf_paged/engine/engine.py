@@ -99,8 +99,7 @@ class ContinuousBatcher:
         async_scheduling: schedule and queue step N+1 before reading back step N's tokens, so the host's
             work overlaps the device's (vLLM's async scheduling). A token sampled after a sequence's
             stop token is computed and discarded. Steps with beam search, penalties, ``min_tokens`` or a
-            prompt forking into ``n`` samples are processed at once. Default: on for a model on CUDA
-            without tensor parallelism.
+            prompt forking into ``n`` samples are processed at once. Default: on for a model on CUDA.
     """
 
     def __init__(
@@ -166,7 +165,7 @@ class ContinuousBatcher:
         self._peak_used_blocks = 0
         self._peak_share = 1.0
         if async_scheduling is None:
-            async_scheduling = self.runner.device.type == "cuda" and info.tp_size == 1
+            async_scheduling = self.runner.device.type == "cuda"
         self.async_scheduling = bool(async_scheduling)
         self._inflight: _Launched | None = None  # the step queued last, not processed yet
 
