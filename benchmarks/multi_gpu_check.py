@@ -24,6 +24,7 @@ def greedy(model, **engine_kwargs):
     engine = ContinuousBatcher(model, num_blocks=512, block_size=16, max_num_batched_tokens=128, **engine_kwargs)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in NEW]
     outs = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+    engine.close()  # before destroy_process_group under tensor parallelism (pytorch/pytorch#115388)
     cache = PagedCache(model, num_blocks=64, block_size=16)
     ids = torch.tensor([PROMPTS[2]], device=model.device)
     gen = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, past_key_values=cache)[0].tolist()

@@ -175,6 +175,7 @@ def main():
         say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
         say(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
     if args.tp:
+        engine.close()  # graphs with captured NCCL work must go first (pytorch/pytorch#115388)
         torch.distributed.destroy_process_group()
 
 

@@ -202,6 +202,7 @@ def run_hf_paged(model, workload: Workload, prefix_caching: bool, args, async_sc
     note = (f"{engine.pool.num_blocks} blocks, prefix hit {m.prefix_hit_rate:.0%}, "
             f"{m.num_preemptions} preemptions, {m.num_steps} steps, async {engine.async_scheduling}")  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base
+    engine.close()  # frees the graphs now (under TP, destroy_process_group hangs while they live)
     del engine
     return dict(elapsed=elapsed, generated=generated, peak=peak, note=note)
 

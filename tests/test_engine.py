@@ -301,3 +301,16 @@ def test_warmup_forward_writes_nothing_to_the_pool():
     engine.runner.warmup(40)
     assert all(torch.equal(a, b) for a, b in zip(before, engine.kv.k_cache + engine.kv.v_cache, strict=True))
     _assert_all_free(engine)
+
+
+def test_close_drains_and_the_engine_still_serves(reference):
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64)
+    prompt = _prompts()[0]
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS[0], **GREEDY))
+    engine.step()
+    engine.close()  # the step in flight is processed; graphs (CUDA) are freed
+    assert engine._inflight is None and not engine.runner.use_cuda_graphs and not engine.runner._graphs
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._output(engine.requests.pop(rid)).outputs[0].token_ids == reference[0]
+    _assert_all_free(engine)

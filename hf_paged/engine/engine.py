@@ -221,6 +221,15 @@ class ContinuousBatcher:
         inflight = self._inflight
         return inflight is not None and any(not c.request.is_finished for c in inflight.targets)
 
+    def close(self) -> None:
+        """Finish the step in flight and free the CUDA graphs (the engine then runs decode steps eagerly).
+
+        Call it before ``torch.distributed.destroy_process_group()`` under tensor parallelism: that call hangs
+        while graphs with captured NCCL collectives are alive (pytorch/pytorch#115388).
+        """
+        self._drain()
+        self.runner.release_graphs()
+
     def _drain(self) -> None:
         """Process the step in flight, if any (waits for the device)."""
         if self._inflight is not None:

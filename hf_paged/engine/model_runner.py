@@ -225,6 +225,17 @@ class ModelRunner:
                 logits_to_keep=torch.tensor([num_tokens - 1], device=self.output_device),
             )
 
+    def release_graphs(self) -> None:
+        """Free the captured graphs and their buffers; later decode steps run eagerly.
+
+        Under tensor parallelism the graphs hold captured NCCL work, and ``destroy_process_group()`` hangs
+        while they are alive (pytorch/pytorch#115388).
+        """
+        self._graphs.clear()
+        self._graph_pool = None
+        self._static = None
+        self.use_cuda_graphs = False
+
     def capture_all(self) -> None:
         """Capture every decode bucket now (largest first, so smaller graphs reuse its memory pool)."""
         if self._static is None:
