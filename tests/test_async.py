@@ -140,3 +140,21 @@ def test_stream_delivers_every_token_once():
     assert tokens == _run(_engine(False), [prompt], params)[0][0]
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
     _assert_all_free(engine)
+
+
+def test_to_device_copies_and_converts():
+    """Host staging must not alias the caller's buffer: the engine reuses its numpy arrays every step."""
+    import numpy as np
+
+    from hf_paged.engine.transfer import to_device
+
+    cpu = torch.device("cpu")
+    buf = np.arange(4, dtype=np.int64)
+    for dtype in (torch.int64, torch.int32):
+        t = to_device(buf, dtype, cpu)
+        buf[0] = 99
+        assert t.dtype == dtype and t.tolist() == [0, 1, 2, 3]
+        buf[0] = 0
+    assert to_device([0.5, 1.0], torch.float32, cpu).tolist() == [0.5, 1.0]
+    assert to_device([True, False], torch.bool, cpu).dtype == torch.bool
+    assert to_device([], torch.int64, cpu).numel() == 0
