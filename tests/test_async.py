@@ -125,7 +125,8 @@ def test_abort_with_a_token_in_flight():
     out = engine._output(engine.requests.pop(drop)).outputs[0]
     assert out.finish_reason == "abort" and PLACEHOLDER not in seq.token_ids and len(out.token_ids) == 2
     while engine.has_unfinished_requests():
-        engine.step()  # the aborted request's row of the step in flight is dropped
+        outs = engine.step()  # the aborted request's row of the step in flight is dropped
+        assert drop not in [o.request_id for o in outs]  # reported once, by abort
     got = engine._output(engine.requests.pop(keep)).outputs[0].token_ids
     assert got == _run(_engine(False), [prompts[0]], SamplingParams(max_new_tokens=8, **GREEDY))[0][0]
     _assert_all_free(engine)

@@ -339,8 +339,9 @@ class ContinuousBatcher:
 
     def _process(self, launched: "_Launched", touched: dict) -> None:
         """Read a launched step's tokens back (the one wait on the device) and apply them."""
-        for chunk in launched.targets:
-            touched[chunk.request.request_id] = chunk.request
+        for chunk in launched.targets:  # a request aborted since the launch was reported then, not again
+            if not chunk.request.is_finished:
+                touched[chunk.request.request_id] = chunk.request
         for request_id in launched.beam_rows:
             touched[request_id] = self.requests[request_id]
         if launched.host is not None:
