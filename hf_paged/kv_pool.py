@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from hf_paged.engine.transfer import to_device
 from hf_paged.kernels import copy_blocks
 
 
@@ -67,12 +68,12 @@ class KVPool:
         """Copy blocks src -> dst in every layer (copy-on-write), one batched call per layer."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        src = [p[0] for p in pairs]
+        dst = [p[1] for p in pairs]
         on_device = {}
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            if k.device not in on_device:
-                on_device[k.device] = (src.to(k.device), dst.to(k.device))
+            if k.device not in on_device:  # pinned, non-blocking: the step does not wait for the GPU here
+                on_device[k.device] = (to_device(src, torch.int64, k.device), to_device(dst, torch.int64, k.device))
             copy_blocks(k, v, *on_device[k.device])
 
     def allocate_swap(self, num_slots: int) -> None:

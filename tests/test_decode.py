@@ -15,7 +15,7 @@ from hf_paged.kernels.reference import paged_attention_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 to run on the CPU",
+    reason="Triton kernels: run on CUDA (the device machine) and interpreted in CI (.ci/run sets TRITON_INTERPRET=1)",
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
