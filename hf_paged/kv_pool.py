@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from hf_paged.engine.transfer import to_device
+from hf_paged.transfer import to_device
 from hf_paged.kernels import copy_blocks
 
 

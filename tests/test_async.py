@@ -147,7 +147,7 @@ def test_to_device_copies_and_converts():
     """Host staging must not alias the caller's buffer: the engine reuses its numpy arrays every step."""
     import numpy as np
 
-    from hf_paged.engine.transfer import to_device
+    from hf_paged.transfer import to_device
 
     cpu = torch.device("cpu")
     buf = np.arange(4, dtype=np.int64)

@@ -32,7 +32,7 @@ from hf_paged.engine.request import PLACEHOLDER, CompletionOutput, Request, Requ
 from hf_paged.engine.request import Sequence as Seq
 from hf_paged.engine.sampler import Sampler
 from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
-from hf_paged.engine.transfer import to_device
+from hf_paged.transfer import to_device
 from hf_paged.model_info import ModelInfo
 
 

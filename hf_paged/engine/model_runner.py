@@ -27,7 +27,7 @@ import torch
 
 from hf_paged.context import ForwardContext, forward_context
 from hf_paged.engine.scheduler import SchedulerOutput
-from hf_paged.engine.transfer import to_device
+from hf_paged.transfer import to_device
 from hf_paged.kv_pool import KVPool
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.transfer import to_device
+from hf_paged.transfer import to_device
 
 _NEG_INF = float("-inf")
 
