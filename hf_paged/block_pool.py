@@ -4,6 +4,14 @@ Pure Python (stdlib + xxhash, no torch), so the bookkeeping is property-tested o
 decides; the caller executes: it writes K/V into the slots of the block tables it gets back and
 runs the ``(src, dst)`` block copies that copy-on-write asks for, in one batched call.
 
+Tokens are the caller's. Per sequence the pool keeps its block table, its token count, its
+``extra_key`` and the chain hashes of its leading full blocks hashed so far; never its token ids.
+``allocate`` reads the prompt (prefix lookup, hashing), ``append`` reserves slots by count and
+hashes nothing, and ``cache_blocks`` reads the caller's token list to hash and index full blocks
+once their ids are known and their K/V are being computed. Keeping no copy means there is nothing
+to reconcile with the caller's list each step; the one copy of token ids the pool does hold is the
+key of each indexed block, for the collision check below.
+
 Prefix hash (``hash_block_tokens``): for full block ``i`` of a sequence, ::
 
     h_i = xxh64(h_{i-1}.to_bytes(8, "little")          # h_{-1} = 0
@@ -21,17 +29,13 @@ Free-list policy (allocation always takes the head)::
 
     head -> [freed, no hash: latest first] [never used: by id] [cached: least recently freed first] <- tail
 
-Placeholders (async scheduling): ``append`` accepts ``PLACEHOLDER`` (-1) for tokens whose ids are not known
-yet (sampled on the device, not read back). They must be the sequence's trailing tokens; a block is hashed
-only once every token in it is known, and ``set_token`` fills a placeholder in later.
-
 A freed block that carries a hash is appended at the tail and stays findable by hash (cached,
 ref 0) until it is reallocated, which evicts its hash. A freed block without one (a partial last
-block, a duplicate of an indexed block, every block when prefix caching is off) holds nothing
-worth keeping, so it goes to the head and is reused before any cached block is evicted. A
-sequence frees its blocks last-first, so its last block is evicted first: later blocks are
-shared by fewer prompts (vLLM v1's order). (``reset_prefix_cache`` leaves its unhashed blocks where
-they are, among the cached ones.)
+block, a duplicate of an indexed block, a full block never passed to ``cache_blocks``, every block
+when prefix caching is off) holds nothing worth keeping, so it goes to the head and is reused
+before any cached block is evicted. A sequence frees its blocks last-first, so its last block is
+evicted first: later blocks are shared by fewer prompts (vLLM v1's order). (``reset_prefix_cache``
+leaves its unhashed blocks where they are, among the cached ones.)
 """
 
 import math
@@ -42,10 +46,8 @@ from dataclasses import dataclass
 from hf_paged.prefix_hash import _ROOT_PARENT_HASH, HASH_SEED, BlockHash, hash_block_tokens
 
 BlockId = int
-PLACEHOLDER = -1  # a token whose id is not known yet (see the module docstring)
 __all__ = [
-    "BlockId", "BlockHash", "BlockPool", "HASH_SEED", "PLACEHOLDER", "hash_block_tokens", "AllocationResult",
-    "PoolStats",
+    "BlockId", "BlockHash", "BlockPool", "HASH_SEED", "hash_block_tokens", "AllocationResult", "PoolStats",
 ]  # fmt: skip
 
 
@@ -90,21 +92,28 @@ class _Block:
 
 
 class _Seq:
-    __slots__ = ("block_table", "token_ids", "extra_key", "block_hashes")
+    __slots__ = ("block_table", "num_tokens", "extra_key", "block_hashes")
 
-    def __init__(self, block_table: list[BlockId], token_ids: list[int], extra_key: Hashable | None):
+    def __init__(
+        self, block_table: list[BlockId], num_tokens: int, extra_key: Hashable | None, block_hashes: list[BlockHash]
+    ):
         self.block_table = block_table
-        self.token_ids = token_ids
+        self.num_tokens = num_tokens  # the caller holds the ids; the pool only needs how many
         self.extra_key = extra_key
-        self.block_hashes: list[BlockHash] = []  # chain hashes of the leading full blocks hashed so far
+        self.block_hashes = block_hashes  # chain hashes of the leading full blocks hashed so far
 
 
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` token slots, shared by ref count. Ids are 0..num_blocks-1.
 
-    Slot of token ``position`` of a sequence: ``block_table[position // block_size] * block_size +
-    position % block_size``. Running out of blocks is a return value (``None`` / ``False``) and
-    leaves the pool unchanged; caller mistakes raise ``ValueError``.
+    Slot of token ``position`` of a sequence (computed by the caller's planner, not here):
+    ``block_table[position // block_size] * block_size + position % block_size``. Running out of
+    blocks is a return value (``None`` / ``False``) and leaves the pool unchanged; caller mistakes
+    raise ``ValueError``.
+
+    A sequence's life: ``allocate`` (prompt) -> ``cache_blocks`` as its tokens are computed ->
+    ``append`` (slots for new tokens) -> ``cache_blocks`` once their ids are known -> ... -> ``free``;
+    ``fork`` at any point.
 
     Invariants (``check_invariants`` verifies all of them; tests call it after every operation):
       - every block is either free (ref 0, on the free list exactly once) or referenced (ref > 0,
@@ -112,9 +121,10 @@ class BlockPool:
       - a block's ref count equals its number of block-table entries, so the sum of ref counts
         equals the number of table entries across sequences;
       - a sequence of n tokens has a table of ceil(n / block_size) blocks; only its last block
-        may be partial, and a block holds the same tokens in every sequence that references it;
-      - the prefix index maps each hash to a block carrying that hash; indexed blocks are full
-        and immutable (writes go to a partial block, and a shared partial block is copied first).
+        may be partial, and a block is filled to the same count in every sequence that references it;
+      - the prefix index maps each hash to a block carrying that hash, whose stored key re-hashes to
+        it; indexed blocks are full and immutable (writes go to a partial block, and a shared
+        partial block is copied first); a sequence's chain hash at an indexed block is that block's.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
@@ -166,19 +176,9 @@ class BlockPool:
         """A copy of the sequence's block table."""
         return list(self._get_seq(seq_id).block_table)
 
-    def get_token_ids(self, seq_id: Hashable) -> list[int]:
-        """A copy of the sequence's token ids."""
-        return list(self._get_seq(seq_id).token_ids)
-
     def num_tokens(self, seq_id: Hashable) -> int:
-        return len(self._get_seq(seq_id).token_ids)
-
-    def slot(self, seq_id: Hashable, position: int) -> int:
-        """Pool slot of token ``position``: ``block_id * block_size + position % block_size``."""
-        seq = self._get_seq(seq_id)
-        if not 0 <= position < len(seq.token_ids):
-            raise ValueError(f"`position` must be in [0, {len(seq.token_ids)}) for seq {seq_id!r}, got {position}")
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        """Tokens the sequence has slots for (its prompt plus every ``append``)."""
+        return self._get_seq(seq_id).num_tokens
 
     def ref_count(self, block_id: BlockId) -> int:
         return self._get_block(block_id).ref_count
@@ -214,8 +214,7 @@ class BlockPool:
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
         """Whether ``append`` of ``num_new_tokens`` tokens (copy-on-write included) would succeed now."""
-        if num_new_tokens < 0:
-            raise ValueError(f"`num_new_tokens` must be >= 0, got {num_new_tokens}")
+        _check_num_new_tokens(num_new_tokens)
         return self._num_blocks_to_append(self._get_seq(seq_id), num_new_tokens) <= len(self._free)
 
     # ---- mutators -----------------------------------------------------------------------------
@@ -233,11 +232,12 @@ class BlockPool:
         The prefix cache serves the longest run of leading full blocks whose hash hits and whose
         stored key matches (each hit block: ref += 1, off the free list if it was cached-free),
         capped so that the last prompt token is always computed. New blocks come from the head
-        of the free list. All or nothing.
+        of the free list. All or nothing. ``token_ids`` is read, not kept: the pool records
+        ``len(token_ids)`` and the chain hashes of the blocks it hashed.
 
         Args:
             seq_id: a new, hashable sequence id.
-            token_ids: the prompt, at least one token.
+            token_ids: the prompt, at least one token, every id >= 0.
             extra_key: kept with the sequence and mixed into every block hash (adapter id, salt).
             num_tokens_to_cache: full blocks within this many leading tokens enter the prefix
                 index now (default: all of them). Other sequences may then hit them before their
@@ -249,14 +249,14 @@ class BlockPool:
             if there are not enough free blocks (nothing changed).
 
         Raises:
-            ValueError: ``seq_id`` exists, ``token_ids`` is empty, or ``num_tokens_to_cache`` is out of range.
+            ValueError: ``seq_id`` exists, ``token_ids`` is empty or holds an id < 0, or
+                ``num_tokens_to_cache`` is out of range.
         """
         if seq_id in self._seqs:
             raise ValueError(f"`seq_id` {seq_id!r} already has blocks; free it first or pick a new id")
         if len(token_ids) == 0:
             raise ValueError(f"`token_ids` must hold at least one token for seq {seq_id!r}, got an empty sequence")
-        if token_ids[-1] == PLACEHOLDER:
-            raise ValueError(f"seq {seq_id!r}: a new sequence's tokens must all be known, got a trailing placeholder")
+        _check_token_ids(seq_id, token_ids, 0, len(token_ids))
         if num_tokens_to_cache is not None and not 0 <= num_tokens_to_cache <= len(token_ids):
             raise ValueError(f"`num_tokens_to_cache` must be in [0, {len(token_ids)}], got {num_tokens_to_cache}")
         hit_blocks, hit_hashes = self._find_cached_blocks(token_ids, extra_key)
@@ -273,59 +273,85 @@ class BlockPool:
             self._fill(block, min(self.block_size, len(token_ids) - start))
             table.append(block.block_id)
         self._num_table_entries += len(table)
-        seq = _Seq(table, list(token_ids), extra_key)
-        seq.block_hashes = hit_hashes
+        seq = _Seq(table, len(token_ids), extra_key, hit_hashes)
         self._seqs[seq_id] = seq
         if self.enable_prefix_caching:
             self._num_prefix_query_tokens += len(token_ids)
             self._num_prefix_hit_tokens += num_cached_tokens
-            self._cache_full_blocks(seq, len(token_ids) if num_tokens_to_cache is None else num_tokens_to_cache)
+            num_tokens = len(token_ids) if num_tokens_to_cache is None else num_tokens_to_cache
+            self._cache_full_blocks(seq_id, seq, token_ids, num_tokens)
         return AllocationResult(block_table=list(table), num_cached_tokens=num_cached_tokens)
 
-    def cache_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Enter the sequence's full blocks within its first ``num_tokens`` tokens into the prefix index."""
-        seq = self._get_seq(seq_id)
-        if not 0 <= num_tokens <= len(seq.token_ids):
-            raise ValueError(f"`num_tokens` must be in [0, {len(seq.token_ids)}] for seq {seq_id!r}, got {num_tokens}")
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, min(num_tokens, self._num_known(seq)))
+    def cache_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Enter the sequence's full blocks within its first ``num_tokens`` tokens into the prefix index.
 
-    def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[tuple[BlockId, BlockId]] | None:
-        """Append tokens to a sequence: fill its last block, then take new blocks from the free list.
-
-        Hot path (once per generated token per sequence): O(1) plus O(block_size) hashing when a
-        block fills up. If the partial last block is shared (ref > 1, after ``fork``), this
-        sequence gets a fresh copy of it first (copy-on-write); full blocks are never written.
+        Hashes only the blocks not hashed yet, chained from the last hashed one. Call it once the
+        tokens' ids are known and their K/V are in (or scheduled into) the blocks: a later prompt
+        may hit an indexed block at once. A block whose content is already indexed stays out of
+        the index (one block per hash) but still gets its chain hash. No-op when prefix caching is off.
 
         Args:
             seq_id: an allocated sequence.
-            token_ids: the new tokens, one or many (empty: no-op); trailing ``PLACEHOLDER``s reserve slots
-                for tokens not known yet (``set_token`` fills them in).
+            token_ids: the caller's token list of that sequence, read, never stored or mutated.
+                Entries past ``num_tokens`` are ignored (they may be anything); the ones it hashes
+                must be the ids whose K/V the sequence's blocks hold.
+            num_tokens: how many leading tokens are final; in ``[0, num_tokens(seq_id)]``.
+
+        Raises:
+            ValueError: ``num_tokens`` is out of range, ``token_ids`` is shorter than ``num_tokens``,
+                a token it hashes is < 0, or a block already indexed holds other tokens than
+                ``token_ids`` says (the list is not this sequence's).
+        """
+        seq = self._get_seq(seq_id)
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"`num_tokens` must be in [0, {seq.num_tokens}] for seq {seq_id!r}, got {num_tokens}")
+        if len(token_ids) < num_tokens:
+            raise ValueError(
+                f"`token_ids` of seq {seq_id!r} must hold at least `num_tokens` = {num_tokens} tokens, "
+                f"got {len(token_ids)}"
+            )
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq_id, seq, token_ids, num_tokens)
+
+    def append(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[BlockId, BlockId]] | None:
+        """Reserve slots for ``num_new_tokens`` more tokens: fill the last block, then take new blocks.
+
+        Hot path (once per generated token per sequence): O(1 + new blocks), and it hashes nothing
+        (the pool has no token ids; ``cache_blocks`` indexes the blocks once the ids are known). If
+        the partial last block is shared (ref > 1, after ``fork``), this sequence gets a fresh copy
+        of it first (copy-on-write); full blocks are never written.
+
+        Args:
+            seq_id: an allocated sequence.
+            num_new_tokens: how many tokens to add slots for (0: no-op).
 
         Returns:
             ``[(src_block, dst_block)]`` to copy on the device before writing the new K/V (at most
             one pair; ``[]`` when nothing is shared), or None if there are not enough free blocks
             (nothing changed).
+
+        Raises:
+            ValueError: ``num_new_tokens`` < 0, or ``seq_id`` is unknown.
+            TypeError: ``num_new_tokens`` is not an int.
         """
+        _check_num_new_tokens(num_new_tokens)
         seq = self._get_seq(seq_id)
-        num_new = len(token_ids)
-        if num_new == 0:
+        if num_new_tokens == 0:
             return []
-        if self._num_blocks_to_append(seq, num_new) > len(self._free):
+        if self._num_blocks_to_append(seq, num_new_tokens) > len(self._free):
             return None
         bs = self.block_size
         table = seq.block_table
-        num_tokens = len(seq.token_ids)
         last = self._blocks[table[-1]]
         cow_pairs = []
-        if last.ref_count > 1 and num_tokens % bs:
+        if last.ref_count > 1 and seq.num_tokens % bs:
             new = self._pop_free()
             self._fill(new, last.num_tokens)
             last.ref_count -= 1  # stays > 0: another sequence still holds it
             table[-1] = new.block_id
             cow_pairs.append((last.block_id, new.block_id))
             last = new
-        num_left = num_new
+        num_left = num_new_tokens
         if last.num_tokens < bs:
             num_left -= self._fill(last, min(bs - last.num_tokens, num_left))
         while num_left:
@@ -333,39 +359,20 @@ class BlockPool:
             num_left -= self._fill(block, min(bs, num_left))
             table.append(block.block_id)
             self._num_table_entries += 1
-        seq.token_ids.extend(token_ids)
-        if self.enable_prefix_caching and len(seq.block_hashes) < len(seq.token_ids) // bs:
-            self._cache_full_blocks(seq, self._num_known(seq))
+        seq.num_tokens += num_new_tokens
         return cow_pairs
 
-    def set_token(self, seq_id: Hashable, position: int, token_id: int) -> None:
-        """Fill in the placeholder at ``position`` (the oldest one); a block it completes is hashed.
-
-        Raises:
-            ValueError: ``position`` does not hold the sequence's first placeholder, or ``token_id`` < 0.
-        """
-        seq = self._get_seq(seq_id)
-        if token_id < 0:
-            raise ValueError(f"`token_id` must be >= 0, got {token_id}")
-        tokens = seq.token_ids
-        if not (0 <= position < len(tokens) and tokens[position] == PLACEHOLDER
-                and (position == 0 or tokens[position - 1] != PLACEHOLDER)):  # fmt: skip
-            raise ValueError(f"position {position} of seq {seq_id!r} is not its first placeholder")
-        tokens[position] = token_id
-        if self.enable_prefix_caching and len(seq.block_hashes) < (position + 1) // self.block_size:
-            self._cache_full_blocks(seq, self._num_known(seq))
-
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Create ``child_id`` sharing every block of ``parent_id`` (ref += 1). Needs no free block."""
+        """Create ``child_id`` sharing every block of ``parent_id`` (ref += 1). Needs no free block.
+
+        The child starts with the parent's token count, extra key and chain hashes.
+        """
         parent = self._get_seq(parent_id)
-        if parent.token_ids and parent.token_ids[-1] == PLACEHOLDER:
-            raise ValueError(f"seq {parent_id!r} ends with placeholders; fill them in (set_token) before fork")
         if child_id in self._seqs:
             raise ValueError(f"`child_id` {child_id!r} already has blocks; free it first or pick a new id")
         for block_id in parent.block_table:
             self._blocks[block_id].ref_count += 1
-        child = _Seq(list(parent.block_table), list(parent.token_ids), parent.extra_key)
-        child.block_hashes = list(parent.block_hashes)
+        child = _Seq(list(parent.block_table), parent.num_tokens, parent.extra_key, list(parent.block_hashes))
         self._seqs[child_id] = child
         self._num_table_entries += len(child.block_table)
 
@@ -400,7 +407,7 @@ class BlockPool:
     # ---- invariants ---------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Verify every invariant of the class docstring and the counters. O(pool + tokens): for tests.
+        """Verify every invariant of the class docstring and the counters. O(pool + table entries): for tests.
 
         Raises:
             RuntimeError: an invariant is broken (a bug in hf_paged).
@@ -408,35 +415,37 @@ class BlockPool:
         bs = self.block_size
         num_refs = [0] * self.num_blocks
         for seq_id, seq in self._seqs.items():
-            n = len(seq.token_ids)
+            n = seq.num_tokens
             _check(len(seq.block_table) == math.ceil(n / bs), f"seq {seq_id!r}: table length for {n} tokens")
             _check(len(seq.block_hashes) <= n // bs, f"seq {seq_id!r}: hashes beyond its full blocks")
-            known = self._num_known(seq)
-            _check(PLACEHOLDER not in seq.token_ids[:known], f"seq {seq_id!r}: a placeholder before a known token")
-            _check(len(seq.block_hashes) <= known // bs, f"seq {seq_id!r}: a hashed block holds a placeholder")
-            parent_hash = _ROOT_PARENT_HASH
             for block_idx, block_id in enumerate(seq.block_table):
                 num_refs[block_id] += 1
                 block = self._blocks[block_id]
-                block_tokens = tuple(seq.token_ids[block_idx * bs : (block_idx + 1) * bs])
-                _check(block.num_tokens == len(block_tokens), f"block {block_id}: fill differs in seq {seq_id!r}")
-                if block_idx >= len(seq.block_hashes):
+                fill = min(bs, n - block_idx * bs)  # only the last block may be partial
+                _check(block.num_tokens == fill, f"block {block_id}: fill differs in seq {seq_id!r}")
+                if block.block_hash is None:
                     continue
-                block_hash = hash_block_tokens(parent_hash, block_tokens, seq.extra_key)
-                _check(seq.block_hashes[block_idx] == block_hash, f"seq {seq_id!r}: chain hash of block {block_idx}")
-                if block.block_hash is not None:
-                    key = (block_idx, parent_hash, block_tokens, seq.extra_key)
-                    _check(block.block_hash == block_hash and block.cache_key == key, f"block {block_id}: stale key")
-                parent_hash = block_hash
+                # An indexed block sits where it was cached, under the same extra key, after the same chain.
+                key_idx, key_parent_hash, _, key_extra_key = block.cache_key
+                where = f"block {block_id} at position {block_idx} of seq {seq_id!r}"
+                _check(key_idx == block_idx and key_extra_key == seq.extra_key, f"{where}: key of another place")
+                if block_idx < len(seq.block_hashes):
+                    _check(seq.block_hashes[block_idx] == block.block_hash, f"{where}: chain hash differs")
+                if block_idx <= len(seq.block_hashes):
+                    parent_hash = seq.block_hashes[block_idx - 1] if block_idx else _ROOT_PARENT_HASH
+                    _check(key_parent_hash == parent_hash, f"{where}: parent hash differs")
         for block in self._blocks:
             is_free = block.block_id in self._free
             _check(block.ref_count == num_refs[block.block_id], f"block {block.block_id}: ref count vs tables")
             _check(is_free == (block.ref_count == 0), f"block {block.block_id}: free list vs ref count")
             if block.block_hash is None:
                 _check(block.cache_key is None, f"block {block.block_id}: key without hash")
-            else:
-                _check(self._index.get(block.block_hash) is block, f"block {block.block_id}: hash not indexed")
-                _check(block.num_tokens == bs and len(block.cache_key[2]) == bs, f"block {block.block_id}: not full")
+                continue
+            _check(self._index.get(block.block_hash) is block, f"block {block.block_id}: hash not indexed")
+            _, parent_hash, block_tokens, extra_key = block.cache_key
+            _check(block.num_tokens == bs and len(block_tokens) == bs, f"block {block.block_id}: not full")
+            rehash = hash_block_tokens(parent_hash, block_tokens, extra_key)
+            _check(rehash == block.block_hash, f"block {block.block_id}: stale key")
         for block_hash, block in self._index.items():
             _check(block.block_hash == block_hash, f"index entry {block_hash} points at block {block.block_id}")
         _check(len(self._free) == sum(r == 0 for r in num_refs), "free list length")
@@ -488,9 +497,8 @@ class BlockPool:
         return num_take if num_take <= len(self._free) else None
 
     def _num_blocks_to_append(self, seq: _Seq, num_new: int) -> int:
-        num_tokens = len(seq.token_ids)
-        num_blocks = math.ceil((num_tokens + num_new) / self.block_size) - len(seq.block_table)
-        is_cow = num_new > 0 and num_tokens % self.block_size and self._blocks[seq.block_table[-1]].ref_count > 1
+        num_blocks = math.ceil((seq.num_tokens + num_new) / self.block_size) - len(seq.block_table)
+        is_cow = num_new > 0 and seq.num_tokens % self.block_size and self._blocks[seq.block_table[-1]].ref_count > 1
         return num_blocks + bool(is_cow)
 
     def _touch(self, block: _Block) -> None:
@@ -513,20 +521,12 @@ class BlockPool:
         block.num_tokens = 0
         return block
 
-    @staticmethod
-    def _num_known(seq: _Seq) -> int:
-        """Tokens before the first (trailing) placeholder."""
-        n = len(seq.token_ids)
-        while n and seq.token_ids[n - 1] == PLACEHOLDER:
-            n -= 1
-        return n
-
     def _fill(self, block: _Block, num_tokens: int) -> int:
         block.num_tokens += num_tokens
         self._num_used_slots += num_tokens
         return num_tokens
 
-    def _cache_full_blocks(self, seq: _Seq, num_tokens: int) -> None:
+    def _cache_full_blocks(self, seq_id: Hashable, seq: _Seq, token_ids: Sequence[int], num_tokens: int) -> None:
         """Hash the sequence's full blocks within ``num_tokens`` not hashed yet; index the new contents.
 
         A block whose hash is already indexed (the same content computed twice, or a collision)
@@ -534,17 +534,43 @@ class BlockPool:
         may be overwritten. Its chain hash is still recorded so later blocks can be indexed.
         """
         bs = self.block_size
+        first_idx, end_idx = len(seq.block_hashes), num_tokens // bs
+        if first_idx >= end_idx:
+            return
+        _check_token_ids(seq_id, token_ids, first_idx * bs, end_idx * bs)
         parent_hash = seq.block_hashes[-1] if seq.block_hashes else _ROOT_PARENT_HASH
-        for block_idx in range(len(seq.block_hashes), num_tokens // bs):
-            block_tokens = tuple(seq.token_ids[block_idx * bs : (block_idx + 1) * bs])
+        for block_idx in range(first_idx, end_idx):
+            block_tokens = tuple(token_ids[block_idx * bs : (block_idx + 1) * bs])
             block_hash = hash_block_tokens(parent_hash, block_tokens, seq.extra_key)
-            seq.block_hashes.append(block_hash)
             block = self._blocks[seq.block_table[block_idx]]
-            if block.block_hash is None and block_hash not in self._index:
-                block.block_hash = block_hash
-                block.cache_key = (block_idx, parent_hash, block_tokens, seq.extra_key)
-                self._index[block_hash] = block
+            if block.block_hash is None:
+                if block_hash not in self._index:
+                    block.block_hash = block_hash
+                    block.cache_key = (block_idx, parent_hash, block_tokens, seq.extra_key)
+                    self._index[block_hash] = block
+            elif block.block_hash != block_hash:
+                # Shared with the sequence that indexed it (fork): same position, so the same tokens.
+                raise ValueError(
+                    f"`token_ids` of seq {seq_id!r} differ from the tokens its block {block_idx} "
+                    f"(block id {block.block_id}) was cached with; pass this sequence's own token list"
+                )
+            seq.block_hashes.append(block_hash)
             parent_hash = block_hash
+
+
+def _check_token_ids(seq_id: Hashable, token_ids: Sequence[int], start: int, end: int) -> None:
+    """Raise if a token in ``token_ids[start:end]`` is not a real id (< 0)."""
+    window = token_ids[start:end]
+    if len(window) and min(window) < 0:
+        pos, bad = next((start + i, t) for i, t in enumerate(window) if t < 0)
+        raise ValueError(f"`token_ids` of seq {seq_id!r} must be real token ids (>= 0), got {bad} at position {pos}")
+
+
+def _check_num_new_tokens(num_new_tokens: int) -> None:
+    if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int):
+        raise TypeError(f"`num_new_tokens` must be an int (a token count), got {type(num_new_tokens).__name__}")
+    if num_new_tokens < 0:
+        raise ValueError(f"`num_new_tokens` must be >= 0, got {num_new_tokens}")
 
 
 def _check(condition: bool, message: str) -> None:

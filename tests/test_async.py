@@ -12,7 +12,6 @@ from models import DEVICE
 from models import tiny_model as _tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.engine.request import PLACEHOLDER
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -38,6 +37,16 @@ def _assert_all_free(engine):
     engine.pool.check_invariants()
 
 
+def _drive(engine) -> dict:
+    """step() until idle; the last output of each request by id."""
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert all(t >= 0 for c in out.outputs for t in c.token_ids)  # no placeholder ever leaks out
+            last[out.request_id] = out
+    return last
+
+
 def _run(engine, prompts, params):
     return [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params, use_tqdm=False)]
 
@@ -47,17 +56,12 @@ def test_steps_are_deferred_and_placeholders_never_leak():
     prompts = _prompts()[:2]
     rids = [engine.add_request(p, SamplingParams(max_new_tokens=4, **GREEDY)) for p in prompts]
     assert engine.step() == []  # the prompts are queued and sampled on the device; nothing is read back yet
-    seqs = [engine.requests[r].seqs[0] for r in rids]
-    assert engine._inflight is not None and engine._inflight.deferred
-    assert all(s.token_ids[-1] == PLACEHOLDER and s.num_inflight == 1 and s.output_token_ids == [] for s in seqs)
+    assert all(engine.get_output(r).outputs[0].token_ids == [] for r in rids)
     outs = engine.step()  # step 2 is queued (its inputs read on the device), then step 1 is processed
     assert sorted(o.request_id for o in outs) == sorted(rids)
-    assert all(len(o.outputs[0].token_ids) == 1 and PLACEHOLDER not in o.outputs[0].token_ids for o in outs)
-    assert all(s.num_inflight == 1 for s in seqs)  # step 2's tokens are in flight
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert PLACEHOLDER not in out.outputs[0].token_ids
-    got = [engine._output(engine.requests.pop(r)).outputs[0].token_ids for r in rids]
+    assert all(len(o.outputs[0].token_ids) == 1 for o in outs)  # step 2's tokens are still in flight
+    last = _drive(engine)
+    got = [last[r].outputs[0].token_ids for r in rids]
     assert [[g] for g in got] == _run(_engine(False), prompts, SamplingParams(max_new_tokens=4, **GREEDY))
     # 2 prompts + 3 decode steps of 2 tokens each: the step in flight at the length limit computes nothing more
     assert engine.metrics().num_computed_tokens == sum(map(len, prompts)) + 3 * 2
@@ -119,15 +123,14 @@ def test_abort_with_a_token_in_flight():
     drop = engine.add_request(prompts[3], SamplingParams(max_new_tokens=30, **GREEDY))
     for _ in range(3):
         engine.step()
-    seq = engine.requests[drop].seqs[0]
-    assert seq.num_inflight == 1
-    engine.abort(drop)
-    out = engine._output(engine.requests.pop(drop)).outputs[0]
-    assert out.finish_reason == "abort" and PLACEHOLDER not in seq.token_ids and len(out.token_ids) == 2
-    while engine.has_unfinished_requests():
-        outs = engine.step()  # the aborted request's row of the step in flight is dropped
-        assert drop not in [o.request_id for o in outs]  # reported once, by abort
-    got = engine._output(engine.requests.pop(keep)).outputs[0].token_ids
+    engine.abort(drop)  # its third token is in flight
+    out = engine.get_output(drop).outputs[0]
+    assert out.finish_reason == "abort" and len(out.token_ids) == 2
+    outs = engine.step()  # the aborted request's row of the step in flight is dropped
+    assert [o.outputs[0].token_ids for o in outs if o.request_id == drop] == [out.token_ids]  # reported once
+    last = _drive(engine)
+    assert drop not in last
+    got = last[keep].outputs[0].token_ids
     assert got == _run(_engine(False), [prompts[0]], SamplingParams(max_new_tokens=8, **GREEDY))[0][0]
     _assert_all_free(engine)
 

@@ -54,6 +54,16 @@ def reference():
     return [_hf_greedy(model, p, m) for p, m in zip(_prompts(), NEW_TOKENS, strict=True)]
 
 
+def _drive(engine) -> dict:
+    """step() until the engine is idle; the last output of each request by id (each finished one is returned once)."""
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert not (out.request_id in last and last[out.request_id].finished), "a finished request came back"
+            last[out.request_id] = out
+    return last
+
+
 def _assert_all_free(engine):
     assert not engine.has_unfinished_requests()
     stats = engine.pool.stats
@@ -80,7 +90,7 @@ def test_greedy_equals_model_generate(reference, config):
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
     if config["num_blocks"] == 14:
         assert engine.metrics().num_preemptions > 0
-        assert (engine.scheduler.num_swapped_out_blocks > 0) == (config.get("preemption_mode") == "swap")
+        assert (engine.metrics().num_swapped_out_blocks > 0) == (config.get("preemption_mode") == "swap")
     _assert_all_free(engine)
 
 
@@ -101,17 +111,13 @@ def test_parallel_sampling_computes_prompt_once_and_shares_blocks():
     prompt = _prompts()[4]  # 40 tokens = 5 full blocks
     rid = engine.add_request(prompt, SamplingParams(n=4, max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
     engine.step()  # the prompt, then 4 samples forked from it
-    request = engine.requests[rid]
-    assert len(request.seqs) == 4
+    assert len(engine.get_output(rid).outputs) == 4
     assert engine.metrics().num_computed_tokens == 40
-    assert engine.pool.stats.num_used_blocks == 5  # 4 sequences, one copy of the prompt
-    tables = [engine.pool.get_block_table(s.seq_id) for s in request.seqs]
-    assert all(t == tables[0] for t in tables)
+    stats = engine.pool.stats
+    assert stats.num_used_blocks == 5 and stats.num_table_entries == 4 * 5  # 4 sequences, one copy of the prompt
     engine.step()  # each child writes its first token into a new block: no copy needed for full blocks
     assert engine.pool.stats.num_used_blocks == 5 + 4
-    while engine.has_unfinished_requests():
-        engine.step()
-    out = engine._output(engine.requests.pop(rid))
+    out = _drive(engine)[rid]
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     _assert_all_free(engine)
@@ -125,9 +131,7 @@ def test_parallel_sampling_copies_only_the_partial_block():
     assert engine.pool.stats.num_used_blocks == 5
     engine.step()  # two children copy the shared partial block, the last writes it in place
     assert engine.pool.stats.num_used_blocks == 5 + 2
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.requests.pop(rid)
+    assert _drive(engine)[rid].finished
     _assert_all_free(engine)
 
 
@@ -168,7 +172,7 @@ def test_beam_search_shares_blocks():
         if stats.num_used_blocks > peak_used:
             peak_used, peak_entries = stats.num_used_blocks, stats.num_table_entries
     assert peak_used < 0.6 * peak_entries, (peak_used, peak_entries)  # vs a copy of every block per beam
-    engine.requests.pop(rid)
+    assert rid not in engine.requests  # returned by step(), then forgotten
     _assert_all_free(engine)
 
 
@@ -235,10 +239,10 @@ def test_abort_mid_stream_frees_blocks_and_others_finish(reference):
     used = engine.pool.stats.num_used_blocks
     engine.abort(drop)
     assert engine.pool.stats.num_used_blocks < used
-    assert engine._output(engine.requests[drop]).outputs[0].finish_reason == "abort"
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine._output(engine.requests[keep]).outputs[0].token_ids == reference[0]
+    assert engine.get_output(drop).outputs[0].finish_reason == "abort"
+    outs = _drive(engine)
+    assert outs[drop].finished and outs[drop].outputs[0].finish_reason == "abort"  # reported by the next step
+    assert outs[keep].outputs[0].token_ids == reference[0]
     with pytest.raises(ValueError, match="unknown request id 'nope'"):
         engine.abort("nope")
     _assert_all_free(engine)
@@ -266,16 +270,14 @@ def test_bad_input_is_rejected_while_others_complete(reference):
         engine.add_request("text without tokenizer", SamplingParams())
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(prompts[1], SamplingParams(), request_id=ok)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine._output(engine.requests[ok]).outputs[0].token_ids == reference[0]
+    assert _drive(engine)[ok].outputs[0].token_ids == reference[0]
     _assert_all_free(engine)
 
 
 def test_engine_rejects_bad_configuration():
     with pytest.raises(ValueError, match="`max_num_seqs` \\(64\\) must not exceed `max_num_batched_tokens` \\(32\\)"):
         make_engine(tiny_model("llama"), num_blocks=8, max_num_batched_tokens=32, max_num_seqs=64)
-    with pytest.raises(ValueError, match="`preemption_mode` must be 'recompute' or 'swap', got 'drop'"):
+    with pytest.raises(ValueError, match=r"`preemption_mode` must be one of \('recompute', 'swap'\), got 'drop'"):
         make_engine(tiny_model("llama"), num_blocks=8, preemption_mode="drop")
     with pytest.raises(ValueError, match="`block_size` must be a positive multiple of 8"):
         make_engine(tiny_model("llama"), num_blocks=8, block_size=4)
@@ -309,8 +311,6 @@ def test_close_drains_and_the_engine_still_serves(reference):
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS[0], **GREEDY))
     engine.step()
     engine.close()  # the step in flight is processed; graphs (CUDA) are freed
-    assert engine._inflight is None and not engine.runner.use_cuda_graphs and not engine.runner._graphs
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine._output(engine.requests.pop(rid)).outputs[0].token_ids == reference[0]
+    assert not engine.runner.use_cuda_graphs
+    assert _drive(engine)[rid].outputs[0].token_ids == reference[0]
     _assert_all_free(engine)

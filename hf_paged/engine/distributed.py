@@ -37,14 +37,8 @@ class RankSync:
         """Raise if the ranks scheduled different steps."""
         if not self.enabled:
             return
-        plan = repr(
-            (
-                [(c.request.request_id, c.start, c.end) for c in sched.chunks],
-                sched.copies,
-                sched.swap_in,
-                sched.swap_out,
-            )
-        )
+        plan = repr((sched.request_ids, sched.num_computed, sched.num_new_tokens, sched.copies, sched.swap_in,
+                     sched.swap_out))  # fmt: skip
         fp = xxhash.xxh64_intdigest(plan.encode()) & ((1 << 62) - 1)
         both = torch.tensor([fp, -fp], dtype=torch.int64)  # host tensors: no device sync
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._check_group)

@@ -3,69 +3,52 @@
     engine = ContinuousBatcher(model, tokenizer=tok)                 # pool sized from free memory
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=256, temperature=0.7))
     for delta in engine.stream("Hello", SamplingParams(...)): print(delta.text, end="")
-    rid = engine.add_request(prompt_ids, params); engine.step(); engine.abort(rid)
+    rid = engine.add_request(prompt_ids, params); outs = engine.step(); engine.abort(rid)
 
-One ``step()``: the scheduler picks the tokens of the next forward (hf_paged.engine.scheduler), the
-runner computes them in one flat forward (hf_paged.engine.model_runner), the sampler or the beam
-search picks the next tokens, and finished sequences give their blocks back.
+One ``step()``, in order: the scheduler picks the tokens of the next forward and gives them slots
+(hf_paged.engine.scheduler: one plain ``SchedulerOutput``); the runner computes them in one flat forward
+(hf_paged.engine.model_runner); the sampler or the beam search picks the next tokens; the scheduler applies
+them (``update_from_output``: stops, lengths, forks, frees); text and stop strings (hf_paged.engine.outputs).
 
 With async scheduling (default on CUDA) the host runs one step ahead: ``step()`` schedules and queues
 step N+1 on the device, then reads back and applies step N's tokens while the device computes, so the
 outputs a ``step()`` returns are those of the step queued by the call before. A token of step N
 reaches step N+1's input on the device, never through the host.
+
+A step is a transaction: if it raises (an error, Ctrl-C), the scheduler frees every block and requeues
+every unfinished request for recompute, so the engine stays usable; ``generate()`` and ``stream()`` abort
+the requests of the interrupted call. Threads: ``abort()`` is safe from any thread; every other entry point
+refuses a second thread while one is inside the engine (an engine is driven by one thread; a front that
+serves concurrent callers owns it on its own thread and queues their requests).
 """
 
+import collections
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hf_paged.block_pool import BlockPool
 from hf_paged.engine.beam_search import BeamState
+from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.distributed import RankSync
 from hf_paged.engine.inputs import InputProcessor, eos_token_ids, is_messages
+from hf_paged.engine.kv_manager import KVManager
+from hf_paged.engine.metrics import EngineMetrics, MetricsRecorder
 from hf_paged.engine.model_runner import ModelRunner
+from hf_paged.engine.outputs import Detokenizer, StreamDelta, request_output
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.request import PLACEHOLDER, CompletionOutput, Request, RequestOutput
+from hf_paged.engine.request import Request, RequestOutput
 from hf_paged.engine.request import Sequence as Seq
 from hf_paged.engine.sampler import Sampler
-from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
-from hf_paged.transfer import to_device
+from hf_paged.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from hf_paged.model_info import ModelInfo
+from hf_paged.transfer import to_device
 
-
-@dataclass
-class StreamDelta:
-    """What one step added to a streamed request."""
-
-    text: str  # new text ("" without a tokenizer)
-    token_ids: list[int]  # new token ids
-    finish_reason: str | None  # set on the last delta
-
-
-@dataclass
-class EngineMetrics:
-    """Engine-wide counters since construction."""
-
-    num_steps: int
-    num_prompt_tokens: int  # prompt tokens of admitted requests
-    num_computed_tokens: int  # tokens that went through the model
-    num_generated_tokens: int
-    elapsed_s: float  # wall time spent inside step()
-    num_used_blocks: int
-    peak_used_blocks: int  # high-water mark since construction
-    token_state_share_at_peak: float  # token_state_share when peak_used_blocks was reached
-    num_blocks: int
-    token_state_share: float  # slots holding tokens / slots of used blocks
-    prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens looked up
-    num_preemptions: int
-
-    @property
-    def generation_throughput(self) -> float:
-        """Generated tokens per second of step() time."""
-        return self.num_generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+__all__ = ["ContinuousBatcher", "EngineConfig", "EngineMetrics", "StreamDelta"]
 
 
 class ContinuousBatcher:
@@ -83,91 +66,77 @@ class ContinuousBatcher:
     Args:
         model: a decoder-only Hugging Face causal LM (full or sliding-window attention layers).
         tokenizer: optional; enables string prompts, chat messages, stop strings and text outputs.
-        num_blocks: KV blocks in the pool; default: ``memory_fraction`` of free device memory.
-        block_size: tokens per block (a positive multiple of 8).
-        memory_fraction: share of free device memory for the pool when ``num_blocks`` is None.
-        max_num_batched_tokens: token budget of one forward (chunked prefill splits longer prompts).
-        max_num_seqs: most sequences in one forward; default min(256, max_num_batched_tokens).
-        enable_prefix_caching: reuse full blocks across requests by content hash.
-        preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
-        swap_space_gb: CPU memory for swapped blocks (swap mode).
-        use_cuda_graphs: replay CUDA graphs for decode steps; default: on for a model on one CUDA device (per
-            rank under tensor parallelism: the NCCL all-reduces are captured too; every rank captures the
-            same buckets in the same order at start-up and replays them in lock-step).
-        compile_model: torch.compile the model inside the decode CUDA graphs (fuses its elementwise ops;
-            compiling adds tens of seconds to start-up).
-        async_scheduling: schedule and queue step N+1 before reading back step N's tokens, so the host's
-            work overlaps the device's (vLLM's async scheduling). A token sampled after a sequence's
-            stop token is computed and discarded. Steps with beam search, penalties, ``min_tokens`` or a
-            prompt forking into ``n`` samples are processed at once. Default: on for a model on CUDA.
+        config: an ``EngineConfig``; or pass its fields as keyword arguments (``num_blocks=``, ``block_size=``,
+            ``memory_fraction=``, ``max_num_batched_tokens=``, ``max_num_seqs=``, ``enable_prefix_caching=``,
+            ``preemption_mode=``, ``swap_space_gb=``, ``use_cuda_graphs=``, ``compile_model=``,
+            ``async_scheduling=``; see EngineConfig). Every setting is checked before anything is allocated.
+
+    Async scheduling: a token sampled after a sequence's stop token is computed and discarded. Steps with beam
+    search, penalties, ``min_tokens`` or a prompt forking into ``n`` samples are processed at once.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer=None,
-        *,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        memory_fraction: float = 0.5,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int | None = None,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        swap_space_gb: float = 4.0,
-        use_cuda_graphs: bool | None = None,
-        compile_model: bool = False,
-        async_scheduling: bool | None = None,
-    ):
-        if max_num_seqs is None:
-            max_num_seqs = min(256, max_num_batched_tokens) if isinstance(max_num_batched_tokens, int) else 256
-        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-        if swap_space_gb < 0:
-            raise ValueError(f"`swap_space_gb` must be >= 0, got {swap_space_gb}")
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, **settings):
+        if config is None:
+            config = EngineConfig(**settings)
+        elif settings:
+            raise TypeError(f"pass either `config` or keyword settings, not both (got {sorted(settings)})")
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"`config` must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
         info = ModelInfo.from_model(model)
-        num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction)
+        num_blocks = info.num_blocks_for(config.num_blocks, config.block_size, config.memory_fraction)
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
-        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.kv = info.make_kv_pool(num_blocks, block_size)
+        pool = BlockPool(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.kv = info.make_kv_pool(num_blocks, config.block_size)
         num_swap_slots = 0
-        if preemption_mode == "swap":
-            num_swap_slots = max(1, int(swap_space_gb * 2**30) // info.bytes_per_block(block_size))
+        if config.preemption_mode == "swap":
+            num_swap_slots = max(1, int(config.swap_space_gb * 2**30) // info.bytes_per_block(config.block_size))
             self.kv.allocate_swap(num_swap_slots)
-        self.scheduler = Scheduler(self.pool, max_num_batched_tokens, max_num_seqs, preemption_mode, num_swap_slots)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.scheduler = Scheduler(
+            KVManager(pool, num_swap_slots), config.max_num_batched_tokens, config.max_num_seqs,
+            config.preemption_mode, self.eos_token_ids, info.max_model_len,
+        )  # fmt: skip
         if getattr(model.config, "_attn_implementation", None) != "paged":
             import hf_paged.attention  # noqa: F401  (registers "paged")
 
             model.set_attn_implementation("paged")
         self.runner = ModelRunner(
-            model, self.kv, block_size, max_num_seqs=max_num_seqs,
-            max_model_len=info.max_model_len or 8192, use_cuda_graphs=use_cuda_graphs, compile_model=compile_model,
+            model, self.kv, config.block_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=info.max_model_len or 8192, use_cuda_graphs=config.use_cuda_graphs,
+            compile_model=config.compile_model,
         )  # fmt: skip
         self._sync = RankSync(info.tp_size, self.runner.device)
         if self.runner.device.type == "cuda":
-            self.runner.warmup(max_num_batched_tokens)  # kernels compiled, allocator grown: before any request
+            self.runner.warmup(config.max_num_batched_tokens)  # kernels compiled, allocator grown: before requests
         if self.runner.use_cuda_graphs:
             self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
         self.sampler = Sampler()
         head = model.get_output_embeddings()
         self.sample_device = head.weight.device if head is not None else self.runner.device  # where logits live
         vocab_size = head.weight.shape[0] if head is not None else info.vocab_size
-        self.inputs = InputProcessor(tokenizer, vocab_size, info.max_model_len, self.pool)
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.requests: dict[str, Request] = {}
-        self._beams: dict[str, BeamState] = {}
+        self.inputs = InputProcessor(tokenizer, vocab_size, info.max_model_len, num_blocks, config.block_size,
+                                     config.max_num_seqs)  # fmt: skip
+        self.detokenizer = Detokenizer(tokenizer)
+        self.requests: dict[str, Request] = {}  # unfinished, or finished and not yet returned
         self._ids = itertools.count()
-        self._num_steps = self._num_prompt_tokens = self._num_computed = self._num_generated = 0
-        self._elapsed = 0.0
-        self._peak_used_blocks = 0
-        self._peak_share = 1.0
+        self._metrics = MetricsRecorder()
+        async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.runner.device.type == "cuda"
         self.async_scheduling = bool(async_scheduling)
         self._inflight: _Launched | None = None  # the step queued last, not processed yet
+        self._lock = threading.RLock()  # held by the thread inside the engine
+        self._aborts: collections.deque[str] = collections.deque()  # abort() from any thread lands here
+        self._unreported: dict[str, Request] = {}  # finished outside a step (aborts): reported by the next step
+        self._unclaimed: dict[str, Request] = {}  # step()-owned requests that finished inside generate/stream
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool, for inspection (stats, invariants); only the scheduler changes it."""
+        return self.scheduler.kv.pool
 
     # ---- submission ------------------------------------------------------------------------------
 
@@ -175,51 +144,77 @@ class ContinuousBatcher:
         """Queue a request; returns its id.
 
         Args:
-            prompt: token ids (list of ints), a string (needs a tokenizer), or chat messages
-                (a list of {"role", "content"} dicts; the tokenizer's chat template is applied).
+            prompt: token ids (a list of ints, a 1-D tensor or array), a string (needs a tokenizer), or chat
+                messages (a list of {"role", "content"} dicts; the tokenizer's chat template is applied).
             params: sampling parameters (default ``SamplingParams()``).
             request_id: a new unique id (default: a counter).
 
         Raises:
             ValueError/TypeError: an empty prompt, a token id outside the vocabulary, a prompt plus
-                ``max_new_tokens`` beyond the model's context or beyond the whole pool, a duplicate id.
-                Nothing is queued then, and requests in flight are not affected.
+                ``max_new_tokens`` beyond the model's context or beyond the whole pool, more samples or beams
+                than ``max_num_seqs``, a duplicate id. Nothing is queued then, and requests in flight are not
+                affected.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
-        prompt_text, token_ids = self.inputs.tokenize(prompt)
-        self.inputs.validate(token_ids, params)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
-        request = Request(request_id, token_ids, params, prompt_text)
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.sample_device).manual_seed(params.seed)
-        if params.beam_width > 1:
-            self._beams[request_id] = BeamState(params.beam_width, params.length_penalty, params.max_new_tokens)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
+        with self._enter():
+            params = params if params is not None else SamplingParams()
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
+            prompt_text, token_ids = self.inputs.tokenize(prompt)
+            self.inputs.validate(token_ids, params)
+            request_id = str(next(self._ids)) if request_id is None else str(request_id)
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
+            request = Request(request_id, token_ids, params, prompt_text)
+            if params.seed is not None:
+                request.generator = torch.Generator(device=self.sample_device).manual_seed(params.seed)
+            if params.beam_width > 1:
+                request.beam_state = BeamState(params.beam_width, params.length_penalty, params.max_new_tokens)
+            self.requests[request_id] = request
+            self.scheduler.add(request)
+            self._metrics.num_prompt_tokens += len(token_ids)
+            return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; its output ends with finish_reason "abort"."""
+        """Stop a request and free its blocks; its output ends with finish_reason "abort". Safe from any thread.
+
+        From the thread that drives the engine (or while no step runs) it takes effect at once; while another
+        thread is inside a step, at the start of the next step. The next ``step()`` reports the aborted request.
+        """
+        request_id = str(request_id)
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request id {request_id!r}: not submitted, or already finished and collected")
+        self._aborts.append(request_id)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_aborts()
+            finally:
+                self._lock.release()
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            request = self.requests.get(self._aborts.popleft())
+            if request is not None and not request.is_finished:
+                self.scheduler.finish(request, "abort")
+                self._unreported[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued or running, or a finished one is still to be reported by ``step()``."""
+        if self.scheduler.has_unfinished() or self._unreported or self._unclaimed or self._aborts:
+            return True
+        inflight = self._inflight
+        return inflight is not None and any(not s.is_finished for s in inflight.rows)
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        """What a request has produced so far (finished ones until ``step()`` or their call returned them)."""
         request = self.requests.get(str(request_id))
         if request is None:
             raise ValueError(f"unknown request id {request_id!r}: not submitted, or already finished and collected")
-        if request.is_finished:
-            return
-        for seq in request.live_seqs:
-            seq.finish_reason = "abort"
-        request.aborted = True
-        self._finish(request)
+        return request_output(request, self.tokenizer is not None)
 
-    def has_unfinished_requests(self) -> bool:
-        """Whether a request is queued, running, or waiting for a token of the step in flight."""
-        if self.scheduler.has_unfinished():
-            return True
-        inflight = self._inflight
-        return inflight is not None and any(not c.request.is_finished for c in inflight.targets)
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (e.g. between benchmark runs); blocks in use are untouched."""
+        with self._enter():
+            self.scheduler.reset_prefix_cache()
 
     def close(self) -> None:
         """Finish the step in flight and free the CUDA graphs (the engine then runs decode steps eagerly).
@@ -227,96 +222,127 @@ class ContinuousBatcher:
         Call it before ``torch.distributed.destroy_process_group()`` under tensor parallelism: that call hangs
         while graphs with captured NCCL collectives are alive (pytorch/pytorch#115388).
         """
-        self._drain()
-        self.runner.release_graphs()
+        with self._enter():
+            self._drain()
+            self.runner.release_graphs()
 
     def _drain(self) -> None:
         """Process the step in flight, if any (waits for the device)."""
         if self._inflight is not None:
-            self._process(self._inflight, {})
-            self._inflight = None
+            launched, self._inflight = self._inflight, None
+            self._process(launched, {})
 
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward; returns the outputs of the requests that progressed or finished in it."""
-        return [self._output(r) for r in self._run_step()]
+        """Run one forward; returns the outputs of the requests that progressed or finished in it.
 
-    def _run_step(self) -> list[Request]:
-        """One forward; returns the requests that progressed (building their outputs is left to callers).
+        It reports the requests queued with ``add_request`` (those of a running ``generate()`` or ``stream()``
+        go to that call). A finished request's output is returned once, then the engine forgets the request.
+        """
+        with self._enter():
+            touched = self._run_step()
+            touched.update(self._unclaimed)
+            self._unclaimed.clear()
+            # Requests of a running generate()/stream() are reported to that call, not here.
+            mine = [r for r in touched.values() if r.owner is None]
+            for request in mine:
+                if request.is_finished:
+                    self.requests.pop(request.request_id, None)
+            return [request_output(r, self.tokenizer is not None) for r in mine]
+
+    def _run_step(self) -> dict[str, Request]:
+        """One forward, as a transaction; returns the requests that progressed, finished or were aborted.
 
         Async scheduling: step N+1 is scheduled and queued on the device before step N's sampled tokens are
         read back and processed, so the device never waits for the host's bookkeeping (see ``_launch``).
         """
         start = time.perf_counter()
+        try:
+            return self._step_once()
+        except BaseException:
+            self._recover()
+            raise
+        finally:
+            self._metrics.elapsed_s += time.perf_counter() - start
+
+    def _recover(self) -> None:
+        """After a failed step: the scheduler requeues every request; those it left with no live sequence end."""
+        self._inflight = None
+        self.scheduler.recover()
+        for request in list(self.requests.values()):
+            if not request.is_finished and not request.live_seqs:
+                self.scheduler.finish(request)
+                self._unreported[request.request_id] = request
+
+    def _step_once(self) -> dict[str, Request]:
+        self._apply_aborts()
+        touched = dict(self._unreported)  # cleared once the step has succeeded: a failed step loses no report
         sched = self.scheduler.schedule()
-        touched: dict[str, Request] = {r.request_id: r for r in sched.preempted}
-        launched = None
+        for request_id in sched.preempted:
+            touched[request_id] = self.requests[request_id]
+        prev, launched = self._inflight, None
         if not sched.is_empty:
             self._sync.check_schedule(sched)
-            tables = [self.pool.get_block_table(chunk.seq.seq_id) for chunk in sched.chunks]
-            if self.pool.num_blocks - self.pool.num_free_blocks > self._peak_used_blocks:
-                stats = self.pool.stats
-                self._peak_used_blocks = stats.num_used_blocks
-                self._peak_share = stats.num_used_slots / stats.num_allocated_slots
-            prev_tokens = self._inflight.token_ids if self._inflight is not None else None
-            logits = self.runner.execute(sched, tables, prev_tokens)
-            self._num_steps += 1
-            self._num_computed += sched.num_batched_tokens
-            for chunk in sched.chunks:
-                chunk.seq.num_computed = chunk.end
+            pool = self.pool
+            if pool.num_blocks - pool.num_free_blocks > self._metrics.peak_used_blocks:
+                self._metrics.observe_pool(pool.stats)
+            logits = self.runner.execute(sched, prev.token_ids if prev is not None else None)
+            self._metrics.num_steps += 1
+            self._metrics.num_computed_tokens += sched.num_batched_tokens
             launched = self._launch(sched, logits)
-        elif self._inflight is None:
-            if self.scheduler.waiting and not self.scheduler.running:
+        else:
+            self.runner.execute(sched)  # block movements and table diffs only
+            if prev is None and not touched and self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(
                     "bug in hf_paged: requests are waiting but none can be admitted into an empty pool "
                     f"({self.pool.num_free_blocks}/{self.pool.num_blocks} blocks free)"
                 )
-            return []
-        if self._inflight is not None:  # the previous step: its tokens are needed by now
-            self._process(self._inflight, touched)
+        if prev is not None:  # the previous step: its tokens are needed by now
             self._inflight = None
+            self._process(prev, touched)
         if launched is not None:
             if launched.deferred:
                 self._inflight = launched
             else:
                 self._process(launched, touched)
-        self._elapsed += time.perf_counter() - start
-        return list(touched.values())
+        self._unreported.clear()
+        return touched
 
     def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> "_Launched":
         """Queue the sampling of one step and the copy of its tokens to the host; wait for nothing.
 
-        The step is *deferred* (processed after the next step is queued) when async scheduling is on and
-        every sampling row is a plain sample: no beam search, no prompt that forks into ``n`` samples, no
-        penalty or ``min_tokens`` (they need the previous token on the host). Each row's sequence then gets a
-        ``PLACEHOLDER`` token, which the next step reads on the device (``Sequence.sample_row``).
+        Logits row ``r`` belongs to sequence ``sched.seq_ids[sched.sample_idx[r]]``; the sampler's rows are an
+        explicit map into them (a prompt that forks into ``n`` samples gives its row ``n`` times; beam rows go
+        to the beam search). The step is *deferred* (processed after the next step is queued) when async
+        scheduling is on and every sampling row is a plain sample: no beam search, no prompt that forks into
+        ``n`` samples, no penalty or ``min_tokens`` (they need the previous token on the host).
         """
-        rows, row_params, outputs, prompts, generators, targets = [], [], [], [], [], []
-        beam_rows: dict[str, list[int]] = {}
-        deferred = self.async_scheduling
-        for i, chunk in enumerate(c for c in sched.chunks if c.samples):
-            request = chunk.request
+        launched = _Launched(deferred=self.async_scheduling)
+        row_idx, row_params, outputs, prompts, generators = [], [], [], [], []
+        for r, i in enumerate(sched.sample_idx):
+            seq, request = self.scheduler.get(sched.seq_ids[i])
             if request.is_beam_search:
-                beam_rows.setdefault(request.request_id, []).append(i)
-                deferred = False
+                launched.beam_rows.setdefault(request.request_id, []).append(r)
+                launched.deferred = False
                 continue
             copies = 1 if request.forked else request.params.n  # the prompt's row is sampled n times
             history = _needs_history(request.params)
-            deferred = deferred and copies == 1 and not history
+            launched.deferred = launched.deferred and copies == 1 and not history
             for _ in range(copies):
-                rows.append(i)
+                row_idx.append(r)
                 row_params.append(request.params)
                 # The output so far matters only to penalties and min_tokens; copying it costs O(length).
-                outputs.append(chunk.seq.output_token_ids if history else ())
+                outputs.append(seq.output_token_ids if history else ())
                 prompts.append(request.prompt_token_ids)
                 generators.append(request.generator)
-                targets.append(chunk)
-        launched = _Launched(targets=targets, beam_rows=beam_rows, logits=logits, deferred=deferred)
-        if rows:
-            row_logits = logits
-            if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:  # beam rows, or a row sampled n times
-                row_logits = logits[to_device(rows, torch.int64, logits.device)]
+                launched.rows.append(seq)
+                launched.requests.append(request)
+        if launched.beam_rows:
+            launched.logits = logits
+        if row_idx:
+            identity = len(row_idx) == logits.shape[0] and row_idx == list(range(len(row_idx)))
+            row_logits = logits if identity else logits[to_device(row_idx, torch.int64, logits.device)]
             out = self.sampler(row_logits, row_params, outputs, prompts, generators, self.eos_token_ids)
             self._sync.broadcast(out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)
             launched.token_ids = out.token_ids
@@ -324,159 +350,66 @@ class ContinuousBatcher:
             if out.token_ids.is_cuda:
                 launched.event = torch.cuda.Event()
                 launched.event.record()
-        if deferred:
-            max_len = self.inputs.max_len
-            for row, chunk in enumerate(targets):
-                seq = chunk.seq
-                seq.token_ids.append(PLACEHOLDER)
-                seq.num_inflight += 1
-                seq.sample_row = row
-                params = chunk.request.params
-                seq.last_inflight = seq.num_output_tokens >= params.max_new_tokens or len(seq.token_ids) >= max_len
-        else:
-            launched.logits = logits if beam_rows else None
+        if launched.deferred:
+            self.scheduler.add_placeholders(launched.rows)
         return launched
 
-    def _process(self, launched: "_Launched", touched: dict) -> None:
+    def _process(self, launched: "_Launched", touched: dict[str, Request]) -> None:
         """Read a launched step's tokens back (the one wait on the device) and apply them."""
-        for chunk in launched.targets:  # a request aborted since the launch was reported then, not again
-            if not chunk.request.is_finished:
-                touched[chunk.request.request_id] = chunk.request
-        for request_id in launched.beam_rows:
-            touched[request_id] = self.requests[request_id]
+        applied = []
         if launched.host is not None:
             if launched.event is not None:
                 launched.event.synchronize()
             tokens, lps, top_lps, top_ids = (t.tolist() if t is not None else None for t in launched.host)
-            targets = launched.targets
-            j = 0
-            while j < len(targets):
-                chunk = targets[j]
-                request = chunk.request
-                if request.is_finished or chunk.seq.is_finished:
-                    j += 1  # aborted, or ended by the previous step's token: this one is discarded
-                    continue
-                group = [j] if request.forked else list(range(j, j + request.params.n))
-                seqs = [chunk.seq] if request.forked else self._fork(request, chunk.seq, len(group))
-                for row, seq in zip(group, seqs, strict=True):
-                    logprob = None
-                    if lps is not None and request.params.logprobs is not None:
-                        k = request.params.logprobs
-                        logprob = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
-                    if launched.deferred:
-                        self._resolve_placeholder(seq, tokens[row])
-                    else:
-                        seq.token_ids.append(tokens[row])
-                    self._record_token(request, seq, tokens[row], logprob, lps[row] if lps else None)
-                j += len(group)
-        for request_id, idx in launched.beam_rows.items():
-            request = self.requests[request_id]
-            logits = launched.logits
-            self._beam_step(request, logits[to_device(idx, torch.int64, logits.device)])
-        for request in list(touched.values()):
-            if not request.is_finished and not request.live_seqs:
-                self._finish(request)
-
-    def _resolve_placeholder(self, seq: Seq, token: int) -> None:
-        """The oldest placeholder of ``seq`` becomes ``token`` (in the pool too, if it has the slot)."""
-        pos = len(seq.token_ids) - seq.num_inflight
-        seq.token_ids[pos] = token
-        seq.num_inflight -= 1
-        pool = self.pool
-        if pool.has_seq(seq.seq_id) and pool.num_tokens(seq.seq_id) > pos:
-            pool.set_token(seq.seq_id, pos, token)
-
-    def _fork(self, request: Request, seq: Seq, n: int) -> list[Seq]:
-        """After the prompt: seq becomes the first of n samples; the others share its blocks."""
-        children = [seq]
-        for _ in range(n - 1):
-            child = seq.fork()
-            self.pool.fork(seq.seq_id, child.seq_id)
-            children.append(child)
-        request.seqs = children
-        request.forked = True
-        return children
-
-    def _record_token(self, request: Request, seq: Seq, token: int, logprob, token_logprob) -> None:
-        """Account for ``token``, just placed in ``seq.token_ids``: logprobs, stop checks, text, finishing."""
-        params = request.params
-        self._num_generated += 1
-        if token_logprob is not None:
-            seq.cumulative_logprob += token_logprob
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = time.monotonic()
-        num_out = seq.num_output_tokens - seq.num_inflight  # up to and including this token
-        if token in self.eos_token_ids and not params.ignore_eos and num_out > params.min_tokens - 1:
-            seq.finish_reason, seq.stop_reason = "stop", None
-        elif token in params.stop_token_ids and num_out >= params.min_tokens:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        if self.tokenizer is not None:
-            self._detokenize(request, seq)
-        if seq.finish_reason is None and (
-            num_out >= params.max_new_tokens or len(seq.token_ids) - seq.num_inflight >= self.inputs.max_len
-        ):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            seq.drop_inflight()  # a token sampled after this one (async scheduling) is discarded
-            self.scheduler.release_seq(seq)
-
-    def _detokenize(self, request: Request, seq: Seq) -> None:
-        params = request.params
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        if seq.finish_reason is None and params.stop and len(seq.output_token_ids) >= params.min_tokens:
-            # Only the new tail can hold a new match.
-            search_from = max(0, len(seq.text) - max(len(s) for s in params.stop))
-            for stop in params.stop:
-                at = text.find(stop, search_from)
-                if at >= 0:
-                    text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+            sampled = []
+            for row, (seq, request) in enumerate(zip(launched.rows, launched.requests, strict=True)):
+                k = request.params.logprobs
+                logprob = top = None
+                if k is not None:
+                    logprob = lps[row]
+                    top = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+                sampled.append(SampledToken(seq, tokens[row], logprob, top))
+            applied = self.scheduler.update_from_output(sampled, launched.deferred)
+        self._metrics.num_generated_tokens += len(applied)
+        for request, seq in applied:
+            touched[request.request_id] = request
+            stop = self.detokenizer.update(request, seq)
+            if stop is not None:
+                if seq.is_finished:  # it also reached its length limit: the stop string wins
                     seq.finish_reason, seq.stop_reason = "stop", stop
-                    break
-        seq.text = text
+                else:
+                    self.scheduler.finish_seq(seq, "stop", stop)
+        for request_id, rows in launched.beam_rows.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._beam_step(request, launched.logits[to_device(rows, torch.int64, launched.logits.device)])
+                touched[request_id] = request
+        for request in touched.values():
+            if not request.is_finished and not request.live_seqs:
+                self.scheduler.finish(request)
 
     def _beam_step(self, request: Request, logits: torch.Tensor) -> None:
         params = request.params
-        state = self._beams[request.request_id]
         beams = request.live_seqs
+        if logits.shape[0] != len(beams):
+            raise RuntimeError(f"bug in hf_paged: {logits.shape[0]} logits rows for {len(beams)} live beams")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         num_out = beams[0].num_output_tokens
         masked = sorted(stop_ids | set(self.eos_token_ids)) if num_out < params.min_tokens else []
-        result = state.step(logits, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams],
-                            stop_ids, masked)  # fmt: skip
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = time.monotonic()
-        self._num_generated += 1  # one more output position for the request (whatever its beams)
-        new_seqs = []
-        if not result.done:
-            for parent_idx, token, score in result.new_beams:
-                parent = beams[parent_idx]
-                child = parent.fork()
-                self.pool.fork(parent.seq_id, child.seq_id)
-                child.token_ids.append(token)
-                child.cumulative_logprob = score
-                new_seqs.append(child)
-        for beam in beams:
-            self.scheduler.release_seq(beam)
-        request.seqs = new_seqs
-        request.forked = True
+        result = request.beam_state.step(logits, [b.cumulative_logprob for b in beams],
+                                         [b.output_token_ids for b in beams], stop_ids, masked)  # fmt: skip
+        self._metrics.num_generated_tokens += 1  # one more output position for the request (whatever its beams)
+        finished = []
         if result.done:
-            request.finished_seqs = []
-            for hyp in state.finished[: params.n]:
+            for hyp in request.beam_state.finished[: params.n]:
                 seq = Seq(request.prompt_token_ids + hyp.token_ids, len(request.prompt_token_ids))
                 seq.cumulative_logprob = hyp.sum_logprobs
                 seq.finish_reason, seq.stop_reason = hyp.finish_reason, hyp.stop_reason
-                if self.tokenizer is not None:
-                    seq.text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=params.skip_special_tokens)
-                request.finished_seqs.append(seq)
-
-    def _finish(self, request: Request) -> None:
-        for seq in request.seqs:
-            seq.drop_inflight()
-        self.scheduler.finish(request)
-        request.metrics.finished_time = time.monotonic()
-        self._beams.pop(request.request_id, None)
+                seq.text = self.detokenizer.decode(request, hyp.token_ids) or ""
+                finished.append(seq)
+        if result.done:
+            request.finished_seqs = finished
+        self.scheduler.apply_beam_step(request, result)
 
     # ---- offline and streaming ---------------------------------------------------------------------
 
@@ -488,117 +421,158 @@ class ContinuousBatcher:
             prompts: one prompt or a list (token-id lists, strings, or chat-message lists).
             params: one SamplingParams for all, or one per prompt.
             use_tqdm: show a progress bar of finished requests.
+
+        If the call is interrupted (an exception, Ctrl-C), its requests are aborted and the engine stays usable.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if is_messages(prompts):
-            prompts = [prompts]
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one each")
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params_list, strict=True):
-                ids.append(self.add_request(prompt, p))
-        except Exception:
-            for rid in ids:  # all or nothing: a bad prompt queues none of this call's requests
-                self.abort(rid)
-                self.requests.pop(rid, None)
-            raise
+        with self._enter():
+            prompts = _as_prompt_list(prompts)
+            params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one each")
+            owner = object()
+            ids: list[str] = []
+            try:
+                for prompt, p in zip(prompts, params_list, strict=True):
+                    ids.append(self.add_request(prompt, p))
+                    self.requests[ids[-1]].owner = owner
+                self._wait_for(ids, use_tqdm)
+            except BaseException:
+                for rid in ids:  # all or nothing: a bad prompt or an interrupt leaves none of this call's requests
+                    request = self.requests.pop(rid, None)
+                    if request is not None:
+                        self.scheduler.finish(request, "abort")
+                raise
+            if not self.scheduler.has_unfinished():
+                self._drain()  # only discarded tokens are left in flight: leave the engine idle
+            return [request_output(self.requests.pop(rid), self.tokenizer is not None) for rid in ids]
+
+    def _wait_for(self, ids: list[str], use_tqdm: bool) -> None:
         pending = set(ids)
         bar = _progress(len(ids), use_tqdm)
-        while pending:
-            for request in self._run_step():
-                if request.is_finished and request.request_id in pending:
-                    pending.discard(request.request_id)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix_str(f"{self.metrics().generation_throughput:.0f} tok/s", refresh=False)
-        if bar is not None:
-            bar.close()
-        if not self.scheduler.has_unfinished():
-            self._drain()  # only discarded tokens are left in flight: leave the engine idle
-        return [self._output(self.requests.pop(rid)) for rid in ids]
+        try:
+            while pending:
+                touched = self._run_step()
+                self._keep_unclaimed(touched)
+                for request in touched.values():
+                    if request.is_finished and request.request_id in pending:
+                        pending.discard(request.request_id)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{self.metrics().generation_throughput:.0f} tok/s", refresh=False)
+                if pending and not touched and not self.has_unfinished_requests():
+                    raise RuntimeError(f"bug in hf_paged: {len(pending)} requests are neither running nor finished")
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _keep_unclaimed(self, touched: dict[str, Request]) -> None:
+        """Finished requests added with add_request() are kept for the next step() caller."""
+        for request in touched.values():
+            if request.is_finished and request.owner is None:
+                self._unclaimed[request.request_id] = request
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield what each step adds to one request (its first sequence); other requests progress too."""
+        """Yield what each step adds to one request; other requests progress too.
+
+        Whichever call advances a step (another stream, ``step()``), every token of this request reaches this
+        generator, and its last delta carries the finish reason ("abort" if it was aborted). Closing the
+        generator early aborts the request.
+        """
         params = params if params is not None else SamplingParams()
         if params.n != 1 or params.beam_width != 1:
             raise ValueError(f"stream() returns one sequence: needs n=1 and beam_width=1, got n={params.n}, "
                              f"beam_width={params.beam_width}; use generate() for several")  # fmt: skip
-        rid = self.add_request(prompt, params)
-        request = self.requests[rid]
+        with self._enter():
+            rid = self.add_request(prompt, params)
+            request = self.requests[rid]
+            request.owner = owner = object()
+        return self._stream(request, owner)
+
+    def _stream(self, request: Request, owner: object) -> Iterator[StreamDelta]:
+        seq = request.seqs[0]
         sent_tokens, sent_text = 0, 0
         try:
-            while not request.is_finished:
-                self._run_step()
-                seq = request.seqs[0]
+            while True:
+                finished = request.is_finished  # before reading the tokens: the last delta holds all of them
                 tokens = seq.output_token_ids[sent_tokens:]
                 text = seq.text[sent_text:]
-                if tokens or request.is_finished:
+                if tokens or finished:
                     sent_tokens += len(tokens)
                     sent_text += len(text)
-                    yield StreamDelta(text=text, token_ids=tokens, finish_reason=seq.finish_reason)
+                    yield StreamDelta(
+                        text=text, token_ids=tokens, finish_reason=seq.finish_reason if finished else None
+                    )
+                if finished:
+                    return
+                with self._enter():
+                    self._keep_unclaimed(self._run_step())
         finally:
             if not request.is_finished:
-                self.abort(rid)
-            self.requests.pop(rid, None)
+                self.abort(request.request_id)
+            if request.owner is owner:
+                self.requests.pop(request.request_id, None)
 
     # ---- reporting ------------------------------------------------------------------------------
 
     def metrics(self) -> EngineMetrics:
-        s = self.pool.stats
-        return EngineMetrics(
-            num_steps=self._num_steps,
-            num_prompt_tokens=s.num_prefix_query_tokens,
-            num_computed_tokens=self._num_computed,
-            num_generated_tokens=self._num_generated,
-            elapsed_s=self._elapsed,
-            num_used_blocks=s.num_used_blocks,
-            peak_used_blocks=self._peak_used_blocks,
-            token_state_share_at_peak=self._peak_share,
-            num_blocks=s.num_blocks,
-            token_state_share=s.num_used_slots / s.num_allocated_slots if s.num_allocated_slots else 1.0,
-            prefix_hit_rate=s.prefix_hit_rate,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+        kv = self.scheduler.kv
+        return self._metrics.snapshot(self.pool.stats, self.scheduler.num_preemptions, kv.num_swapped_out_blocks)
 
-    def _output(self, request: Request) -> RequestOutput:
-        seqs = request.finished_seqs if request.is_beam_search and request.finished_seqs else request.seqs
-        outputs = [
-            CompletionOutput(
-                index=i,
-                token_ids=list(seq.output_token_ids),
-                text=seq.text if self.tokenizer is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+    # ---- threads -------------------------------------------------------------------------------
+
+    def _enter(self):
+        """The engine's lock for this thread, or a clear error while another thread is inside the engine."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                "this ContinuousBatcher is in use by another thread; an engine is driven by one thread at a time "
+                "(abort() is the exception). To serve concurrent callers, give the engine to one thread that "
+                "drives it and hand it requests through a queue"
             )
-            for i, seq in enumerate(seqs)
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=request.is_finished,
-            metrics=request.metrics,
-            num_cached_tokens=getattr(request, "num_cached_tokens", 0),
-        )
+        return _Held(self._lock)
+
+
+class _Held:
+    """Releases a lock acquired by ``ContinuousBatcher._enter`` at the end of a ``with`` block."""
+
+    def __init__(self, lock):
+        self._lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+        return False
 
 
 @dataclass
 class _Launched:
     """A step whose forward and sampling are queued on the device; its tokens are read back by ``_process``."""
 
-    targets: list  # [num_rows] ScheduledChunk of each sampled row (a prompt sampled n times has n rows)
-    beam_rows: dict[str, list[int]]  # request id -> its rows of ``logits`` (beam search)
-    logits: torch.Tensor | None  # kept for beam search only
     deferred: bool  # processed after the next step is queued; its rows' sequences hold placeholders
+    rows: list = field(default_factory=list)  # [num_rows] Sequence of each sampled row (a forking prompt: n rows)
+    requests: list = field(default_factory=list)  # [num_rows] Request of each row
+    beam_rows: dict[str, list[int]] = field(default_factory=dict)  # request id -> its rows of ``logits``
+    logits: torch.Tensor | None = None  # kept for beam search only
     token_ids: torch.Tensor | None = None  # [num_rows] int64 on the device: read by the next step's inputs
     host: list | None = None  # host copies of (token_ids, logprobs, top_logprobs, top_token_ids) (pinned on CUDA)
     event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+
+
+def _as_prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list of single prompts."""
+    if prompts is None:
+        raise TypeError("`prompts` must be a prompt or a list of prompts (token ids, strings or chat messages), "
+                        "got None")  # fmt: skip
+    if isinstance(prompts, str) or is_messages(prompts):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        return [prompts] if prompts.dim() == 1 else list(prompts)
+    if isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (list, tuple, str, dict)):
+        return [list(prompts)]  # one prompt of token ids
+    if not isinstance(prompts, (list, tuple)):
+        return [prompts]
+    return list(prompts)
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

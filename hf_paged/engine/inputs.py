@@ -1,8 +1,10 @@
 """What the engine accepts as a request: prompts in three forms, checked before anything is queued."""
 
+import numbers
+
+import numpy as np
 import torch
 
-from hf_paged.block_pool import BlockPool
 from hf_paged.engine.params import SamplingParams
 
 
@@ -13,14 +15,19 @@ class InputProcessor:
         tokenizer: optional; needed for string prompts and chat messages.
         vocab_size: token ids must be in [0, vocab_size).
         max_model_len: the model's context (None: unbounded).
-        pool: the engine's block pool (a request must fit in the whole pool).
+        num_blocks: blocks in the pool (a request must fit in the whole pool).
+        block_size: tokens per block.
+        max_num_seqs: the most sequences in one forward (a request's samples or beams run together).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int | None, pool: BlockPool):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int | None, num_blocks: int, block_size: int,
+                 max_num_seqs: int):  # fmt: skip
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.pool = pool
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
 
     @property
     def max_len(self) -> int:
@@ -46,15 +53,20 @@ class InputProcessor:
             if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             return None, list(ids)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.flatten().tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):
+            if prompt.ndim != 1 or (prompt.dtype.is_floating_point if isinstance(prompt, torch.Tensor)
+                                    else not np.issubdtype(prompt.dtype, np.integer)):  # fmt: skip
+                raise TypeError(f"a prompt tensor must be 1-D integer token ids, got shape {tuple(prompt.shape)} "
+                                f"of {prompt.dtype}")  # fmt: skip
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
             raise TypeError(
                 f"a prompt must be a list of token ids, a string or chat messages, got {type(prompt).__name__}"
             )
-        return None, list(prompt)
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise TypeError(f"a prompt's token ids must be ints, got {bad!r} ({type(bad).__name__})")
+        return None, [int(t) for t in prompt]
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Refuse, at submission, a request that is malformed or could never fit (it would stall the engine).
@@ -74,14 +86,23 @@ class InputProcessor:
                 f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
                 f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_new_tokens"
             )
-        bs = self.pool.block_size
         width = max(params.n, params.beam_width)
-        # The prompt's blocks once, plus each sample's own blocks and a copied partial block.
-        needed = -(-len(token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1)
-        if needed > self.pool.num_blocks:
+        if width > self.max_num_seqs:
+            name = "beam_width" if params.beam_width > 1 else "n"
+            raise ValueError(
+                f"`{name}` = {width} exceeds the engine's max_num_seqs={self.max_num_seqs}: a request's samples or "
+                f"beams run in one forward; lower `{name}` or raise max_num_seqs (and max_num_batched_tokens)"
+            )
+        bs = self.block_size
+        # Running, the prompt's blocks are shared (plus each sample's own blocks and a copied partial block);
+        # readmitted after a preemption, every sequence holds its own copy: the request must fit either way.
+        shared = -(-len(token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1)
+        unshared = width * -(-total // bs)
+        needed = max(shared, unshared) if width > 1 else shared
+        if needed > self.num_blocks:
             raise ValueError(
                 f"the request can need {needed} KV blocks ({len(token_ids)} prompt tokens, "
-                f"{params.max_new_tokens} new, {width} sequences) but the whole pool has {self.pool.num_blocks}; "
+                f"{params.max_new_tokens} new, {width} sequences) but the whole pool has {self.num_blocks}; "
                 "lower max_new_tokens or n, or give the engine more blocks"
             )
 

@@ -1,10 +1,11 @@
 """Runs one scheduled step of any HF causal LM as a single flat forward over the paged KV pool.
 
 Step, in order:
-  1. block movements the scheduler asked for: swap out, swap in, copy-on-write copies;
-  2. plan (CPU): the flat batch ``input_ids [1, T]`` / ``position_ids [1, T]`` of every scheduled chunk
-     (decode tokens first, then prefill chunks), each token's slot, the block tables, the lengths, and
-     the indices of the positions that sample;
+  1. block movements the scheduler asked for: swap out, swap in, copy-on-write copies; the block-table
+     diffs go into the runner's persistent tables (hf_paged.planner.BlockTables);
+  2. plan (CPU, vectorised: hf_paged.planner.plan_chunks): the flat batch ``input_ids [1, T]`` /
+     ``position_ids [1, T]`` of every scheduled chunk (decode tokens first, then prefill chunks), each
+     token's slot, the block tables, the lengths, and the indices of the positions that sample;
   3. run: the model's forward with ``use_cache=False`` inside ``forward_context``: the "paged"
      attention function writes each layer's K/V at the slots and reads the blocks; logits are
      computed only at the sampling positions (``logits_to_keep`` with indices).
@@ -15,20 +16,19 @@ bucket at start-up). Run only copies the plan into static buffers and replays: i
 (no host sync, no shape change). Padding rows of a bucket get slot -1 (never written) and length 0
 (output zeros). Prefill and mixed steps run eagerly.
 
-Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.engine.transfer),
+Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.transfer),
 and an input token that the previous step sampled but the host has not seen yet (a ``PLACEHOLDER``, async
 scheduling) is copied into the input ids on the device from that step's sampled-token tensor.
 """
-
-import itertools
 
 import numpy as np
 import torch
 
 from hf_paged.context import ForwardContext, forward_context
 from hf_paged.engine.scheduler import SchedulerOutput
-from hf_paged.transfer import to_device
 from hf_paged.kv_pool import KVPool
+from hf_paged.planner import BlockTables, ForwardPlan, plan_chunks, to_context
+from hf_paged.transfer import to_device
 
 
 def _keep_on_own_device(model: torch.nn.Module, key: str) -> None:
@@ -94,99 +94,97 @@ class ModelRunner:
         self.graph_sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
+        self.tables = BlockTables(self.max_blocks_per_seq)  # kept from the scheduler's diffs
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
         self._static = None
 
     @torch.inference_mode()
-    def execute(
-        self, sched: SchedulerOutput, block_tables: list[list[int]], prev_tokens: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step (queues the work on the device; never waits for it).
 
         Args:
-            sched: the step (chunks in batch order, block movements).
-            block_tables: the block table of each chunk's sequence, in chunk order.
-            prev_tokens: [num_rows] int64 on the device, the tokens sampled by the previous step, whose ids
-                are not on the host yet: an input that is a ``PLACEHOLDER`` of sequence ``seq`` is read from
-                ``prev_tokens[seq.sample_row]`` (async scheduling). None when no input is a placeholder.
+            sched: the step, as the scheduler describes it.
+            prev_sampled: [num_rows] int64 on the device, the tokens sampled by the previous step whose ids are
+                not on the host yet: each ``sched.placeholders`` entry (flat index, row) reads its input id
+                from ``prev_sampled[row]`` (async scheduling). None when no input is a placeholder.
 
         Returns:
-            logits: [num_sampling_chunks, vocab_size] fp32, one row per chunk whose ``samples`` is True,
-            in chunk order.
+            logits: [len(sched.sample_idx), vocab_size] fp32, row r for sequence ``sched.sample_idx[r]``.
         """
         self.kv.swap_out(sched.swap_out)
         self.kv.swap_in(sched.swap_in)
         self.kv.copy_blocks(sched.copies)
-        num_seqs = len(sched.chunks)
+        self.tables.apply(sched.block_updates)
+        if sched.is_empty:
+            return None
+        num_seqs = len(sched.seq_ids)
+        plan = plan_chunks(
+            self.tables.gather(sched.seq_ids),
+            np.array(sched.num_computed, dtype=np.int64),
+            np.array(sched.num_new_tokens, dtype=np.int64),
+            np.array(sched.sample_idx, dtype=np.int64),
+            self.block_size,
+        )
+        input_ids = np.array(sched.input_token_ids, dtype=np.int64)
         if (
             self.use_cuda_graphs
             and num_seqs <= self.graph_sizes[-1]
             and sched.num_batched_tokens == num_seqs
-            and all(c.samples for c in sched.chunks)
+            and len(sched.sample_idx) == num_seqs
         ):
-            return self._replay(sched, block_tables, prev_tokens)
-        ctx, input_ids, position_ids, logits_idx = self._plan(sched, block_tables, prev_tokens)
+            return self._replay(plan, input_ids, sched.placeholders, prev_sampled)
+        ctx = to_context(plan, self.device, batch_size=1, query_len=len(input_ids), paged=True, owner=self,
+                         kv_caches=self.kv_caches)  # fmt: skip
+        input_ids_t = to_device(input_ids, torch.int64, self.input_device)
+        self._fill_placeholders(input_ids_t, sched.placeholders, prev_sampled)
         with forward_context(ctx):
             out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
+                input_ids=input_ids_t.unsqueeze(0),
+                position_ids=to_device(plan.positions, torch.int64, self.input_device).unsqueeze(0),
                 attention_mask=self._no_mask,
                 use_cache=False,
-                logits_to_keep=logits_idx,
+                logits_to_keep=to_device(plan.logits_idx, torch.int64, self.output_device),
             )
         return out.logits[0].float()
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, dst: list[int], src: list[int], prev_tokens) -> None:
-        """input_ids[dst[i]] = prev_tokens[src[i]], on the device (the ids never visit the host)."""
-        if not dst:
+    def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, int]], prev_sampled) -> None:
+        """input_ids[idx] = prev_sampled[row] for each (idx, row), on the device (the ids never visit the host)."""
+        if not placeholders:
             return
-        if prev_tokens is None:
+        if prev_sampled is None:
             raise RuntimeError("bug in hf_paged: a step input is a placeholder but no previous tokens were given")
-        dev = prev_tokens.device
-        values = prev_tokens.index_select(0, to_device(src, torch.int64, dev)).to(input_ids.device)
+        dst, src = zip(*placeholders, strict=True)
+        values = prev_sampled.index_select(0, to_device(src, torch.int64, prev_sampled.device)).to(input_ids.device)
         input_ids.index_copy_(0, to_device(dst, torch.int64, input_ids.device), values)
 
     # ---- CUDA graphs for decode steps --------------------------------------------------------------
 
-    def _replay(self, sched: SchedulerOutput, block_tables: list[list[int]], prev_tokens) -> torch.Tensor:
-        """Copy the decode step into the static buffers and replay the bucket's graph."""
-        num_seqs = len(sched.chunks)
+    def _replay(self, plan: ForwardPlan, input_ids: np.ndarray, placeholders, prev_sampled) -> torch.Tensor:
+        """Copy the decode step's plan into the static buffers and replay the bucket's graph."""
+        num_seqs = len(input_ids)
         bucket = next(b for b in self.graph_sizes if b >= num_seqs)
         if self._static is None:
             self._allocate_static()
         st = self._static
-        bs = self.block_size
-        ids = [c.seq.token_ids[c.start] for c in sched.chunks]
-        dst = [i for i, t in enumerate(ids) if t < 0]  # placeholders: read from prev_tokens on the device
-        src = [sched.chunks[i].seq.sample_row for i in dst]
-        positions = [c.start for c in sched.chunks]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
-        width = max(len(t) for t in block_tables)
         host = st["host"]
-        host["ids"][:num_seqs] = ids
-        host["ids"][num_seqs:bucket] = 0  # padding rows: a valid id (an old placeholder here would be -1)
-        host["pos"][:num_seqs] = positions
-        host["pos"][num_seqs:bucket] = 0
-        host["slots"][:num_seqs] = slots
-        host["slots"][num_seqs:bucket] = -1
-        host["lens"][:num_seqs] = [p + 1 for p in positions]
-        host["lens"][num_seqs:bucket] = 0
-        tables = host["tables"]
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
+        host["input_ids"][:num_seqs] = np.maximum(input_ids, 0)  # placeholders are filled on the device below
+        host["position_ids"][:num_seqs] = plan.positions
+        host["slot_mapping"][:num_seqs] = plan.slot_mapping
+        host["seq_lens"][:num_seqs] = plan.seq_lens
+        # Padding rows: a valid id, slot -1 (never written), length 0 (output zeros).
+        host["input_ids"][num_seqs:bucket] = 0
+        host["position_ids"][num_seqs:bucket] = 0
+        host["slot_mapping"][num_seqs:bucket] = -1
+        host["seq_lens"][num_seqs:bucket] = 0
         # Pinned staging copies: the host arrays are reused next step while these copies may still be queued.
-        for name, key in (
-            ("input_ids", "ids"),
-            ("position_ids", "pos"),
-            ("slot_mapping", "slots"),
-            ("seq_lens", "lens"),
-        ):
-            st[name][:bucket].copy_(torch.from_numpy(host[key][:bucket]).pin_memory(), non_blocking=True)
+        for name in ("input_ids", "position_ids", "slot_mapping", "seq_lens"):
+            st[name][:bucket].copy_(torch.from_numpy(host[name][:bucket]).pin_memory(), non_blocking=True)
+        width = plan.block_tables.shape[1]
         st["block_tables"][:num_seqs, :width].copy_(
-            torch.from_numpy(tables[:num_seqs, :width]).pin_memory(), non_blocking=True
+            torch.from_numpy(plan.block_tables).pin_memory(), non_blocking=True
         )
-        self._fill_placeholders(st["input_ids"], dst, src, prev_tokens)
+        self._fill_placeholders(st["input_ids"], placeholders, prev_sampled)
         if bucket not in self._graphs:
             self._capture(bucket)
         graph, logits = self._graphs[bucket]
@@ -258,11 +256,10 @@ class ModelRunner:
             "logits_idx": torch.arange(max_bs, dtype=torch.int64, device=dev),
             # Host staging (numpy views of one step's plan).
             "host": {
-                "ids": np.zeros(max_bs, dtype=np.int64),
-                "pos": np.zeros(max_bs, dtype=np.int64),
-                "slots": np.full(max_bs, -1, dtype=np.int64),
-                "lens": np.zeros(max_bs, dtype=np.int32),
-                "tables": np.zeros((max_bs, self.max_blocks_per_seq), dtype=np.int32),
+                "input_ids": np.zeros(max_bs, dtype=np.int64),
+                "position_ids": np.zeros(max_bs, dtype=np.int64),
+                "slot_mapping": np.full(max_bs, -1, dtype=np.int64),
+                "seq_lens": np.zeros(max_bs, dtype=np.int32),
             },
         }
 
@@ -305,52 +302,3 @@ class ModelRunner:
             logits = forward()
         self._graph_pool = graph.pool()
         self._graphs[bucket] = (graph, logits)
-
-    def _plan(self, sched: SchedulerOutput, block_tables: list[list[int]], prev_tokens):
-        """Flat inputs (on the input device) and the ForwardContext for the scheduled chunks."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_idx: list[int] = []
-        dst: list[int] = []  # flat positions whose id is a placeholder
-        src: list[int] = []  # ... and the row of prev_tokens that holds it
-        for chunk, table in zip(sched.chunks, block_tables, strict=True):
-            seq = chunk.seq
-            if seq.num_inflight:
-                pos = len(seq.token_ids) - seq.num_inflight  # the oldest placeholder
-                if chunk.start <= pos < chunk.end:
-                    dst.append(len(ids) + pos - chunk.start)
-                    src.append(seq.sample_row)
-            ids.extend(seq.token_ids[chunk.start : chunk.end])
-            positions.extend(range(chunk.start, chunk.end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
-            q_lens.append(chunk.end - chunk.start)
-            seq_lens.append(chunk.end)
-            if chunk.samples:
-                logits_idx.append(len(ids) - 1)
-        max_blocks = max(len(t) for t in block_tables)
-        tables_np = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            tables_np[i, : len(table)] = table
-        device = self.device
-        ctx = ForwardContext(
-            slot_mapping=to_device(slots, torch.int64, device),
-            block_tables=to_device(tables_np, torch.int32, device),
-            seq_lens=to_device(seq_lens, torch.int32, device),
-            cu_seqlens_q=to_device([0, *itertools.accumulate(q_lens)], torch.int32, device),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            batch_size=1,
-            query_len=len(ids),
-            paged=True,
-            owner=self,
-            kv_caches=self.kv_caches,
-        )
-        input_ids = to_device(ids, torch.int64, self.input_device)
-        self._fill_placeholders(input_ids, dst, src, prev_tokens)
-        position_ids = to_device(positions, torch.int64, self.input_device)
-        logits_idx_t = to_device(logits_idx, torch.int64, self.output_device)
-        return ctx, input_ids.unsqueeze(0), position_ids.unsqueeze(0), logits_idx_t

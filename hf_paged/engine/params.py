@@ -39,7 +39,8 @@ class SamplingParams:
     Sampling (``beam_width == 1``) processes the logits in the order of ``Sampler``'s pipeline:
     penalties, ``min_tokens``, then temperature, top-k, top-p, min-p, and samples. Beam search
     (``beam_width > 1``) keeps the ``beam_width`` best hypotheses by cumulative log-prob; it ignores
-    ``temperature`` and ``seed`` and needs every other sampling field at its default.
+    ``temperature`` and ``seed`` and needs every other sampling field at its default; it takes no ``stop``
+    strings and no ``logprobs``.
 
     Attributes:
         n: Parallel samples returned per prompt, >= 1. With beam search, the ``n`` best of the
@@ -155,7 +156,7 @@ class SamplingParams:
     def _check_beam_search(self) -> None:
         if self.n > self.beam_width:
             raise ValueError(f"`n` must be in [1, beam_width={self.beam_width}] with beam search, got {self.n}")
-        # Beams are ranked by the model's log-probs (Sampler.beam_candidates), never sampled or penalised,
+        # Beams are ranked by the model's log-probs (hf_paged.engine.beam_search), never sampled or penalised,
         # so a non-default value here would be silently ignored: refuse it instead.
         defaults = {
             "top_k": 0,
@@ -172,6 +173,17 @@ class SamplingParams:
                     f"`{name}` must be {default} (its default) with beam search (beam_width={self.beam_width}), "
                     f"got {value}; beams are ranked by log-prob, not sampled"
                 )
+        # Beam hypotheses end on tokens (EOS, stop_token_ids, the length); their text is made once they end.
+        if self.stop:
+            raise ValueError(
+                f"`stop` strings are not supported with beam search (beam_width={self.beam_width}), got {self.stop}; "
+                "use stop_token_ids, or sampling (beam_width=1)"
+            )
+        if self.logprobs is not None:
+            raise ValueError(
+                f"`logprobs` must be None with beam search (beam_width={self.beam_width}), got {self.logprobs}; "
+                "each output's cumulative_logprob is its beam score's log-prob sum"
+            )
 
     @staticmethod
     def _normalize_stop_token_ids(value: object) -> tuple[int, ...]:

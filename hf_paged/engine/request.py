@@ -74,7 +74,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (all but the trailing placeholders)."""
+        return len(self.token_ids) - self.num_inflight
+
     def fork(self) -> "Sequence":
+        """A new sequence with this one's tokens and progress (the scheduler forks its blocks in the pool)."""
         if self.num_inflight:
             raise RuntimeError("bug in hf_paged: a sequence with tokens in flight cannot be forked")
         child = Sequence(list(self.token_ids), self.num_prompt_tokens)
@@ -121,8 +127,10 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.generator = None  # torch.Generator for seeded sampling, set by the engine
         self.forked = params.n == 1 and params.beam_width == 1  # True once the n samples / beams exist
-        self.aborted = False
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.beam_state = None  # hf_paged.engine.beam_search.BeamState of a beam-search request
+        # Who collects the finished output: None = whoever calls step(); else the generate()/stream() call.
+        self.owner: object = None
 
     @property
     def live_seqs(self) -> list[Sequence]:

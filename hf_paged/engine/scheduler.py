@@ -1,304 +1,472 @@
-"""Iteration-level scheduling over the block pool (Orca / vLLM): what runs in the next forward.
+"""Iteration-level scheduling (Orca / vLLM): what the next forward computes, and what its tokens do.
 
-Pure bookkeeping (no torch): it decides which tokens of which sequences the next forward computes,
-allocates their slots in the block pool, and hands the runner one ``SchedulerOutput``; the runner
-executes the block copies and the forward.
+The scheduler is the one owner of the engine's requests' progress and, through the KV manager
+(hf_paged.engine.kv_manager), of their blocks: admission, chunking, forks for ``n`` and beams, copy-on-write,
+preemption, and ``update_from_output`` — the sampled tokens of a step are applied here, stop tokens and
+length limits checked, finished sequences freed. It hands the runner one plain ``SchedulerOutput`` a step:
+ids, token ids, positions, block-table diffs and block copies; no live object crosses that seam.
+
+Pure bookkeeping: no torch.
 """
 
 import collections
 import time
 from dataclasses import dataclass, field
 
-from hf_paged.block_pool import BlockPool
-from hf_paged.engine.request import Request, Sequence, Status
-
-
-@dataclass
-class ScheduledChunk:
-    """Tokens ``seq.token_ids[start:end]`` are computed this step (their slots are allocated)."""
-
-    request: Request
-    seq: Sequence
-    start: int
-    end: int
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the sequence's tokens: its last position gives the next token."""
-        return self.end == len(self.seq.token_ids)
+from hf_paged.engine.beam_search import BeamStep
+from hf_paged.engine.kv_manager import BlockUpdate, KVManager
+from hf_paged.engine.request import PLACEHOLDER, Request, Sequence, Status
 
 
 @dataclass
 class SchedulerOutput:
-    """Everything the runner needs for one step, in execution order."""
+    """One forward, as data. Sequences are in batch order: decode tokens first, then prompt chunks.
 
-    chunks: list[ScheduledChunk]  # decode tokens first, then prefill chunks; batch order of the forward
-    num_batched_tokens: int  # equals sum(end - start) over chunks; <= max_num_batched_tokens
+    Token ``j`` of sequence ``i`` in this forward is at position ``num_computed[i] + j`` of that sequence, and
+    at flat index ``sum(num_new_tokens[:i]) + j`` of ``input_token_ids``.
+    """
+
+    seq_ids: list[int] = field(default_factory=list)  # [num_seqs]
+    request_ids: list[str] = field(default_factory=list)  # [num_seqs]: the request of each sequence
+    num_computed: list[int] = field(default_factory=list)  # [num_seqs]: tokens already in the pool (start position)
+    num_new_tokens: list[int] = field(default_factory=list)  # [num_seqs]: tokens computed now, >= 1
+    input_token_ids: list[int] = field(default_factory=list)  # [num_batched_tokens]; PLACEHOLDER: id on the device
+    # (flat index into input_token_ids, row of the previous step's sampled tokens) of each PLACEHOLDER input
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
+    sample_idx: list[int] = field(default_factory=list)  # indices into seq_ids whose last new token samples;
+    # logits row r of the forward belongs to sequence sample_idx[r]
+    block_updates: list[BlockUpdate] = field(default_factory=list)  # table diffs since the last step, in order
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block id, CPU slot): copy before anything
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, block id): after swap_out
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst): after swap_in
-    preempted: list[Request] = field(default_factory=list)  # requests preempted this step
+    preempted: list[str] = field(default_factory=list)  # request ids preempted while scheduling this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.input_token_ids)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.seq_ids
 
 
-class SwapSpace:
-    """CPU block slots for swapped-out sequences (the bookkeeping; the runner owns the tensors)."""
+@dataclass
+class SampledToken:
+    """One row the sampler produced, as the host reads it back."""
 
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def take(self) -> int:
-        return self._free.pop()
-
-    def give_back(self, slots) -> None:
-        self._free.extend(slots)
+    seq: Sequence  # the sequence that sampled (a prompt sampled n times gives n rows with the same seq)
+    token_id: int
+    logprob: float | None = None  # log-prob of token_id (when the request asked for logprobs)
+    top_logprobs: dict[int, float] | None = None  # {token_id: logprob} incl. the sampled one, when asked
 
 
 class Scheduler:
     """FCFS continuous batching with a token budget, chunked prefill and all-or-nothing preemption.
 
     Each step, in order:
-      1. running sequences that decode get one token each (their new slot is appended in the pool; out
-         of blocks, the most recently admitted request is preempted, until the token fits or the
-         request preempted is this one);
-      2. running requests still in their prompt get a chunk of what is left of the budget;
-      3. waiting requests are admitted first-come-first-served while the budget, the sequence cap and
-         the free blocks allow: swapped ones get their blocks back, others allocate their prompt's
-         blocks (prefix-cache hits are not recomputed) and get a first chunk.
-    Preemption frees a request's blocks and requeues it at the front: by recompute (its tokens so far
-    are computed again when it is readmitted) or by swap (its blocks are copied to CPU slots first).
+      1. running requests whose every live sequence needs exactly one token (decode) get it: its slot is
+         appended in the pool; out of blocks, the most recently admitted request is preempted, until the
+         token fits or the request preempted is this one;
+      2. running requests still computing tokens (prompt chunks, recompute after preemption) get chunks of
+         what is left of the budget;
+      3. waiting requests are admitted first-come-first-served while the budget, the sequence cap and the
+         free blocks allow: swapped ones get their blocks back, others allocate their tokens' blocks (prefix
+         hits are not recomputed) and get a first chunk.
+    A request's sequences (its ``n`` samples or beams) sample in the same step: when the budget cannot finish
+    all of them, none is given its last token. Preemption frees a request's blocks and requeues it at the
+    front: by recompute (its tokens are computed again when readmitted) or by swap (its computed blocks are
+    copied to CPU slots first). Whatever ``add`` accepts, readmission can place: a request is accepted only
+    if all its sequences fit the pool unshared.
 
     Async scheduling (the engine samples step N on the device while this schedules step N+1): a sequence
-    whose last token is a placeholder gets its slot like any other (the runner reads the id on the
-    device); one whose placeholder is its final token (``last_inflight``) is not scheduled; a waiting
-    request with a placeholder is not admitted until the id is known.
+    whose last token is a ``PLACEHOLDER`` gets its slot like any other (the runner reads the id on the
+    device); one whose placeholder is its final token (``last_inflight``) is not scheduled; a waiting request
+    with a placeholder is not admitted until the id is known.
 
     Args:
-        pool: the block pool shared with the runner.
+        kv: the KV manager over the block pool.
         max_num_batched_tokens: the token budget of one forward.
         max_num_seqs: the cap on sequences in one forward.
         preemption_mode: "recompute" or "swap".
-        num_swap_slots: CPU blocks available for swapping (swap mode).
+        eos_token_ids: the model's end-of-sequence ids.
+        max_model_len: the longest sequence (prompt + output); None = unbounded.
     """
 
     def __init__(
         self,
-        pool: BlockPool,
+        kv: KVManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         preemption_mode: str = "recompute",
-        num_swap_slots: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int | None = None,
     ):
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"`preemption_mode` must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if max_num_seqs > max_num_batched_tokens:
-            raise ValueError(
-                f"`max_num_seqs` ({max_num_seqs}) must not exceed `max_num_batched_tokens` "
-                f"({max_num_batched_tokens}): every running sequence needs a token of the budget each step"
-            )
-        self.pool = pool
+        self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.preemption_mode = preemption_mode
-        self.swap = SwapSpace(num_swap_slots)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_len = max_model_len if max_model_len else 1 << 62
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
-        self.num_swapped_out_blocks = 0
+        self._seqs: dict[int, tuple[Sequence, Request]] = {}  # every unfinished sequence by id
+        self._swap_slots_to_release: list[Sequence] = []
 
     # ---- queue ------------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        for seq in request.seqs:
+            self._seqs[seq.seq_id] = (seq, request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request) -> None:
-        """Release a finished or aborted request's blocks (running) or swap slots (swapped)."""
+    def get(self, seq_id: int) -> tuple[Sequence, Request]:
+        """The sequence and request of ``seq_id`` (an unfinished sequence)."""
+        return self._seqs[seq_id]
+
+    def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End one sequence (a stop string, a stop token, the length limit, an abort) and free its blocks."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.drop_inflight()  # a token sampled after this one (async scheduling) is discarded
+        self.kv.free(seq)
+
+    def finish(self, request: Request, reason: str | None = None) -> None:
+        """End a request: its live sequences get ``reason`` (if given); every block and swap slot is freed."""
+        if request.is_finished:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         for seq in request.seqs:
-            self.release_seq(seq)
-        self._release_swap_slots(request)
+            if reason is not None and seq.finish_reason is None:
+                seq.finish_reason = reason
+            seq.drop_inflight()
+            self.kv.free(seq)
+            self._seqs.pop(seq.seq_id, None)
+        self.kv.release_swap_slots(request.seqs)
         request.status = Status.FINISHED
+        request.metrics.finished_time = time.monotonic()
 
-    def release_seq(self, seq: Sequence) -> None:
-        """Free one sequence's blocks (a finished sample, a dropped beam)."""
-        if self.pool.has_seq(seq.seq_id):
-            self.pool.free(seq.seq_id)
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
 
-    def _release_swap_slots(self, request: Request) -> None:
-        """Give back the CPU slots of a swapped request (siblings share slots: each is given back once)."""
-        slots = set()
-        for seq in request.seqs:
-            if seq.swap_table is not None:
-                slots.update(seq.swap_table)
-                seq.swap_table = None
-        self.swap.give_back(slots)
+    def recover(self) -> None:
+        """Bring every request back to a consistent state after a step failed part-way (an exception, Ctrl-C).
+
+        Every block is freed and every unfinished request requeued for recompute (running ones first, in
+        admission order); tokens sampled but not read back are dropped and will be sampled again. The prefix
+        index is cleared: it may name blocks whose forward never ran.
+        """
+        self.kv.free_all()
+        self.kv.reset_prefix_cache()
+        requests = self.running + [r for r in self.waiting if r not in self.running]
+        for request in requests:
+            for seq in request.live_seqs:
+                seq.drop_inflight()
+                seq.last_inflight = False
+                seq.num_computed = 0
+            self.kv.release_swap_slots(request.seqs)
+            request.status = Status.WAITING
+        self._swap_slots_to_release = []
+        self.running = []
+        self.waiting = collections.deque(requests)
 
     # ---- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(chunks=[], num_batched_tokens=0)
-        budget = self.max_num_batched_tokens
-        # 1. decode: one token per running sequence, oldest request first.
-        prefilling: list[Request] = []
+        """Pick the tokens of the next forward, give them slots, and describe the forward (see the class doc)."""
+        step = _Step()
+        # 1. decode: one token per live sequence, oldest request first.
+        computing: list[Request] = []
         idx = 0
         while idx < len(self.running):
             request = self.running[idx]
-            # In prefill: slots were allocated at admission for tokens not computed yet.
-            num_tokens = self.pool.num_tokens
-            if any(num_tokens(seq.seq_id) > seq.num_computed for seq in request.live_seqs):
-                prefilling.append(request)
+            seqs = _schedulable(request)
+            if any(len(seq.token_ids) - seq.num_computed != 1 for seq in seqs):
+                computing.append(request)
                 idx += 1
                 continue
-            if not self._schedule_decode(request, out):
-                continue  # this request was preempted (removed from running): same idx is the next one
+            if not self._reserve(request, seqs, [len(seq.token_ids) for seq in seqs], step):
+                continue  # this request was preempted (removed from running): the same idx is the next one
+            for seq in seqs:
+                step.add(request, seq, 1)
             idx += 1
-        budget -= out.num_batched_tokens
-        # 2. running requests still computing their prompt (chunked prefill).
-        for request in prefilling:
-            if request not in self.running:
-                continue  # preempted in step 1
-            budget = self._schedule_prefill(request, budget, out)
+        budget = self.max_num_batched_tokens - step.num_tokens
+        # 2. running requests still computing tokens (chunked prefill, recompute).
+        for request in computing:
+            if request.status is Status.RUNNING:  # not preempted in the meantime
+                budget = self._schedule_chunks(request, budget, step)
         # 3. admit waiting requests, first come first served.
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self._num_running_seqs() + _max_seqs(request) > self.max_num_seqs:
+            if self._num_running_seqs() + _width(request) > self.max_num_seqs:
                 break
             if any(seq.num_inflight for seq in request.seqs):
                 break  # preempted with a token in flight: readmitted once its id is known (next step)
-            if not self._admit(request, out):
+            if not self._admit(request, step):
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = Status.RUNNING
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
-            budget = self._schedule_prefill(request, budget, out)
-        return out
+            budget = self._schedule_chunks(request, budget, step)
+        if step.chunks and budget < 0:
+            raise RuntimeError(f"bug in hf_paged: the step overran its token budget by {-budget}")
+        self.kv.release_swap_slots(self._swap_slots_to_release)  # after this step's swap-outs took theirs
+        self._swap_slots_to_release = []
+        return step.build(self.kv)
 
     def _num_running_seqs(self) -> int:
-        return sum(_max_seqs(r) for r in self.running)
+        return sum(_width(r) for r in self.running)
 
-    def _schedule_decode(self, request: Request, out: SchedulerOutput) -> bool:
-        """Give each live sequence of ``request`` its next token's slot; False if it had to be preempted."""
-        live = request.live_seqs
-        if len(live) == 1:
-            if live[0].last_inflight:
-                return True  # its last token is in flight: nothing left to compute
-        elif any(seq.last_inflight for seq in live):
-            live = [seq for seq in live if not seq.last_inflight]
-        for seq in live:
-            # Sampled, not yet in the pool; a placeholder while its id is on the device (async scheduling).
-            pending = seq.token_ids[self.pool.num_tokens(seq.seq_id) :]
+    def _reserve(self, request: Request, seqs: list[Sequence], ends: list[int], step: "_Step") -> bool:
+        """Slots for ``seq.token_ids[:end]`` of each sequence, preempting newer requests when the pool is short.
+
+        Returns False if ``request`` itself had to be preempted.
+        """
+        for seq, end in zip(seqs, ends, strict=True):
             while True:
-                pairs = self.pool.append(seq.seq_id, pending) if pending else []
+                pairs = self.kv.append_slots(seq, end)
                 if pairs is not None:
+                    step.copies.extend(pairs)
                     break
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self._preempt(victim, step)
                 if victim is request:
                     return False
-            if pairs:
-                out.copies.extend(pairs)
-        for seq in live:
-            num = len(seq.token_ids) - seq.num_computed
-            out.chunks.append(ScheduledChunk(request, seq, seq.num_computed, seq.num_computed + num))
-            out.num_batched_tokens += num
         return True
 
-    def _schedule_prefill(self, request: Request, budget: int, out: SchedulerOutput) -> int:
-        """Schedule the next chunk of each sequence that is still computing its tokens; returns the budget left."""
-        for seq in request.live_seqs:
-            num = min(len(seq.token_ids) - seq.num_computed, budget)
-            if num <= 0:
-                continue
-            start = seq.num_computed
-            # Full blocks enter the prefix index once their tokens are in a forward (not before).
-            self.pool.cache_blocks(seq.seq_id, start + num)
-            out.chunks.append(ScheduledChunk(request, seq, start, start + num))
-            out.num_batched_tokens += num
-            budget -= num
+    def _schedule_chunks(self, request: Request, budget: int, step: "_Step") -> int:
+        """The next chunk of each of ``request``'s sequences that is still computing; returns the budget left."""
+        seqs = _schedulable(request)
+        remaining = [len(seq.token_ids) - seq.num_computed for seq in seqs]
+        sizes = _chunk_sizes(remaining, budget)
+        if len(seqs) > 1 and sizes != remaining:
+            sizes = _chunk_sizes([r - 1 for r in remaining], budget)  # none samples until all can
+        if not any(sizes):
+            return budget
+        ends = [seq.num_computed + n for seq, n in zip(seqs, sizes, strict=True)]
+        if not self._reserve(request, seqs, ends, step):
+            return budget
+        for seq, n in zip(seqs, sizes, strict=True):
+            if n:
+                step.add(request, seq, n)
+                budget -= n
         return budget
 
-    def _admit(self, request: Request, out: SchedulerOutput) -> bool:
-        """Allocate blocks for every live sequence of ``request`` (all or nothing)."""
-        allocated: list[Sequence] = []
+    def _admit(self, request: Request, step: "_Step") -> bool:
+        """Blocks for every live sequence of ``request`` (all or nothing); swapped ones get their K/V back."""
+        allocated = []
         for seq in request.live_seqs:
-            result = self.pool.allocate(seq.seq_id, seq.token_ids, num_tokens_to_cache=0)
+            result = self.kv.allocate(seq)
             if result is None:
-                for done in allocated:
-                    self.pool.free(done.seq_id)
+                for done, _ in allocated:
+                    self.kv.free(done)
                 return False
-            allocated.append(seq)
-            if request.status == Status.SWAPPED:
-                table = result.block_table
-                num_blocks_computed = -(-seq.num_computed // self.pool.block_size)
-                hit_blocks = result.num_cached_tokens // self.pool.block_size
-                for logical in range(hit_blocks, num_blocks_computed):
-                    out.swap_in.append((seq.swap_table[logical], table[logical]))
+            allocated.append((seq, result))
+        swapped = request.status is Status.SWAPPED
+        for seq, result in allocated:
+            if swapped:
+                step.swap_in.extend(self.kv.swap_in_pairs(seq, result))
                 seq.num_computed = max(seq.num_computed, result.num_cached_tokens)
             else:
                 seq.num_computed = result.num_cached_tokens
                 if request.metrics.num_preemptions == 0:
                     request.num_cached_tokens = result.num_cached_tokens
-        if request.status == Status.SWAPPED:
-            self._release_swap_slots(request)
+        if swapped:
+            self._swap_slots_to_release.extend(request.live_seqs)
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, step: "_Step") -> None:
         """Take all of ``request``'s blocks back and requeue it at the front of the waiting queue."""
         self.running.remove(request)
         self.num_preemptions += 1
         request.metrics.num_preemptions += 1
-        out.preempted.append(request)
-        # Chunks already scheduled for it this step are dropped.
-        out.chunks = [c for c in out.chunks if c.request is not request]
-        out.num_batched_tokens = sum(c.end - c.start for c in out.chunks)
-        swap = self.preemption_mode == "swap" and self._can_swap_out(request)
-        slot_of: dict[int, int] = {}  # block -> CPU slot, shared by the request's sequences
-        for seq in request.live_seqs:
-            if swap:
-                self._swap_out(seq, slot_of, out)
+        step.drop(request)
+        seqs = request.live_seqs
+        swap = self.preemption_mode == "swap" and self.kv.can_swap_out(seqs)
+        if swap:
+            step.swap_out.extend(self.kv.swap_out(seqs))
+        for seq in seqs:
             # Sampled tokens not computed yet stay in token_ids and are computed after readmission.
-            self.pool.free(seq.seq_id)
+            self.kv.free(seq)
             if not swap:
                 seq.num_computed = 0
         request.status = Status.SWAPPED if swap else Status.WAITING
         self.waiting.appendleft(request)
+        step.preempted.append(request.request_id)
 
-    def _can_swap_out(self, request: Request) -> bool:
-        needed = set()
-        for seq in request.live_seqs:
-            num_blocks = -(-seq.num_computed // self.pool.block_size)
-            needed.update(self.pool.get_block_table(seq.seq_id)[:num_blocks])
-        return len(needed) <= self.swap.num_free
+    # ---- results of a step ------------------------------------------------------------------------
 
-    def _swap_out(self, seq: Sequence, slot_of: dict[int, int], out: SchedulerOutput) -> None:
-        """Copy the blocks holding ``seq``'s computed tokens to CPU slots (a block shared by siblings once)."""
-        num_blocks = -(-seq.num_computed // self.pool.block_size)
-        table = self.pool.get_block_table(seq.seq_id)[:num_blocks]
-        seq.swap_table = []
-        for block in table:
-            if block not in slot_of:
-                slot_of[block] = self.swap.take()
-                out.swap_out.append((block, slot_of[block]))
-                self.num_swapped_out_blocks += 1
-            seq.swap_table.append(slot_of[block])
+    def add_placeholders(self, rows: list[Sequence]) -> None:
+        """Async scheduling: row ``i``'s token, sampled on the device, is the next token of ``rows[i]``.
+
+        Each sequence gets a ``PLACEHOLDER`` the next step's input reads from row ``i`` on the device;
+        ``update_from_output`` fills it in once the id is on the host.
+        """
+        for row, seq in enumerate(rows):
+            seq.token_ids.append(PLACEHOLDER)
+            seq.num_inflight += 1
+            seq.sample_row = row
+            request = self._seqs[seq.seq_id][1]
+            seq.last_inflight = (
+                seq.num_output_tokens >= request.params.max_new_tokens or len(seq.token_ids) >= self.max_len
+            )
+
+    def update_from_output(self, sampled: list[SampledToken], deferred: bool) -> list[tuple[Request, Sequence]]:
+        """Apply a step's sampled tokens: fork a prompt's ``n`` samples, check stops and lengths, free what ended.
+
+        Args:
+            sampled: the rows in order; the rows of a prompt that forks into ``n`` samples are consecutive.
+            deferred: the step's sequences hold placeholders for these tokens (async scheduling).
+
+        Returns:
+            (request, sequence) of every token applied, in row order (sequences it finished included).
+        """
+        applied = []
+        j = 0
+        while j < len(sampled):
+            seq = sampled[j].seq
+            entry = self._seqs.get(seq.seq_id)
+            request = entry[1] if entry is not None else None
+            if request is None or request.is_finished or seq.is_finished:
+                j += 1  # aborted, or ended by the previous step's token: this one is discarded
+                continue
+            group = 1 if request.forked else request.params.n
+            seqs = [seq] if request.forked else self._fork_samples(request, seq, group)
+            for row, child in zip(sampled[j : j + group], seqs, strict=True):
+                if deferred:
+                    pos = len(child.token_ids) - child.num_inflight  # the oldest placeholder
+                    child.token_ids[pos] = row.token_id
+                    child.num_inflight -= 1
+                else:
+                    child.token_ids.append(row.token_id)
+                self._check_stop(request, child, row)
+                applied.append((request, child))
+            j += group
+        return applied
+
+    def _fork_samples(self, request: Request, seq: Sequence, n: int) -> list[Sequence]:
+        """After the prompt: ``seq`` becomes the first of ``n`` samples; the others share its blocks."""
+        children = [seq]
+        for _ in range(n - 1):
+            child = seq.fork()
+            self.kv.fork(seq, child)
+            self._seqs[child.seq_id] = (child, request)
+            children.append(child)
+        request.seqs = children
+        request.forked = True
+        return children
+
+    def _check_stop(self, request: Request, seq: Sequence, row: SampledToken) -> None:
+        """Account for ``row.token_id``, just placed in ``seq``: logprobs, stop token, length."""
+        params = request.params
+        token = row.token_id
+        if row.logprob is not None:
+            seq.cumulative_logprob += row.logprob
+        if row.top_logprobs is not None:
+            seq.logprobs.append(row.top_logprobs)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.monotonic()
+        num_out = seq.num_output_tokens - seq.num_inflight  # up to and including this token
+        if token in self.eos_token_ids and not params.ignore_eos and num_out >= params.min_tokens:
+            self.finish_seq(seq, "stop")
+        elif token in params.stop_token_ids and num_out >= params.min_tokens:
+            self.finish_seq(seq, "stop", token)
+        elif num_out >= params.max_new_tokens or seq.num_known_tokens >= self.max_len:
+            self.finish_seq(seq, "length")
+
+    def apply_beam_step(self, request: Request, result: BeamStep) -> None:
+        """Replace ``request``'s beams by the step's new beams (forks of their parents, plus their token)."""
+        if request.is_finished:
+            return
+        beams = request.live_seqs
+        new_beams = []
+        if not result.done:
+            for parent_idx, token, score in result.new_beams:
+                parent = beams[parent_idx]
+                child = parent.fork()
+                self.kv.fork(parent, child)
+                self._seqs[child.seq_id] = (child, request)
+                child.token_ids.append(token)
+                child.cumulative_logprob = score
+                new_beams.append(child)
+        request.seqs = new_beams
+        request.forked = True
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.monotonic()
+        for beam in beams:
+            self.kv.free(beam)
+            self._seqs.pop(beam.seq_id, None)
 
 
-def _max_seqs(request: Request) -> int:
-    """Sequences the request will run at once: its n samples or beams, once forked."""
+class _Step:
+    """A SchedulerOutput under construction: chunks may still be dropped (preemption) until ``build``."""
+
+    def __init__(self):
+        self.chunks: list[tuple[Request, Sequence, int]] = []  # (request, sequence, num_new_tokens)
+        self.num_tokens = 0
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.copies: list[tuple[int, int]] = []
+        self.preempted: list[str] = []
+
+    def add(self, request: Request, seq: Sequence, num_new: int) -> None:
+        self.chunks.append((request, seq, num_new))
+        self.num_tokens += num_new
+
+    def drop(self, request: Request) -> None:
+        self.chunks = [c for c in self.chunks if c[0] is not request]
+        self.num_tokens = sum(c[2] for c in self.chunks)
+
+    def build(self, kv: KVManager) -> SchedulerOutput:
+        """The final step: its sequences advance and their newly full blocks enter the prefix index."""
+        out = SchedulerOutput(swap_out=self.swap_out, swap_in=self.swap_in, copies=self.copies,
+                              preempted=self.preempted)  # fmt: skip
+        decode_first = sorted(range(len(self.chunks)), key=lambda i: self.chunks[i][2] != 1)
+        for i in decode_first:
+            request, seq, num_new = self.chunks[i]
+            start = seq.num_computed
+            end = start + num_new
+            if seq.num_inflight and start <= len(seq.token_ids) - seq.num_inflight < end:
+                out.placeholders.append((len(out.input_token_ids) + len(seq.token_ids) - seq.num_inflight - start,
+                                         seq.sample_row))  # fmt: skip
+            if end == len(seq.token_ids):
+                out.sample_idx.append(len(out.seq_ids))
+            out.seq_ids.append(seq.seq_id)
+            out.request_ids.append(request.request_id)
+            out.num_computed.append(start)
+            out.num_new_tokens.append(num_new)
+            out.input_token_ids.extend(seq.token_ids[start:end])
+            kv.cache(seq, end)
+            seq.num_computed = end
+        out.block_updates = kv.drain_updates()
+        return out
+
+
+def _schedulable(request: Request) -> list[Sequence]:
+    """Live sequences that still compute tokens (one whose final token is in flight does not)."""
+    live = request.live_seqs
+    if len(live) == 1:
+        return [] if live[0].last_inflight else live
+    return [seq for seq in live if not seq.last_inflight]
+
+
+def _chunk_sizes(remaining: list[int], budget: int) -> list[int]:
+    """Greedy chunk sizes for sequences with ``remaining`` tokens each, within ``budget``."""
+    sizes = []
+    for r in remaining:
+        n = max(0, min(r, budget))
+        sizes.append(n)
+        budget -= n
+    return sizes
+
+
+def _width(request: Request) -> int:
+    """Sequences the request runs at once: its n samples or beams, once forked."""
     return max(len(request.live_seqs), request.params.n, request.params.beam_width)

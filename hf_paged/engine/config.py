@@ -1,0 +1,94 @@
+"""EngineConfig: every setting of a ContinuousBatcher, validated before anything is allocated.
+
+One dataclass shared by the engine, the CLI, the benchmark and the profiler. ``__post_init__`` checks each
+field's type and range with a message that names it; settings that depend on the model (the pool size from
+free memory, CUDA graphs on CUDA) stay ``None`` here and are resolved by the engine.
+"""
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    return value
+
+
+def _optional_bool(name: str, value: object) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True, False or None (auto), got {value!r}")
+    return value
+
+
+@dataclass
+class EngineConfig:
+    """Settings of a ContinuousBatcher.
+
+    Attributes:
+        num_blocks: KV blocks in the pool; None = ``memory_fraction`` of free device memory.
+        block_size: tokens per block (a positive multiple of 8).
+        memory_fraction: share of free device memory for the pool when ``num_blocks`` is None; in (0, 1].
+        max_num_batched_tokens: token budget of one forward (chunked prefill splits longer prompts).
+        max_num_seqs: most sequences in one forward; None = min(256, max_num_batched_tokens). Also the most
+            samples (``n``) or beams one request may have.
+        enable_prefix_caching: reuse full blocks across requests by content hash.
+        preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
+        swap_space_gb: CPU memory for swapped blocks (swap mode), >= 0.
+        use_cuda_graphs: replay CUDA graphs for decode steps; None = on for a model on one CUDA device.
+        compile_model: torch.compile the model inside the decode CUDA graphs.
+        async_scheduling: queue step N+1 before reading back step N's tokens; None = on for a model on CUDA.
+    """
+
+    num_blocks: int | None = None
+    block_size: int = 16
+    memory_fraction: float = 0.5
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_gb: float = 4.0
+    use_cuda_graphs: bool | None = None
+    compile_model: bool = False
+    async_scheduling: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None:
+            _positive_int("num_blocks", self.num_blocks)
+        if (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or self.block_size <= 0
+            or (self.block_size % 8)
+        ):
+            raise ValueError(f"`block_size` must be a positive multiple of 8 (e.g. 16), got {self.block_size!r}")
+        if (
+            isinstance(self.memory_fraction, bool)
+            or not isinstance(self.memory_fraction, (int, float))
+            or not (0.0 < self.memory_fraction <= 1.0)
+        ):
+            raise ValueError(f"`memory_fraction` must be in (0, 1], got {self.memory_fraction!r}")
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(256, self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"`max_num_seqs` ({self.max_num_seqs}) must not exceed `max_num_batched_tokens` "
+                f"({self.max_num_batched_tokens}): every running sequence needs a token of the budget each step"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"`enable_prefix_caching` must be a bool, got {self.enable_prefix_caching!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"`preemption_mode` must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if (
+            isinstance(self.swap_space_gb, bool)
+            or not isinstance(self.swap_space_gb, (int, float))
+            or (self.swap_space_gb < 0)
+        ):
+            raise ValueError(f"`swap_space_gb` must be a number >= 0, got {self.swap_space_gb!r}")
+        _optional_bool("use_cuda_graphs", self.use_cuda_graphs)
+        _optional_bool("async_scheduling", self.async_scheduling)
+        if not isinstance(self.compile_model, bool):
+            raise TypeError(f"`compile_model` must be a bool, got {self.compile_model!r}")

@@ -1,0 +1,264 @@
+"""An engine fuzzer: seeded random add / step / abort / stream / interrupt runs over small pools.
+
+Features fail where they meet (n samples × beams × preemption × chunked prefill × async scheduling × aborts ×
+interrupts), so each run mixes all of them on one engine, over a configuration drawn from: pools of 8-40
+blocks, block sizes 8/16, token budgets 16-128, prefix caching on/off, recompute/swap preemption, async
+scheduling on/off. After every operation the block pool's invariants hold; at the end every accepted request
+finished or was aborted, every block is free, and every greedy request (plain, ``n`` samples or beams) equals
+the same request run alone on a roomy engine.
+
+CI runs a bounded profile (``HF_PAGED_FUZZ`` unset: a few configurations, about a minute);
+``HF_PAGED_FUZZ=long`` runs the long one (at least 20 000 engine steps) and prints its figures.
+"""
+
+import os
+import random
+import threading
+import time
+
+import pytest
+from models import DEVICE, tiny_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from hf_paged import ContinuousBatcher, SamplingParams
+
+LONG = os.environ.get("HF_PAGED_FUZZ") == "long"
+NUM_RUNS = 48 if LONG else 6
+OPS_PER_RUN = 1200 if LONG else 90
+
+
+def char_tokenizer():
+    """One character per token (ids 3-95), so stop strings are easy to place."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, 96):
+        vocab[chr(ord("!") + i)] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+class Interrupt(KeyboardInterrupt):
+    """A Ctrl-C the fuzzer injects at a random point of a step."""
+
+
+class _Reference:
+    """Greedy outputs of requests run alone on a roomy engine (memoised)."""
+
+    def __init__(self, model, tokenizer, block_size):
+        self.engine = ContinuousBatcher(model, tokenizer, num_blocks=256, block_size=block_size,
+                                        max_num_batched_tokens=256, async_scheduling=False)  # fmt: skip
+        self.memo = {}
+
+    def __call__(self, prompt, params: SamplingParams):
+        key = (tuple(prompt), params.n, params.beam_width, params.max_new_tokens, params.stop, params.ignore_eos)
+        if key not in self.memo:
+            out = self.engine.generate([prompt], params, use_tqdm=False)[0]
+            self.memo[key] = sorted((c.token_ids, c.finish_reason) for c in out.outputs)
+        return self.memo[key]
+
+
+def _config(rng: random.Random) -> dict:
+    block_size = rng.choice([8, 16])
+    budget = rng.choice([16, 24, 32, 64, 128])
+    return dict(
+        block_size=block_size,
+        num_blocks=rng.randint(8, 40) if block_size == 8 else rng.randint(8, 24),
+        max_num_batched_tokens=budget,
+        max_num_seqs=rng.choice([4, 8, min(16, budget)]),
+        enable_prefix_caching=rng.random() < 0.6,
+        preemption_mode=rng.choice(["recompute", "swap"]),
+        swap_space_gb=0.0005,
+        async_scheduling=rng.random() < 0.5,
+    )
+
+
+def _params(rng: random.Random, prefixes) -> tuple[list[int], SamplingParams]:
+    prompt = list(rng.choice(prefixes))[: rng.randint(0, 24)] + [rng.randint(3, 95) for _ in range(rng.randint(1, 20))]
+    kind = rng.random()
+    common = dict(max_new_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.7)
+    if kind < 0.15:
+        params = SamplingParams(beam_width=rng.choice([2, 3]), n=1, **common)
+    elif kind < 0.35:
+        params = SamplingParams(n=rng.choice([2, 3]), temperature=0.0, **common)
+    elif kind < 0.55:
+        params = SamplingParams(n=rng.choice([1, 2]), temperature=1.0, seed=rng.randint(0, 99),
+                                logprobs=rng.choice([None, 2]), **common)  # fmt: skip
+    else:
+        stop = [chr(ord("!") + rng.randint(3, 95))] if rng.random() < 0.3 else []
+        params = SamplingParams(temperature=0.0, stop=stop, **common)
+    return prompt, params
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.beam_width > 1 or params.temperature == 0.0
+
+
+def _arm_interrupt(engine, rng: random.Random):
+    """Make the next step raise at a random point: in the forward, in token application, or in detokenisation.
+
+    Returns a function that disarms it (the chosen point may not be reached in that step).
+    """
+    target = rng.choice(["runner", "scheduler", "detokenizer"])
+    obj, name = {
+        "runner": (engine.runner, "execute"),
+        "scheduler": (engine.scheduler, "update_from_output"),
+        "detokenizer": (engine.detokenizer, "update"),
+    }[target]
+    original = getattr(obj, name)
+
+    def boom(*args, **kwargs):
+        setattr(obj, name, original)
+        if target == "scheduler":  # part-way through: apply the tokens, then fail
+            original(*args, **kwargs)
+        raise Interrupt(f"injected into {target}")
+
+    setattr(obj, name, boom)
+    return lambda: setattr(obj, name, original)
+
+
+def _run(seed: int, model, tokenizer, references) -> dict:
+    rng = random.Random(seed)
+    config = _config(rng)
+    engine = ContinuousBatcher(model, tokenizer, **config)
+    reference = references.setdefault(config["block_size"], _Reference(model, tokenizer, config["block_size"]))
+    prefixes = [[rng.randint(3, 95) for _ in range(24)] for _ in range(2)]
+    accepted: dict[str, tuple] = {}  # request id -> (prompt, params)
+    finished: dict[str, object] = {}
+    aborted: set[str] = set()
+    streams: list[tuple[str, object, list]] = []
+    counts = dict(steps=0, requests=0, rejected=0, aborts=0, interrupts=0, stream_deltas=0)
+
+    def record(outs):
+        for out in outs:
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} reported finished twice"
+                finished[out.request_id] = out
+
+    for _ in range(OPS_PER_RUN):
+        op = rng.random()
+        try:
+            if op < 0.3:
+                prompt, params = _params(rng, prefixes)
+                try:
+                    rid = engine.add_request(prompt, params)
+                except ValueError as e:  # documented: the request can never fit this pool
+                    assert "KV blocks" in str(e) or "max_num_seqs" in str(e), e
+                    counts["rejected"] += 1
+                    continue
+                accepted[rid] = (prompt, params)
+                counts["requests"] += 1
+            elif op < 0.4:
+                prompt, params = _params(rng, prefixes)
+                if params.n != 1 or params.beam_width != 1:
+                    continue
+                try:
+                    gen = engine.stream(prompt, params)
+                except ValueError:
+                    counts["rejected"] += 1
+                    continue
+                streams.append((None, gen, []))
+                counts["requests"] += 1
+            elif op < 0.5 and streams:
+                i = rng.randrange(len(streams))
+                _, gen, deltas = streams[i]
+                delta = next(gen, None)
+                if delta is None:
+                    streams.pop(i)
+                else:
+                    deltas.append(delta)
+                    counts["stream_deltas"] += 1
+                    if delta.finish_reason is not None:
+                        assert next(gen, None) is None
+                        streams.pop(i)
+            elif op < 0.55:
+                live = [r for r in accepted if r not in finished and r not in aborted]
+                if live:
+                    rid = rng.choice(live)
+                    engine.abort(rid)
+                    aborted.add(rid)
+                    counts["aborts"] += 1
+            elif op < 0.6:
+                disarm = _arm_interrupt(engine, rng)
+                try:
+                    record(engine.step())
+                except Interrupt:
+                    counts["interrupts"] += 1
+                disarm()
+                counts["steps"] += 1
+            else:
+                record(engine.step())
+                counts["steps"] += 1
+        finally:
+            engine.pool.check_invariants()
+    # Drain: the open streams and every queued request.
+    for _, gen, deltas in streams:
+        for delta in gen:
+            deltas.append(delta)
+        assert deltas and deltas[-1].finish_reason is not None
+    deadline = 20000
+    while engine.has_unfinished_requests():
+        record(engine.step())
+        counts["steps"] += 1
+        deadline -= 1
+        assert deadline, "the engine made no progress"
+    assert set(finished) == set(accepted), sorted(set(accepted) - set(finished))
+    for rid, (prompt, params) in accepted.items():
+        out = finished[rid]
+        if rid in aborted:
+            assert all(c.finish_reason in ("abort", "stop", "length") for c in out.outputs)
+            continue
+        if _is_greedy(params):
+            got = sorted((c.token_ids, c.finish_reason) for c in out.outputs)
+            assert got == reference(prompt, params), (rid, prompt, params, config)
+        assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+    assert engine.pool.stats.num_used_blocks == 0
+    assert not engine.requests
+    engine.pool.check_invariants()
+    return counts
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return tiny_model("llama", device=DEVICE), char_tokenizer()
+
+
+@pytest.mark.parametrize("seed", range(NUM_RUNS))
+def test_engine_fuzz(seed, model_and_tokenizer, fuzz_references):
+    model, tokenizer = model_and_tokenizer
+    start = time.perf_counter()
+    counts = _run(seed, model, tokenizer, fuzz_references)
+    if LONG:
+        print(f"seed {seed}: {counts} in {time.perf_counter() - start:.1f} s")
+
+
+@pytest.fixture(scope="module")
+def fuzz_references():
+    return {}
+
+
+def test_abort_from_another_thread_is_safe_while_stepping(model_and_tokenizer):
+    """abort() from a second thread while the first drives the engine: applied at the next step, never lost."""
+    model, tokenizer = model_and_tokenizer
+    engine = ContinuousBatcher(model, tokenizer, num_blocks=64, block_size=8)
+    rids = [engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=40, ignore_eos=True)) for _ in range(4)]
+    stop = threading.Event()
+
+    def aborter():
+        for rid in rids[:2]:
+            time.sleep(0.01)
+            engine.abort(rid)
+        stop.set()
+
+    thread = threading.Thread(target=aborter)
+    thread.start()
+    finished = {}
+    while engine.has_unfinished_requests() or not stop.is_set():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    thread.join()
+    assert set(finished) == set(rids)
+    assert engine.pool.stats.num_used_blocks == 0
+    engine.pool.check_invariants()
