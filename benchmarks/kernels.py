@@ -5,14 +5,11 @@ batch {1, 32, 256} x context {512, 4096}: median latency (do_bench, with p20/p80
 (K + V of every context + query + out; block-table reads are ignored), achieved GB/s, the share of
 the measured device-to-device copy bandwidth, and torch SDPA on contiguous K/V of the same shape.
 Prefill (when kernels/prefill.py exists): 4 fresh prompts x 1024 tokens vs causal SDPA.
-``--prefill-sweep`` also times the prefill kernel variants x tile configurations at block_size 16
-(PREFILL_VARIANTS x PREFILL_VARIANT_TILES) and the tile configurations of the default variant at
-block_size 64 (PREFILL_SWEEP), with causal SDPA on the same shape.
 
 Prints a markdown block to paste into benchmarks/RESULTS.md; ``--out PATH`` also writes it there.
 Runs only on CUDA.
 
-    python benchmarks/kernels.py [--prefill-sweep] [--out benchmarks/RESULTS_h100.md]
+    python benchmarks/kernels.py [--out benchmarks/RESULTS_h100.md]
 """
 
 import argparse
@@ -154,124 +151,6 @@ def decode_max_abs_diff(batch: int = 8, context: int = 1000) -> float:
     return (out.float() - ref.float()).abs().max().item()
 
 
-PREFILL_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major); the first is the default
-    (128, 32, 4, 4, True), (128, 64, 8, 3, False), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
-    (64, 64, 4, 3, True), (128, 32, 4, 4, True), (128, 128, 8, 2, False), (64, 128, 4, 3, True),
-]  # fmt: skip
-# Kernel variants (keyword overrides of paged_prefill_triton; "contig_kv" passes the new tokens' K/V as
-# key=/value=) x tiles, timed at block_size 16: 8 x 4 = 32 configurations.
-PREFILL_VARIANTS = [
-    {},
-    {"softmax": "fused"},
-    {"softmax": "lazy"},
-    {"pack_gqa": False},
-    {"pack_gqa": False, "softmax": "lazy"},
-    {"contig_kv": True},
-    {"contig_kv": True, "softmax": "lazy"},
-    {"contig_kv": True, "softmax": "lazy", "pack_gqa": False},
-]
-PREFILL_VARIANT_TILES = [(128, 32, 4, 4, True), (128, 64, 4, 3, True), (128, 64, 8, 3, False), (64, 64, 4, 3, True)]
-
-
-def _prefill_inputs(block_size: int, generator: torch.Generator):
-    """Fresh prompts in shuffled blocks: (query, key, value, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q).
-
-    key/value [num_tokens, num_kv_heads, head_dim] are the prompts' K/V, contiguous (what write_kv stored).
-    """
-    batch, length = PREFILL_BATCH, PREFILL_LEN
-    num_blocks_per_seq = length // block_size
-    k_cache = torch.randn(batch * num_blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda",
-                          dtype=DTYPE, generator=generator)  # fmt: skip
-    v_cache = torch.randn_like(k_cache)
-    perm = torch.randperm(batch * num_blocks_per_seq, device="cuda", generator=generator)
-    block_tables = perm.view(batch, num_blocks_per_seq).to(torch.int32)
-    key = k_cache[block_tables.long()].reshape(batch * length, NUM_KV_HEADS, HEAD_DIM).contiguous()
-    value = v_cache[block_tables.long()].reshape(batch * length, NUM_KV_HEADS, HEAD_DIM).contiguous()
-    seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch * length, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
-    cu_seqlens_q = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device="cuda")
-    return query, key, value, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
-
-
-def _sdpa_prefill_us(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flash_only: bool) -> float:
-    """Median µs of causal SDPA on contiguous [batch, heads, length, head_dim]; flash_only forces FlashAttention
-    (K/V repeated to num_heads outside the timed region, as the flash backend may lack enable_gqa)."""
-    batch, length = PREFILL_BATCH, PREFILL_LEN
-    q = query.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-    k = key.view(batch, length, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
-    v = value.view(batch, length, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
-    group = NUM_HEADS // NUM_KV_HEADS
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if flash_only:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        k = k.repeat_interleave(group, dim=1).contiguous()
-        v = v.repeat_interleave(group, dim=1).contiguous()
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            median_us, _, _ = _bench(lambda: sdpa(q, k, v, is_causal=True, scale=HEAD_DIM**-0.5))
-        return median_us
-    gqa_kwargs = _sdpa_gqa_kwargs()
-    k, v = k.contiguous(), v.contiguous()
-    if not gqa_kwargs:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    median_us, _, _ = _bench(lambda: sdpa(q, k, v, is_causal=True, scale=HEAD_DIM**-0.5, **gqa_kwargs))
-    return median_us
-
-
-def sweep_prefill(block_size: int, variants: list[dict] | None = None, tiles: list[tuple] | None = None) -> list[str]:
-    """Prefill variants x tile configurations on the benchmark's shape: time and max abs diff vs the reference.
-
-    A configuration that fails (compile error, out of shared memory or registers) is a "failed" row; the
-    sweep goes on. Ends with causal SDPA on the same shape for comparison.
-    """
-    from hf_paged.kernels.prefill import paged_prefill_triton
-    from hf_paged.kernels.reference import paged_attention_ref
-
-    variants = variants if variants is not None else [{}]
-    tiles = tiles if tiles is not None else PREFILL_SWEEP
-    generator = torch.Generator(device="cuda").manual_seed(3)
-    query, key, value, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _prefill_inputs(block_size, generator)
-    batch, length = PREFILL_BATCH, PREFILL_LEN
-    scale = HEAD_DIM**-0.5
-    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
-    flops = 4 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2
-    lines = [
-        f"Prefill sweep, block_size {block_size}:",
-        "",
-        "| variant | BLOCK_M | BLOCK_N | warps | stages | K row-major | µs | TFLOP/s | max abs diff |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
-    ]
-    for variant, (bm, bn, warps, stages, row_major) in itertools.product(variants, tiles):
-        name = ", ".join(f"{k}={v}" for k, v in variant.items()) or "base"
-        kwargs = {k: v for k, v in variant.items() if k != "contig_kv"}
-        if variant.get("contig_kv"):
-            kwargs.update(key=key, value=value)
-        out = torch.full_like(query, float("nan"))
-
-        def run(bm=bm, bn=bn, warps=warps, stages=stages, row_major=row_major, out=out, kwargs=kwargs):
-            paged_prefill_triton(
-                query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_query_len=length,
-                max_seq_len=length, out=out, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                k_row_major=row_major, **kwargs,
-            )  # fmt: skip
-
-        row = f"| {name} | {bm} | {bn} | {warps} | {stages} | {row_major} |"
-        try:
-            us, _, _ = _bench(run)
-            diff = (out.float() - ref.float()).abs().max().item()
-            lines.append(f"{row} {us:.1f} | {flops / (us * 1e-6) / 1e12:.0f} | {diff:.2e} |")
-        except Exception as exc:  # a tile that does not fit (shared memory, registers): report and go on
-            lines.append(f"{row} failed: {type(exc).__name__}: {str(exc)[:80]!r} | | |")
-    for label, flash_only in (("SDPA causal (default backend)", False), ("SDPA causal (flash, K/V repeated)", True)):
-        try:
-            us = _sdpa_prefill_us(query, key, value, flash_only)
-            lines.append(f"| {label} | | | | | | {us:.1f} | {flops / (us * 1e-6) / 1e12:.0f} | |")
-        except Exception as exc:
-            lines.append(f"| {label} | | | | | | failed: {type(exc).__name__} | | |")
-    return lines
-
-
 def bench_prefill(gqa_kwargs: dict) -> list[str] | None:
     """Fresh prompts through the paged prefill kernel vs causal SDPA; None if there is no kernel."""
     try:
@@ -295,7 +174,6 @@ def bench_prefill(gqa_kwargs: dict) -> list[str] | None:
     paths = {
         "K/V read through the block table": {},
         "fresh prompts read the new K/V (engine default)": dict(key=key, value=value),
-        "new K/V, softmax=fused": dict(key=key, value=value, softmax="fused"),
     }
     rows = []
     for name, kwargs in paths.items():
@@ -339,7 +217,6 @@ def bench_prefill(gqa_kwargs: dict) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the markdown block to this file")
-    parser.add_argument("--prefill-sweep", action="store_true", help="also time prefill tile configurations")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA device; none found, nothing measured.", file=sys.stderr)
@@ -373,9 +250,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += ["", f"Decode correctness (batch 8, ragged contexts <= 1000): max abs diff vs reference {max_diff:.2e}."]
     prefill = bench_prefill(gqa_kwargs)
-    if args.prefill_sweep:
-        lines += [""] + sweep_prefill(16, PREFILL_VARIANTS, PREFILL_VARIANT_TILES)
-        lines += [""] + sweep_prefill(64)
     lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
 
     text = "\n".join(lines) + "\n"

@@ -18,13 +18,12 @@ sliding-window start of its first token to the causal limit of its last token, i
     |-- masked ----|-------- unmasked ---------|--- masked ----|
       window edge    every row sees every key    causal edge / end of context
 
-Online softmax in fp32 (exp2 with log2(e) folded into the scores), fp32 accumulator.
+Online softmax in fp32 (exp2 with log2(e) folded into the scores), fp32 accumulator. The unmasked
+interior tiles use a fused update (no -inf guard, the scale folded into one FMA per score) when the
+scale is positive, else the exact update of the masked tiles (the fused one needs scale > 0).
 
-Variants (keyword overrides of ``paged_prefill_triton``, timed by ``benchmarks/kernels.py --prefill-sweep``;
-defaults: "fused" when the scale is positive, else "exact"; packed GQA; paged reads unless key/value are given):
-``softmax`` "exact" / "fused" / "lazy" update of the unmasked tiles,
-``pack_gqa`` True / False (one query head per program), and ``key=/value=`` (fresh prompts read their
-K/V from the contiguous new-token tensors instead of through the block table).
+K/V are read through the block table, except that with ``key=/value=`` a fresh prompt (no cached
+context) reads them from the contiguous new-token tensors instead.
 """
 
 import os
@@ -40,15 +39,11 @@ MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 
-# softmax= of paged_prefill_triton -> the SOFTMAX constexpr.
-_SOFTMAX_MODES = {"exact": 0, "fused": 1, "lazy": 2}
-
-
 @triton.jit
 def _attend_tile(
     acc,  # [BLOCK_M, BLOCK_D], fp32
     l_i,  # [BLOCK_M], fp32: running softmax denominator
-    m_i,  # [BLOCK_M], fp32: running max of the (log2-scaled) scores (a stale max with SOFTMAX == 2)
+    m_i,  # [BLOCK_M], fp32: running max of the (log2-scaled) scores
     q,  # [BLOCK_M, BLOCK_D]
     q_pos,  # [BLOCK_M], int32: context position of each row's token
     start_n,  # first key position of this tile; a multiple of BLOCK_N
@@ -76,7 +71,7 @@ def _attend_tile(
     HAS_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     K_ROW_MAJOR: tl.constexpr,  # load K as [BLOCK_N, BLOCK_D] and transpose in registers (else as K^T)
-    SOFTMAX: tl.constexpr,  # 0 exact, 1 fused, 2 lazy (see paged_prefill_triton's ``softmax``)
+    EXACT_SOFTMAX: tl.constexpr,  # interior tiles too take the exact update (scale <= 0); else the fused one
     CONTIG: tl.constexpr,  # K/V rows of key position n at k_base + n * stride_k_n (no block table)
 ):
     """One online-softmax step over the keys [start_n, start_n + BLOCK_N); returns (acc, l_i, m_i)."""
@@ -123,7 +118,7 @@ def _attend_tile(
         # soft_cap * tanh(x / soft_cap), with tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1, no NaN.
         y = s * qk_scale / soft_cap
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * 1.4426950408889634
-    if MASKED or SOFTMAX == 0:
+    if MASKED or EXACT_SOFTMAX:
         if not HAS_SOFT_CAP:
             s = s * qk_scale
         if MASKED:
@@ -147,20 +142,10 @@ def _attend_tile(
             m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]; s already log2-scaled
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # [BLOCK_M]
-        if SOFTMAX == 2:
-            # Lazy rescaling (FlashAttention-4): rescale acc only when some row's max grew by more than 8
-            # (powers of two; one block-wide branch), else keep the stale max: p <= 2^8 = 256, far from any
-            # fp16/bf16/fp32 overflow. The first tile always rescales (m_i == -inf).
-            if tl.max(m_new - m_i, 0) > 8.0:
-                alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-        else:
-            alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
+        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
         if HAS_SOFT_CAP:
             p = tl.exp2(s - m_i[:, None])  # [BLOCK_M, BLOCK_N]
         else:
@@ -213,7 +198,7 @@ def _attend_ranges(
     HAS_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     K_ROW_MAJOR: tl.constexpr,
-    SOFTMAX: tl.constexpr,
+    EXACT_SOFTMAX: tl.constexpr,
     CONTIG: tl.constexpr,
 ):
     """The three key ranges of the module docstring, in order; returns (acc, l_i, m_i)."""
@@ -222,21 +207,21 @@ def _attend_ranges(
             acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
             table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
             stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR, SOFTMAX, CONTIG,
+            DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG,
         )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):  # interior: no mask
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
             table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
             stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR, SOFTMAX, CONTIG,
+            DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):  # causal edge
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
             table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
             stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR, SOFTMAX, CONTIG,
+            DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -275,8 +260,7 @@ def _paged_prefill_kernel(
     sliding_window,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    GROUP: tl.constexpr,  # num_heads // num_kv_heads
-    ROWS_PER_TOKEN: tl.constexpr,  # GROUP: rows are (token, head) pairs of one KV head; 1: one query head
+    GROUP: tl.constexpr,  # num_heads // num_kv_heads: rows are (token, query head) pairs of one KV head
     # meta-parameters
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
@@ -285,18 +269,17 @@ def _paged_prefill_kernel(
     HAS_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast dot operands (fp32 caches, and bf16 under the interpreter)
     K_ROW_MAJOR: tl.constexpr,
-    SOFTMAX: tl.constexpr,  # 0 exact, 1 fused, 2 lazy
+    EXACT_SOFTMAX: tl.constexpr,  # scale <= 0: no fused update of the interior tiles
     CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
 ):
     # Causal: later row tiles attend to more keys. Launch them first so the short ones fill the tail.
     tile_idx = tl.num_programs(0) - 1 - tl.program_id(0)
     seq_idx = tl.program_id(1)
-    head_idx = tl.program_id(2)  # the KV head (ROWS_PER_TOKEN == GROUP) or the query head (== 1)
-    kv_head = head_idx * ROWS_PER_TOKEN // GROUP
+    kv_head = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
     q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
-    num_rows = q_len * ROWS_PER_TOKEN
+    num_rows = q_len * GROUP
     row_start = tile_idx * BLOCK_M
     if row_start >= num_rows:  # the grid is sized for max_query_len; this sequence is shorter
         return
@@ -305,8 +288,8 @@ def _paged_prefill_kernel(
 
     offs_m = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_valid = offs_m < num_rows  # [BLOCK_M]
-    token_in_seq = offs_m // ROWS_PER_TOKEN  # [BLOCK_M]
-    head = head_idx * ROWS_PER_TOKEN + offs_m % ROWS_PER_TOKEN  # [BLOCK_M]
+    token_in_seq = offs_m // GROUP  # [BLOCK_M]
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
     q_pos = first_pos + token_in_seq  # [BLOCK_M]
     token_idx = (q_start + token_in_seq).to(tl.int64)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -318,8 +301,8 @@ def _paged_prefill_kernel(
     )  # q: [BLOCK_M, BLOCK_D]
 
     # Key ranges (see the module docstring); every bound is a multiple of BLOCK_N.
-    tile_first_pos = first_pos + row_start // ROWS_PER_TOKEN
-    tile_last_pos = first_pos + (tl.minimum(row_start + BLOCK_M, num_rows) - 1) // ROWS_PER_TOKEN
+    tile_first_pos = first_pos + row_start // GROUP
+    tile_last_pos = first_pos + (tl.minimum(row_start + BLOCK_M, num_rows) - 1) // GROUP
     hi = tile_last_pos + 1  # causal limit of the tile's last token; <= ctx_len
     mid_hi = (tile_first_pos + 1) // BLOCK_N * BLOCK_N  # keys below are visible to every row
     if HAS_WINDOW:
@@ -345,21 +328,21 @@ def _paged_prefill_kernel(
                 q_start.to(tl.int64) * stride_value_t + kv_head.to(tl.int64) * stride_value_h,
                 stride_key_t, stride_value_t, table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window,
                 stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-                BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, SOFTMAX, True,
+                BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, True,
             )  # fmt: skip
         else:
             acc, l_i, m_i = _attend_ranges(
                 acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, k_cache_ptr, v_cache_ptr, kv_head_off,
                 kv_head_off, stride_cache_offset, stride_cache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap,
                 sliding_window, stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE,
-                BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, SOFTMAX, False,
+                BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, False,
             )  # fmt: skip
     else:  # through the block table
         acc, l_i, m_i = _attend_ranges(
             acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, k_cache_ptr, v_cache_ptr, kv_head_off, kv_head_off,
             stride_cache_offset, stride_cache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window,
             stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-            BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, SOFTMAX, False,
+            BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, False,
         )  # fmt: skip
 
     # Every real row sees at least its own key, so l_i > 0 there; padding rows (l_i == 0) are not stored.
@@ -377,15 +360,15 @@ def _default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) ->
 
     With ``contig_kv`` (fresh prompts read their K/V from the contiguous key/value tensors) 2-byte dtypes
     with head_dim in (64, 128] use 128 x 64 tiles, 8 warps, 3 stages, K^T loads: 130 µs vs 150 µs for the
-    paged-read default on the same shape (the variant sweep of benchmarks/kernels.py, H200, RESULTS.md).
+    paged-read default on the same shape (a variant x tile sweep on an H200, benchmarks/RESULTS.md, 2026-11-26).
 
     Heuristic: 2-byte dtypes with head_dim <= 64 use the flash-attention tiles 128 x 64; head_dim in
-    (64, 128] uses 128 x 32 tiles, 4 warps, 4 stages and key-major K loads, the fastest of the sweep in
-    benchmarks/kernels.py on an H200 (151 µs vs 169 µs for the 128 x 64 / 8 warps / K^T tiles on 4 x 1024
-    tokens, 32/8 heads, block_size 16; RESULTS.md, 2026-11-26); head_dim 256 halves the tiles to fit registers
-    and shared memory. fp32 operands take twice the shared memory and registers per element, so they use
-    64 x 32 tiles, and 32 x 32 without software pipelining for head_dim 256 (Q + K + V tiles = 96 KiB of the
-    H100's 227 KiB shared memory per block; two stages would need 160 KiB).
+    (64, 128] uses 128 x 32 tiles, 4 warps, 4 stages and key-major K loads, the fastest of that sweep
+    (151 µs vs 169 µs for the 128 x 64 / 8 warps / K^T tiles on 4 x 1024 tokens, 32/8 heads, block_size
+    16); head_dim 256 halves the tiles to fit registers and shared memory. fp32 operands take twice the
+    shared memory and registers per element, so they use 64 x 32 tiles, and 32 x 32 without software
+    pipelining for head_dim 256 (Q + K + V tiles = 96 KiB of the H100's 227 KiB shared memory per block;
+    two stages would need 160 KiB).
     """
     if dtype == torch.float32:
         if block_d <= 128:
@@ -412,13 +395,6 @@ def paged_prefill_triton(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    k_row_major: bool | None = None,
-    softmax: str | None = None,
-    pack_gqa: bool = True,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
 ) -> torch.Tensor:
@@ -429,8 +405,12 @@ def paged_prefill_triton(
     Fresh prompts (q_len == seq_len), chunked prefill / prefix hits (q_len < seq_len) and single
     tokens mix freely in one batch. No host sync: the grid comes from ``max_query_len``.
 
-    Tile sizes default to a per-dtype/head_dim heuristic (``_default_tiles``); ``BLOCK_M`` shrinks to
-    the next power of two >= 16 of ``max_query_len * num_heads // num_kv_heads`` for short queries.
+    Tile sizes follow a per-dtype/head_dim heuristic (``_default_tiles``); ``BLOCK_M`` shrinks to the
+    next power of two >= 16 of ``max_query_len * num_heads // num_kv_heads`` for short queries. The rows
+    of a program are (token, query head) pairs of one KV head, so a GQA group shares each K/V tile load.
+    The unmasked interior tiles take the fused softmax update (no -inf guard, the scale folded into one
+    FMA per score; 2% faster on the H200 benchmark shape, RESULTS.md), which needs ``scale > 0``; with
+    ``scale <= 0`` they take the exact update of the masked tiles.
 
     Args:
         query: [num_tokens, num_heads, head_dim], float16/bfloat16/float32; last dim contiguous.
@@ -447,19 +427,6 @@ def paged_prefill_triton(
         soft_cap: C > 0: scores become C * tanh(scores / C). None or <= 0: off.
         out: [num_tokens, num_heads, head_dim], query's dtype; zero-filled when None. Rows of tokens
             beyond ``cu_seqlens_q[-1]`` are left untouched.
-        block_m: override of BLOCK_M (rows per program), a power of two >= 16.
-        block_n: override of BLOCK_N (keys per step), a power of two >= 16.
-        num_warps, num_stages: overrides of the launch meta-parameters (benchmarks/kernels.py sweeps them).
-        k_row_major: load K tiles key-major and transpose in registers instead of loading K^T
-            (default: per the tile heuristic).
-        softmax: online-softmax update of the unmasked interior tiles (masked tiles always use "exact");
-            default "fused" (2% faster on the H200 benchmark shape; RESULTS.md), "exact" when scale <= 0.
-            "exact": the reference update with the -inf guard. "fused": no -inf guard (an interior row
-            sees only finite scores) and the scale folded into one FMA per score; needs scale > 0.
-            "lazy": "fused" plus FlashAttention-4 lazy rescaling: the accumulator is rescaled only when
-            some row's max grew by more than 2^8 (one block-wide branch per tile).
-        pack_gqa: True: the rows of a program are (token, query head) pairs of one KV head, so the
-            GQA group shares each K/V tile load. False: one query head per program, BLOCK_M tokens.
         key, value: [num_tokens, num_kv_heads, head_dim], the new tokens' K/V, rows aligned with
             ``query`` (the tensors write_kv stored), last dim contiguous. When given, a fresh prompt
             (seq_len == q_len) reads its K/V from these contiguous rows instead of through the block
@@ -524,15 +491,6 @@ def paged_prefill_triton(
             raise ValueError(f"{name} is on {t.device}, but query is on {query.device}")
     if max_query_len < 0 or max_seq_len < 0:
         raise ValueError(f"max_query_len and max_seq_len must be >= 0, got {max_query_len} and {max_seq_len}")
-    for name, tile in (("block_m", block_m), ("block_n", block_n)):
-        if tile is not None and (tile < 16 or tile & (tile - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {tile}")
-    if softmax is None:
-        softmax = "fused" if scale > 0 else "exact"
-    if softmax not in _SOFTMAX_MODES:
-        raise ValueError(f"softmax must be one of {list(_SOFTMAX_MODES)}, got {softmax!r}")
-    if softmax != "exact" and not scale > 0:
-        raise ValueError(f"softmax={softmax!r} folds the scale into max(scores), so scale must be > 0, got {scale}")
     if (key is None) != (value is None):
         raise ValueError("key and value must be given together (contiguous K/V of the new tokens) or not at all")
     if key is not None:
@@ -556,16 +514,9 @@ def paged_prefill_triton(
 
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    default_m, default_n, default_warps, default_stages, default_row_major = _default_tiles(
-        query.dtype, block_d, key is not None
-    )
-    num_warps = num_warps or default_warps
-    num_stages = num_stages or default_stages
-    k_row_major = default_row_major if k_row_major is None else k_row_major
+    default_m, tile_n, num_warps, num_stages, k_row_major = _default_tiles(query.dtype, block_d, key is not None)
     # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
-    rows_per_token = group if pack_gqa else 1
-    tile_m = block_m or min(default_m, max(16, triton.next_power_of_2(max_query_len * rows_per_token)))
-    tile_n = block_n or default_n
+    tile_m = min(default_m, max(16, triton.next_power_of_2(max_query_len * group)))
     has_window = sliding_window is not None and sliding_window > 0
     has_soft_cap = soft_cap is not None and soft_cap > 0
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
@@ -576,7 +527,7 @@ def paged_prefill_triton(
     contig_kv = key is not None
     if not contig_kv:  # never read (CONTIG_KV=False): any pointer and strides of the right dtype
         key = value = k_cache[0, 0]  # [num_kv_heads, head_dim]
-    grid = (triton.cdiv(max_query_len * rows_per_token, tile_m), num_seqs, num_heads // rows_per_token)
+    grid = (triton.cdiv(max_query_len * group, tile_m), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         query_ptr=query,
         k_cache_ptr=k_cache,
@@ -606,7 +557,6 @@ def paged_prefill_triton(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         GROUP=group,
-        ROWS_PER_TOKEN=rows_per_token,
         BLOCK_M=tile_m,
         BLOCK_N=tile_n,
         BLOCK_D=block_d,
@@ -614,7 +564,7 @@ def paged_prefill_triton(
         HAS_SOFT_CAP=has_soft_cap,
         K_ROW_MAJOR=k_row_major,
         DOT_FP32=dot_fp32,
-        SOFTMAX=_SOFTMAX_MODES[softmax],
+        EXACT_SOFTMAX=not scale > 0,  # the fused update folds the scale into max(scores): needs scale > 0
         CONTIG_KV=contig_kv,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -7,6 +7,7 @@ unchanged on CUDA. Poisoning:
 - ``out`` starts as NaN, and rows past ``cu_seqlens_q[-1]`` must stay NaN.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    from hf_paged.kernels import prefill
     from hf_paged.kernels.prefill import paged_prefill_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -68,6 +70,23 @@ def _make_case(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra
     return query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
 
 
+@contextlib.contextmanager
+def _tiles(block_m=None, block_n=None):
+    """Force BLOCK_M / BLOCK_N (None: the default) by patching the tile heuristic of the launcher.
+
+    Small tiles give many row tiles and all three key ranges on the short sequences the interpreter can afford.
+    """
+    default_tiles = prefill._default_tiles
+
+    def tiles(*args):
+        tile_m, tile_n, num_warps, num_stages, k_row_major = default_tiles(*args)
+        return block_m or tile_m, block_n or tile_n, num_warps, num_stages, k_row_major
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefill, "_default_tiles", tiles)
+        yield
+
+
 def _check(
     seqs,
     num_heads=4,
@@ -80,17 +99,15 @@ def _check(
     block_m=None,
     block_n=None,
     query_view=False,
-    k_row_major=False,
-    softmax=None,  # the default: "fused"
-    pack_gqa=True,
     contig_kv=False,
     key_ramp=False,
+    scale=None,  # default head_dim**-0.5
 ):
     extra = 3
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(
         seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_tokens=extra
     )
-    if key_ramp:  # key norms grow with the block id: row maxima rise slowly over the tiles (lazy rescaling)
+    if key_ramp:  # key norms grow with the block id: row maxima rise over the tiles (a rescale at every tile)
         ramp = torch.linspace(0.2, 3.0, k_cache.shape[0], device=DEVICE).to(dtype)[:, None, None, None]
         k_cache = k_cache * ramp
     if query_view:  # query as a slice of a fused qkv projection: token stride 3 * num_heads * head_dim
@@ -98,7 +115,7 @@ def _check(
         qkv[:, :num_heads] = query
         query = qkv[:, :num_heads]
         assert not query.is_contiguous()
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     expected = paged_attention_ref(
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap
     )
@@ -106,12 +123,12 @@ def _check(
     if contig_kv:
         key, value, k_cache, v_cache = _contiguous_new_kv(seqs, k_cache, v_cache, block_tables, query.shape[0])
     out = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)
-    result = paged_prefill_triton(
-        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-        max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
-        sliding_window=sliding_window, soft_cap=soft_cap, out=out, block_m=block_m, block_n=block_n,
-        k_row_major=k_row_major, softmax=softmax, pack_gqa=pack_gqa, key=key, value=value,
-    )  # fmt: skip
+    with _tiles(block_m, block_n):
+        result = paged_prefill_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+            max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
+            sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key, value=value,
+        )  # fmt: skip
     assert result is out
     num_tokens = out.shape[0] - extra
     atol, rtol = TOLERANCES[dtype]
@@ -174,12 +191,13 @@ def test_block_sizes(block_size, block_n):
     _check(MIXED, block_size=block_size, block_n=block_n)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 64])
-def test_k_row_major_tiles(dtype, block_size):
-    # K loaded key-major and transposed in registers: the same function as the K^T load.
-    _check(MIXED, block_size=block_size, dtype=dtype, k_row_major=True)
-    _check(MIXED, block_size=block_size, dtype=dtype, k_row_major=True, sliding_window=9, soft_cap=20.0)
+def test_key_major_tiles(dtype, block_size):
+    # 2-byte dtypes with head_dim in (64, 128] read K through the block table key-major (transposed in
+    # registers), 128 x 32 tiles: the same function as the K^T load of the other shapes.
+    _check(MIXED, head_dim=128, block_size=block_size, dtype=dtype)
+    _check(MIXED, head_dim=128, block_size=block_size, dtype=dtype, sliding_window=9, soft_cap=20.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -251,74 +269,60 @@ def test_large_block_ids_use_int64_offsets(block_size, block_n):
     cu_seqlens_q = torch.tensor([0, 30, 40], dtype=torch.int32, device=DEVICE)
     query = torch.randn(40, 2, head_dim, device=DEVICE).to(dtype)
 
-    out = paged_prefill_triton(
-        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125,
-        max_query_len=30, max_seq_len=int(seq_lens.max()), block_n=block_n,
-    )  # fmt: skip
+    with _tiles(block_n=block_n):
+        out = paged_prefill_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125,
+            max_query_len=30, max_seq_len=int(seq_lens.max()),
+        )  # fmt: skip
     expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
     del k_cache, v_cache
 
 
-# Kernel variants (benchmarks/kernels.py --prefill-sweep times them): each must compute the reference.
-VARIANTS = [
-    dict(softmax="exact"),
-    dict(softmax="lazy"),
-    dict(pack_gqa=False),
-    dict(pack_gqa=False, softmax="lazy"),
-    dict(contig_kv=True),
-    dict(contig_kv=True, softmax="lazy"),
-    dict(contig_kv=True, softmax="lazy", pack_gqa=False),
-]
-VARIANT_IDS = ["-".join(f"{k}={v}" for k, v in variant.items()) for variant in VARIANTS]
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_variants_mixed_batch(variant, dtype):
-    # Fresh prompts, cached prefixes, single tokens and idle slots, GQA 2:1 and MQA 4:1.
-    _check(MIXED, dtype=dtype, **variant)
-    _check(MIXED + [(0, 5)], num_heads=4, num_kv_heads=1, block_size=8, dtype=dtype, k_row_major=True, **variant)
+def test_contiguous_new_kv_mixed_batch(dtype):
+    # key=/value=: fresh prompts read the new tokens' K/V (their cache blocks are NaN), cached prefixes,
+    # single tokens and idle slots read the cache; GQA 2:1 and MQA 4:1.
+    _check(MIXED, dtype=dtype, contig_kv=True)
+    _check(MIXED + [(0, 5)], num_heads=4, num_kv_heads=1, block_size=8, dtype=dtype, contig_kv=True)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-def test_variants_window_soft_cap_and_row_tiles(variant):
+def test_contiguous_new_kv_window_soft_cap_and_row_tiles():
     seqs = [(50, 50), (45, 97), (1, 64), (17, 17)]
-    _check(seqs, num_heads=4, num_kv_heads=1, block_size=8, block_m=16, block_n=16, **variant)
-    _check(seqs, block_size=16, block_m=16, block_n=16, sliding_window=17, soft_cap=20.0, **variant)
-    _check(MIXED, block_size=24, sliding_window=5, **variant)
+    _check(seqs, num_heads=4, num_kv_heads=1, block_size=8, block_m=16, block_n=16, contig_kv=True)
+    _check(seqs, block_size=16, block_m=16, block_n=16, sliding_window=17, soft_cap=20.0, contig_kv=True)
+    _check(MIXED, block_size=24, sliding_window=5, contig_kv=True)
 
 
-@pytest.mark.parametrize("softmax", ["fused", "lazy"])
+@pytest.mark.parametrize("scale", [-0.125, 0.0])
+def test_nonpositive_scale_takes_exact_softmax(scale):
+    # The fused update of the interior tiles folds the scale into max(scores), which needs scale > 0;
+    # other scales take the exact update there too.
+    seqs = [(50, 50), (45, 97), (1, 64), (17, 17)]
+    _check(seqs, num_heads=4, num_kv_heads=1, block_size=8, block_m=16, block_n=16, scale=scale)
+    _check(seqs, block_size=16, block_m=16, block_n=16, sliding_window=17, soft_cap=20.0, scale=scale)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lazy_rescale_with_rising_maxima(softmax, dtype):
-    # Key norms ramp up over the context: each tile raises the row max a little (kept stale, p up to
-    # 2^8) or a lot (rescaled), in many 16-key interior tiles.
+def test_rising_maxima(dtype):
+    # Key norms ramp up over the context: each tile raises the row max, in many 16-key interior tiles
+    # (the fused update rescales the accumulator at every tile).
     seqs = [(60, 60), (20, 130)]
-    _check(seqs, num_heads=4, num_kv_heads=2, block_size=16, block_m=16, block_n=16, dtype=dtype, softmax=softmax,
-           key_ramp=True)  # fmt: skip
-    _check(seqs, num_heads=2, num_kv_heads=2, head_dim=32, dtype=dtype, softmax=softmax, key_ramp=True,
-           soft_cap=5.0)  # fmt: skip
+    _check(seqs, num_heads=4, num_kv_heads=2, block_size=16, block_m=16, block_n=16, dtype=dtype, key_ramp=True)
+    _check(seqs, num_heads=2, num_kv_heads=2, head_dim=32, dtype=dtype, key_ramp=True, soft_cap=5.0)
 
 
-def test_variants_reject_bad_arguments():
+def test_contiguous_new_kv_rejects_bad_arguments():
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case([(4, 4)], 4, 2, 64, 16, torch.float16)
-    args = (k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    args = (k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
     hints = {"max_query_len": 4, "max_seq_len": 4}
     key = torch.zeros(4, 2, 64, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(ValueError, match=r"softmax must be one of \['exact', 'fused', 'lazy'\], got 'online'"):
-        paged_prefill_triton(query, *args, 0.125, **hints, softmax="online")
-    with pytest.raises(ValueError, match=r"softmax='lazy' folds the scale .* must be > 0, got -0.125"):
-        paged_prefill_triton(query, *args, -0.125, **hints, softmax="lazy")
     with pytest.raises(ValueError, match=r"key and value must be given together"):
-        paged_prefill_triton(query, *args, 0.125, **hints, key=key)
+        paged_prefill_triton(query, *args, **hints, key=key)
     with pytest.raises(ValueError, match=r"value must be \(4, 2, 64\) torch.float16 .* got \(3, 2, 64\)"):
-        paged_prefill_triton(query, *args, 0.125, **hints, key=key, value=key[:3])
+        paged_prefill_triton(query, *args, **hints, key=key, value=key[:3])
     with pytest.raises(ValueError, match=r"key must be \(4, 2, 64\) torch.float16 .* got \(4, 2, 64\) torch.float32"):
-        paged_prefill_triton(query, *args, 0.125, **hints, key=key.float(), value=key)
-    # A negative scale is fine for the exact softmax, which the default falls back to.
-    paged_prefill_triton(query, *args, -0.125, **hints, softmax="exact")
-    paged_prefill_triton(query, *args, -0.125, **hints)
+        paged_prefill_triton(query, *args, **hints, key=key.float(), value=key)
 
 
 def test_rejects_bad_arguments():
@@ -338,5 +342,3 @@ def test_rejects_bad_arguments():
         paged_prefill_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q[:1], 0.125, **hints)
     with pytest.raises(ValueError, match=r"k_cache/v_cache dtype must equal query dtype torch.float32"):
         paged_prefill_triton(query.float(), *args, **hints)
-    with pytest.raises(ValueError, match=r"block_n must be a power of two >= 16, got 24"):
-        paged_prefill_triton(query, *args, **hints, block_n=24)

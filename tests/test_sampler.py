@@ -11,7 +11,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.sampler import Sampler, SamplerOutput, apply_penalties, beam_candidates
+from hf_paged.engine.sampler import Sampler, SamplerOutput, apply_penalties
 
 sampler = Sampler()
 
@@ -104,7 +104,7 @@ def test_params_validation(kwargs, error, match):
 
 
 def test_params_normalisation_and_is_greedy():
-    params = SamplingParams(stop="###", stop_token_ids=[7, 9], temperature=1, beam_width=4, n=2)
+    params = SamplingParams(stop="###", stop_token_ids=[7, 9], temperature=1, n=2)  # beam search refuses `stop`
     assert params.stop == ("###",) and params.stop_token_ids == (7, 9)
     assert isinstance(params.temperature, float)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
@@ -289,25 +289,8 @@ def test_sampler_errors():
         sample(logits, [SamplingParams()])
     with pytest.raises(ValueError, match=r"`logits` must be 2-D \[num_seqs, vocab_size\], got shape \(8,\)"):
         sampler(logits[0], [SamplingParams()], [[]], [[]], [None])
-    with pytest.raises(ValueError, match=r"row 1 uses beam search \(beam_width=2\)"):
+    with pytest.raises(ValueError, match=r"row 1 uses beam search \(beam_width=2\); beams are ranked by the engine's"):
         sample(logits, [SamplingParams(), SamplingParams(beam_width=2)])
     with pytest.raises(ValueError, match=r"row 0 has seed=3 but no generator"):
         sample(logits, [SamplingParams(seed=3), SamplingParams()])
     sample(logits, [SamplingParams(seed=3, temperature=0.0)] * 2)  # greedy rows need no generator
-
-
-# ---- beam_candidates -----------------------------------------------------------------------------------
-
-
-def test_beam_candidates_hand_example():
-    cumulative = torch.tensor([-1.0, -0.5])
-    logits = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.3, 0.2]]).log()  # already normalised: log_softmax = logits
-    scores, beam_idx, token_ids = beam_candidates(cumulative, logits, 3)
-    # all six: b0 -> -1.357, -2.609, -3.303; b1 -> -1.193, -1.704, -2.109
-    assert beam_idx.tolist() == [1, 0, 1] and token_ids.tolist() == [0, 0, 1]
-    expected = [-0.5 + math.log(0.5), -1.0 + math.log(0.7), -0.5 + math.log(0.3)]
-    torch.testing.assert_close(scores, torch.tensor(expected))
-    with pytest.raises(ValueError, match=r"`k` must be in \[1, num_beams \* vocab_size = 6\], got 7"):
-        beam_candidates(cumulative, logits, 7)
-    with pytest.raises(ValueError, match=r"`logits` must be \[num_beams, vocab_size\]"):
-        beam_candidates(cumulative[:1], logits, 2)

@@ -3,8 +3,8 @@
 Every stage is a whole-batch tensor op on the logits' device; per-row parameters become one small tensor
 each (built from Python lists, O(num_seqs), copied up through pinned memory), and a stage that no row
 uses is skipped. Nothing reads a tensor back to the host and no copy blocks, so sampling never waits for
-the device. ``beam_candidates`` is the beam-search counterpart:
-beams are ranked, not sampled.
+the device. Beams are ranked, not sampled: beam-search rows go to the engine's beam search
+(hf_paged.engine.beam_search) instead.
 """
 
 import itertools
@@ -49,8 +49,8 @@ class Sampler:
        parameters and generator, never on its batch companions; the other rows share one global draw;
     6. logprobs, gathered from step 1 at the sampled ids, and the top ``max_k`` alternatives.
 
-    Beam-search rows (``beam_width > 1``) do not come here: the engine ranks them with
-    ``beam_candidates``.
+    Beam-search rows (``beam_width > 1``) do not come here: the engine's beam search
+    (hf_paged.engine.beam_search) ranks them.
     """
 
     def __call__(
@@ -130,8 +130,8 @@ def _check_inputs(
     for i, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if p.beam_width > 1:
             raise ValueError(
-                f"row {i} uses beam search (beam_width={p.beam_width}); rank beams with beam_candidates, "
-                "the Sampler only samples"
+                f"row {i} uses beam search (beam_width={p.beam_width}); beams are ranked by the engine's beam "
+                "search (hf_paged.engine.beam_search), the Sampler only samples"
             )
         if p.is_greedy:
             continue
@@ -278,41 +278,3 @@ def _sample(
     # which argmax picks. Clamping to the smallest normal float changes nothing else.
     q.clamp_(min=torch.finfo(torch.float32).tiny)
     return probs.div_(q).argmax(dim=-1)
-
-
-def beam_candidates(
-    cumulative_logprobs: torch.Tensor,  # [num_beams], fp32: each beam's summed log-prob so far
-    logits: torch.Tensor,  # [num_beams, vocab_size]: the beams' next-token logits
-    k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Best ``k`` (beam, token) extensions of one beam group by cumulative log-prob.
-
-    Score of extending beam ``b`` with token ``t``: ``cumulative_logprobs[b] + log_softmax(logits[b])[t]``,
-    ranked over all ``num_beams * vocab_size`` pairs. The engine usually asks for ``k = 2 * beam_width``
-    so that ``beam_width`` live beams remain after the EOS candidates are set aside (HF's rule). On the
-    first step the beams are identical: pass a single beam (or -inf cumulative log-probs for the copies)
-    to avoid duplicate candidates.
-
-    Args:
-        cumulative_logprobs: Log-prob of each beam's output so far.
-        logits: Next-token logits of each beam (any float dtype; upcast to fp32).
-        k: Number of candidates, in [1, num_beams * vocab_size].
-
-    Returns:
-        ``(scores, beam_idx, token_ids)``, each ``[k]``, best first: the candidates' cumulative log-probs
-        (fp32), the index of the beam each extends (int64) and the token it appends (int64).
-
-    Raises:
-        ValueError: If the shapes disagree or ``k`` is out of range.
-    """
-    if logits.dim() != 2 or cumulative_logprobs.shape != logits.shape[:1]:
-        raise ValueError(
-            "`logits` must be [num_beams, vocab_size] and `cumulative_logprobs` [num_beams], got shapes "
-            f"{tuple(logits.shape)} and {tuple(cumulative_logprobs.shape)}"
-        )
-    num_beams, vocab_size = logits.shape
-    if not 1 <= k <= num_beams * vocab_size:
-        raise ValueError(f"`k` must be in [1, num_beams * vocab_size = {num_beams * vocab_size}], got {k}")
-    scores = torch.log_softmax(logits.float(), dim=-1) + cumulative_logprobs.float().unsqueeze(1)
-    top_scores, flat_idx = scores.flatten().topk(k)
-    return top_scores, flat_idx // vocab_size, flat_idx % vocab_size
