@@ -24,11 +24,13 @@ serves concurrent callers owns it on its own thread and queues their requests).
 
 import collections
 import itertools
+import numbers
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hf_paged.block_pool import BlockPool
@@ -568,7 +570,9 @@ def _as_prompt_list(prompts) -> list:
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         return [prompts] if prompts.dim() == 1 else list(prompts)
-    if isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (list, tuple, str, dict)):
+    if isinstance(prompts, np.ndarray):
+        return [prompts] if prompts.ndim == 1 else list(prompts)
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral):
         return [list(prompts)]  # one prompt of token ids
     if not isinstance(prompts, (list, tuple)):
         return [prompts]
