@@ -102,6 +102,3 @@ class KVPool:
                     swap[second] = pool[first.to(pool.device)].to("cpu")
                 else:
                     pool[second.to(pool.device)] = swap[first].to(pool.device, non_blocking=True)
-
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
