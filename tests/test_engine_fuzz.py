@@ -24,8 +24,8 @@ from transformers import PreTrainedTokenizerFast
 from hf_paged import ContinuousBatcher, SamplingParams
 
 LONG = os.environ.get("HF_PAGED_FUZZ") == "long"
-NUM_RUNS = 48 if LONG else 6
-OPS_PER_RUN = 1200 if LONG else 90
+NUM_RUNS = 32 if LONG else 5
+OPS_PER_RUN = 1200 if LONG else 80
 
 
 def char_tokenizer():
