@@ -96,26 +96,29 @@ def _is_greedy(params: SamplingParams) -> bool:
 
 
 def _arm_interrupt(engine, rng: random.Random):
-    """Make the next step raise at a random point: in the forward, in token application, or in detokenisation.
+    """Make the next step raise at a random point: in the forward, in token application, in detokenisation, or
+    in scheduling right after the pool allocated or appended.
 
     Returns a function that disarms it (the chosen point may not be reached in that step).
     """
-    target = rng.choice(["runner", "scheduler", "detokenizer"])
+    target = rng.choice(["runner", "scheduler", "detokenizer", "allocate", "append"])
     obj, name = {
         "runner": (engine.runner, "execute"),
         "scheduler": (engine.scheduler, "update_from_output"),
         "detokenizer": (engine.detokenizer, "update"),
+        "allocate": (engine.pool, "allocate"),  # inside scheduling, once the pool has changed
+        "append": (engine.pool, "append"),
     }[target]
     original = getattr(obj, name)
 
     def boom(*args, **kwargs):
         setattr(obj, name, original)
-        if target == "scheduler":  # part-way through: apply the tokens, then fail
+        if target in ("scheduler", "allocate", "append"):  # part-way through: the call's effect, then fail
             original(*args, **kwargs)
         raise Interrupt(f"injected into {target}")
 
     setattr(obj, name, boom)
-    return lambda: setattr(obj, name, original)
+    return lambda: setattr(obj, name, original) if obj is not engine.pool else obj.__dict__.pop(name, None)
 
 
 def _run(seed: int, model, tokenizer, references) -> dict:

@@ -160,6 +160,36 @@ def test_5_interrupt_after_allocation_keeps_other_requests(model, async_scheduli
     _assert_idle(engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_5_interrupt_right_after_the_scheduler_allocated(model, async_scheduling, monkeypatch):
+    """Ctrl-C inside scheduling, after a waiting request got its blocks and before it is running."""
+    from hf_paged.block_pool import BlockPool
+
+    engine = ContinuousBatcher(model, num_blocks=64, block_size=8, async_scheduling=async_scheduling)
+    prompts = _prompts()[:3]
+    params = SamplingParams(max_new_tokens=6, **GREEDY)
+    first = engine.add_request(prompts[0], params)
+    engine.step()
+    allocate = BlockPool.allocate
+
+    def allocate_then_interrupt(self, *args, **kwargs):
+        allocate(self, *args, **kwargs)
+        monkeypatch.setattr(BlockPool, "allocate", allocate)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BlockPool, "allocate", allocate_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts[1:], params, use_tqdm=False)
+    engine.pool.check_invariants()
+    outs = engine.generate(prompts[1:], params, use_tqdm=False)  # the engine still serves
+    assert [o.outputs[0].token_ids for o in outs] == [_alone(model, p, params)[0] for p in prompts[1:]]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[first].outputs[0].token_ids == _alone(model, prompts[0], params)[0]
+    _assert_idle(engine)
+
+
 def test_6_interleaved_streams_each_get_every_token(model):
     engine = ContinuousBatcher(model, num_blocks=64, block_size=8)
     prompts = _prompts()[:2]

@@ -67,9 +67,11 @@ class KVManager:
 
     def allocate(self, seq: Sequence) -> AllocationResult | None:
         """Blocks for all of ``seq``'s tokens (prefix-cache hits reused); None if the pool is short."""
+        self._seq_ids.add(seq.seq_id)  # first: an interrupt right after the pool call must not lose the blocks
         result = self.pool.allocate(seq.seq_id, seq.token_ids, num_tokens_to_cache=0)
-        if result is not None:
-            self._seq_ids.add(seq.seq_id)
+        if result is None:
+            self._seq_ids.discard(seq.seq_id)
+        else:
             self._updates.append((seq.seq_id, 0, result.block_table))
         return result
 
@@ -98,8 +100,8 @@ class KVManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (ref += 1); a shared partial block is copied when written."""
-        self.pool.fork(parent.seq_id, child.seq_id)
         self._seq_ids.add(child.seq_id)
+        self.pool.fork(parent.seq_id, child.seq_id)
         self._updates.append((child.seq_id, 0, self.pool.get_block_table(child.seq_id)))
 
     def free(self, seq: Sequence) -> None:
@@ -112,10 +114,10 @@ class KVManager:
             self._free_id(seq_id)
 
     def _free_id(self, seq_id: int) -> None:
-        if seq_id in self._seq_ids:
-            self._seq_ids.discard(seq_id)
+        if self.pool.has_seq(seq_id):
             self.pool.free(seq_id)
             self._updates.append((seq_id, 0, None))
+        self._seq_ids.discard(seq_id)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
