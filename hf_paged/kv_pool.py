@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from hf_paged.transfer import to_device
 from hf_paged.kernels import copy_blocks
+from hf_paged.transfer import to_device
 
 
 class KVPool:

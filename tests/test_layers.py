@@ -1,4 +1,4 @@
-"""The package layout's rules, checked: imports point down the layers; only the KV manager changes the engine's pool."""
+"""The package layout's rules: imports point down the layers; only the KV manager changes the engine's pool."""
 
 import ast
 import pathlib

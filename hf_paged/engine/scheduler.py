@@ -257,6 +257,10 @@ class Scheduler:
             if n:
                 step.add(request, seq, n)
                 budget -= n
+                # Indexed now, so a prompt admitted later in this step hits them (the same forward computes
+                # them first). A chunk scheduled here is never dropped: only newer requests are preempted later
+                # in this step, and admissions reserve no slots. (Decode blocks are indexed in ``build``.)
+                self.kv.cache(seq, seq.num_computed + n)
         return budget
 
     def _admit(self, request: Request, step: "_Step") -> bool:
