@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import PagedCache
-from hf_paged.bench import SHAPES, build_model
+from hf_paged.frontends.bench import SHAPES, build_model
 
 
 def run(model, make_cache, attn: str, prompts: torch.Tensor, new_tokens: int, **kwargs):

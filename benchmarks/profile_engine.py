@@ -1,7 +1,7 @@
 """Where one engine step spends its time (GPU), and what async scheduling wins back.
 
-Builds a random-weight model (hf_paged.bench shapes), fills the engine with ``--batch`` requests, then:
-1. times decode steps phase by phase (schedule, block tables, forward, sampling, read-back + bookkeeping),
+Builds a random-weight model (hf_paged.frontends.bench shapes), fills the engine with ``--batch`` requests, then:
+1. times decode steps phase by phase (schedule, forward incl. the plan, sampling, read-back + bookkeeping),
    synchronising after each phase, so the phases do not overlap: their sum is the synchronous step;
 2. times runs of consecutive steps in steady state with async scheduling off and on (same engine, same
    batch, alternating), through ``step()`` and through ``_run_step()`` (what ``generate`` calls, no
@@ -23,8 +23,8 @@ import warnings
 
 import torch
 
-from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.bench import load_or_build
+from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
+from hf_paged.frontends.bench import load_or_build
 
 
 def _steady(engine: ContinuousBatcher, async_on: bool, steps: int, outputs: bool) -> tuple[float, float]:
@@ -82,40 +82,35 @@ def main():
     model = load_or_build(args.model, args.model_dir, args.tp)
     rank = torch.distributed.get_rank() if args.tp else 0
     say = print if rank == 0 else (lambda *a, **k: None)
-    engine = ContinuousBatcher(
-        model, memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch, compile_model=args.compile,
-        async_scheduling=False,
-    )  # fmt: skip
+    config = EngineConfig(memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch,
+                          compile_model=args.compile, async_scheduling=False)  # fmt: skip
+    engine = ContinuousBatcher(model, config=config)
     gen = torch.Generator().manual_seed(0)
     max_new = min(10_000, (engine.info.max_model_len or 1 << 30) - args.prompt)  # never finishes while timed
     for _ in range(args.batch):
         ids = torch.randint(10, 1000, (args.prompt,), generator=gen).tolist()
         engine.add_request(ids, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
-    while any(len(r.seqs[0].token_ids) == r.seqs[0].num_prompt_tokens for r in engine.requests.values()):
+    while any(not o.outputs[0].token_ids for o in map(engine.get_output, list(engine.requests))):
         engine.step()  # prefill everything
     for _ in range(3):
         engine.step()
 
-    phases = {"schedule": [], "tables": [], "forward": [], "sample": [], "read+book": [], "step total": []}
+    phases = {"schedule": [], "forward": [], "sample": [], "read+book": [], "step total": []}
     runner, sched_fn = engine.runner, engine.scheduler.schedule
     for _ in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         sched = sched_fn()
         t1 = time.perf_counter()
-        tables = [engine.pool.get_block_table(c.seq.seq_id) for c in sched.chunks]
-        t2 = time.perf_counter()
-        logits = runner.execute(sched, tables)
+        logits = runner.execute(sched)
         torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        for chunk in sched.chunks:
-            chunk.seq.num_computed = chunk.end
+        t2 = time.perf_counter()
         launched = engine._launch(sched, logits)
         torch.cuda.synchronize()
-        t4 = time.perf_counter()
+        t3 = time.perf_counter()
         engine._process(launched, {})
-        t5 = time.perf_counter()
-        for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0), strict=True):
+        t4 = time.perf_counter()
+        for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
             phases[name].append(value * 1e3)
     tp = f", tp={model.tp_size}" if args.tp else ""
     say(f"{args.model}{tp}, batch {args.batch}, context ~{args.prompt}: median ms per decode step, phases serialised")
@@ -134,7 +129,6 @@ def main():
         engine._drain()
         victim = next(iter(engine.requests))
         engine.abort(victim)
-        engine.requests.pop(victim)
         ids = torch.randint(10, 1000, (args.prompt,), generator=gen).tolist()
         engine.add_request(ids, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
         torch.cuda.synchronize()

@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "PagedCache": "hf_paged.cache",
     "ContinuousBatcher": "hf_paged.engine.engine",
+    "EngineConfig": "hf_paged.engine.config",
     "SamplingParams": "hf_paged.engine.params",
     "RequestOutput": "hf_paged.engine.request",
     "BlockPool": "hf_paged.block_pool",

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from hf_paged.bench import SHAPES, build_model, floor_seconds, main, make_workload
+from hf_paged.frontends.bench import SHAPES, build_model, floor_seconds, main, make_workload
 
 
 def test_workloads_have_the_documented_shapes():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import assert_cache_released, needs_cuda
 from models import FAMILIES, cache_kwarg, tiny_model
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
@@ -25,13 +26,6 @@ def _dynamic(model):
     return DynamicCache(config=model.config)
 
 
-def _assert_no_leak(cache: PagedCache):
-    cache.reset()
-    stats = cache.pool.stats
-    assert stats.num_used_blocks == 0, stats
-    cache.pool.check_invariants()
-
-
 def _reference_impl(family: str) -> str:
     # SDPA has no logit soft-cap; gemma2's reference is eager attention.
     return "eager" if family == "gemma2" else "sdpa"
@@ -47,7 +41,7 @@ def test_greedy_matches_dynamic_cache(family, attn):
     cache = PagedCache(model, num_blocks=32, block_size=8)
     out = _generate(model, cache, max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert torch.equal(out, expected)
-    _assert_no_leak(cache)
+    assert_cache_released(cache)
 
 
 @pytest.mark.parametrize("attn", ["paged", "sdpa"])
@@ -63,7 +57,7 @@ def test_beam_search_matches_and_shares_blocks(attn):
     ratio = report.num_used_blocks / report.num_table_entries
     print(f"beam width 4, 64 new tokens: {report}; blocks used / copying beams = {ratio:.1%}")
     assert ratio < 0.60, report
-    _assert_no_leak(cache)
+    assert_cache_released(cache)
 
 
 @pytest.mark.parametrize("attn", ["paged", "sdpa"])
@@ -77,7 +71,7 @@ def test_sampling_with_seed_matches_dynamic_cache(attn):
     torch.manual_seed(123)
     out = _generate(model, cache, **kwargs)
     assert torch.equal(out, expected)
-    _assert_no_leak(cache)
+    assert_cache_released(cache)
 
 
 def test_num_return_sequences_stores_prompt_once():
@@ -97,7 +91,7 @@ def test_num_return_sequences_stores_prompt_once():
     report = seen["report"]
     assert report.num_used_blocks == 5  # the prompt's blocks, once for all four sequences
     assert report.num_table_entries == 20
-    _assert_no_leak(cache)
+    assert_cache_released(cache)
 
 
 def test_prefix_reuse_feeds_only_new_tokens():
@@ -122,7 +116,7 @@ def test_prefix_reuse_feeds_only_new_tokens():
     fresh = model.generate(input_ids=second, max_new_tokens=6, do_sample=False, **{CACHE: _dynamic(model)})
     assert torch.equal(out, fresh)
     assert cache.pool.stats.num_prefix_hit_tokens >= 32
-    _assert_no_leak(cache)
+    assert_cache_released(cache)
 
 
 def test_prefix_hit_of_whole_prompt_still_computes_last_token():
@@ -133,7 +127,7 @@ def test_prefix_hit_of_whole_prompt_still_computes_last_token():
     again = model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, **{CACHE: cache.prepare(prompt)})
     assert cache.get_seq_length() > 0
     assert torch.equal(first, again)
-    _assert_no_leak(cache)
+    assert_cache_released(cache)
 
 
 def test_streamer_and_stopping_criteria():
@@ -223,9 +217,7 @@ def test_paged_attention_without_paged_cache_falls_back():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels inside generate (device machine)"
-)
+@needs_cuda("the Triton kernels inside generate")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_on_cuda_matches_sdpa(dtype):
     model = tiny_model("llama", attn="paged").to("cuda", dtype)
@@ -245,5 +237,5 @@ def test_generate_on_cuda_matches_sdpa(dtype):
         assert torch.equal(
             model.generate(**beams, **{CACHE: beam_cache}), ref.generate(**beams, **{CACHE: _dynamic(ref)})
         )
-        _assert_no_leak(beam_cache)
-    _assert_no_leak(cache)
+        assert_cache_released(beam_cache)
+    assert_cache_released(cache)

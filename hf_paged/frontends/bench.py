@@ -14,9 +14,9 @@ the measured matmul rate.
 
 Run: ``hf-paged bench --workload nano --model qwen3-0.6b`` or ``python benchmarks/throughput.py ...``.
 Tensor parallelism (2 GPUs), beside 1 GPU on the same checkpoint:
-``python -m hf_paged.bench --model llama-8b --workload sharegpt --systems hf_paged --model-dir /tmp/m8b`` then
-``torchrun --nproc-per-node 2 -m hf_paged.bench --model llama-8b --workload sharegpt --systems hf_paged
---model-dir /tmp/m8b --tp``.
+``python -m hf_paged.frontends.bench --model llama-8b --workload sharegpt --systems hf_paged --model-dir /tmp/m8b``
+then ``torchrun --nproc-per-node 2 -m hf_paged.frontends.bench --model llama-8b --workload sharegpt --systems
+hf_paged --model-dir /tmp/m8b --tp``.
 """
 
 import argparse
@@ -178,20 +178,21 @@ def _reset_memory():
 
 
 def run_hf_paged(model, workload: Workload, prefix_caching: bool, args, async_scheduling: bool | None = None) -> dict:
-    from hf_paged import ContinuousBatcher, SamplingParams
+    from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
 
     base = _reset_memory()
-    engine = ContinuousBatcher(
-        model, num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
+    config = EngineConfig(
+        num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=args.compile, async_scheduling=async_scheduling,
     )  # fmt: skip
+    engine = ContinuousBatcher(model, config=config)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     warm = engine.generate(
         workload.prompts[:4], [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 4, use_tqdm=False
     )
     assert len(warm) == 4
-    engine.pool.reset_prefix_cache()
+    engine.reset_prefix_cache()
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = engine.generate(workload.prompts, params, use_tqdm=False)

@@ -2,15 +2,17 @@
 
     hf-paged generate "What is the capital of France?"          # the embedded SmolLM2-135M-Instruct
     hf-paged generate --model ./my-model --file prompts.txt --temperature 0 --json
-    hf-paged bench ...                                           # the GPU benchmark suite (hf_paged.bench)
+    hf-paged bench ...                                           # the GPU benchmark suite (hf_paged.frontends.bench)
     hf-paged info                                                # versions, devices, kernel path, default model
 
 ``generate`` applies the tokenizer's chat template to each prompt (``--no-chat`` sends raw text; ``--system``
 puts one system prompt in front of every prompt, which prefix caching then computes once), streams the tokens of
 a single prompt as they come, shows a progress bar for several, and ends with a summary of the engine's metrics.
 
-Mistakes in what the user passes (a missing model, a bad flag value, a model that cannot be paged) print one line,
-``hf-paged: error: ...``, to stderr and exit with status 2. Also runnable as ``python -m hf_paged.cli``.
+Mistakes in what the user passes (a missing model, a bad flag value, a model that cannot be paged, a request the
+engine can never run, such as more samples than its ``max_num_seqs``) print one line, ``hf-paged: error: ...``, to
+stderr and exit with status 2: hf_paged raises ``ValueError``/``TypeError`` for a caller's mistake (STYLE §5). Also
+runnable as ``python -m hf_paged.frontends.cli``.
 """
 
 import argparse
@@ -116,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser(
         "bench",
-        help="GPU throughput benchmarks (hf_paged.bench; arguments pass through)",
+        help="GPU throughput benchmarks (hf_paged.frontends.bench; arguments pass through)",
         add_help=False,  # `hf-paged bench --help` reaches the benchmark's own parser
     )
     commands.add_parser("info", help="versions, devices, kernel path and the default model")
@@ -148,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `hf-paged generate ... | head`: stop quietly, as the Python docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (UsageError, ValueError, TypeError, OSError) as err:  # OSError: unreadable model files
+    # ValueError/TypeError: hf_paged's errors for a caller's mistake, from SamplingParams, load_model, the engine's
+    # constructor and its add_request (reached through generate and stream); OSError: unreadable model files.
+    except (UsageError, ValueError, TypeError, OSError) as err:
         _print_error(err)
         return 2
 
@@ -158,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(argv: list[str]) -> int:
     try:
-        bench = importlib.import_module("hf_paged.bench")
+        bench = importlib.import_module("hf_paged.frontends.bench")
     except ModuleNotFoundError as err:
-        if err.name != "hf_paged.bench":
+        if err.name != "hf_paged.frontends.bench":
             raise
-        _print_error("the benchmark suite (hf_paged.bench) is not in this version of hf_paged")
+        _print_error("the benchmark suite (hf_paged.frontends.bench) is not in this version of hf_paged")
         return 2
     try:
         return bench.main(argv)
@@ -197,7 +201,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _sampling_params(args: argparse.Namespace):
-    from hf_paged.engine.params import SamplingParams
+    from hf_paged import SamplingParams
 
     return SamplingParams(
         n=args.n,
@@ -235,7 +239,7 @@ def _load(args: argparse.Namespace):
     import torch
     from transformers.utils import logging as hf_logging
 
-    from hf_paged import models
+    from hf_paged.frontends import models
 
     if args.model in (None, models.DEFAULT_MODEL):
         gguf = models.default_model_path()
@@ -272,11 +276,9 @@ def _num_blocks(model, prompts: list[_Prompt], params, args: argparse.Namespace)
 
 
 def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
-    from hf_paged.engine.engine import ContinuousBatcher
+    from hf_paged import ContinuousBatcher, EngineConfig
 
-    return ContinuousBatcher(
-        model,
-        tokenizer,
+    config = EngineConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
         memory_fraction=args.memory_fraction,
@@ -284,10 +286,11 @@ def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
     )
+    return ContinuousBatcher(model, tokenizer, config)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hf_paged.models import DEFAULT_MODEL
+    from hf_paged.frontends.models import DEFAULT_MODEL
 
     texts = _read_prompts(args)
     params = _sampling_params(args)  # bad sampling values fail here, before the model loads
@@ -389,7 +392,7 @@ def _info() -> int:
     import torch
 
     import hf_paged
-    from hf_paged import models
+    from hf_paged.frontends import models
 
     print(f"hf_paged {hf_paged.__version__} ({os.path.dirname(hf_paged.__file__)})")
     print(

