@@ -13,18 +13,29 @@ its block table. A forward hook on the model's decoder plans every forward befor
    ``attn_implementation="paged"``, whose kernels read the blocks) or contiguous K/V gathered through
    the block tables (for "sdpa", "eager" or any other implementation: slower, but it works).
 
+Slots follow the slot formula of ``hf_paged.planner.slot_mapping`` (written there only), computed for
+all real tokens of a forward in one vectorised call.
+
 Sharing: identical rows of the first forward (``num_return_sequences``, beams) store their prompt once
 (the children fork the parent's blocks); ``reorder_cache`` (beam search) permutes block tables by ref
 count and copies at most one partial block per row when it is next written (copy-on-write). Full
-blocks enter a prefix index: ``cache.prepare(input_ids)`` before a new ``generate`` call attaches the
-cached prefix, and generate then feeds only the new tokens (it learns the cached length from
-``get_seq_length``). The pool outlives calls; ``reset()`` frees the rows and keeps the prefix index.
+blocks enter a prefix index: each row keeps its own token ids (the pool keeps only counts) and hands
+them to the pool as its blocks fill up. ``cache.prepare(input_ids)`` before a new ``generate`` call
+attaches the cached prefix, and generate then feeds only the new tokens (it learns the cached length
+from ``get_seq_length``). The pool outlives calls; ``reset()`` frees the rows and keeps the prefix index.
+
+Calls: a ``generate`` call on a cache that still holds rows continues them, as with a DynamicCache (its
+prompt must extend every row: the previous output plus new tokens). Any other new batch (another batch
+size, or a fresh prompt that does not extend them) raises ValueError: call ``reset()`` or ``prepare()``
+between calls. A prompt that is longer than the columns held is taken as an extension (its first
+columns are not compared).
 """
 
 import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -32,6 +43,8 @@ from hf_paged.block_pool import BlockPool
 from hf_paged.context import ForwardContext, get_forward_context, reset_forward_context, set_forward_context
 from hf_paged.kernels import write_kv
 from hf_paged.model_info import ModelInfo
+from hf_paged.planner import slot_mapping
+from hf_paged.transfer import to_device
 
 _DEFAULT_MEMORY_FRACTION = 0.3
 
@@ -141,6 +154,10 @@ class PagedCache(Cache):
         self._rows: list[_Row] = []  # one per batch row, in batch order
         self._num_columns = 0  # input columns seen per row (incl. padding): what generate calls the seq length
         self._pending_columns = 0
+        self._prepared = False  # rows from prepare() that no forward has fed yet
+        # True from the moment blocks enter the prefix index for tokens whose K/V no forward has completed yet
+        # (allocate indexes a prompt's blocks at once; the forward writes them); see _forget_unwritten_blocks.
+        self._index_unwritten = False
         self._ctx: ForwardContext | None = None
         self.peak_used_blocks = 0  # high-water mark of blocks in use, to size a pool for a workload
         _install_hooks(model)
@@ -174,10 +191,16 @@ class PagedCache(Cache):
         self._remap_rows(indices.tolist())
 
     def reset(self) -> None:
-        """Free every row; the pool's prefix index keeps their full blocks for later prompts."""
+        """Free every row; the pool's prefix index keeps their full blocks for later prompts.
+
+        After a call that failed (MemoryError, an exception in the model) or a ``prepare()`` that no forward
+        fed, the index is emptied instead: some of its blocks may not hold their K/V.
+        """
         self._free_rows(self._rows)
         self._rows = []
         self._num_columns = 0
+        self._prepared = False
+        self._forget_unwritten_blocks()
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("PagedCache does not support crop() (assisted decoding); use DynamicCache for it")
@@ -194,19 +217,34 @@ class PagedCache(Cache):
             out = model.generate(**inputs, past_key_values=cache.prepare(**inputs))
 
         Rows with left padding are stored, but only a batch without padding skips its common cached
-        prefix (generate skips the same number of columns in every row).
+        prefix (generate skips the same number of columns in every row). When generate expands each prompt
+        into several rows (``num_beams``, ``num_return_sequences``), the copies share the prepared blocks.
+        The first forward must feed the prompts given here (checked where ids are given).
 
         Args:
             input_ids: [batch_size, prompt_len] prompt token ids, as passed to generate.
             attention_mask: [batch_size, prompt_len] 1 for tokens, 0 for padding; None = no padding.
+
+        Raises:
+            ValueError: ``input_ids`` is not a [batch_size, prompt_len] batch of at least one prompt, or a
+                row's attention_mask is all zeros.
+            MemoryError: the pool is too small for the prompts.
         """
         self.reset()
-        mask = attention_mask.to("cpu", torch.bool) if attention_mask is not None else None
-        padded = mask is not None and not bool(mask.all())
-        self._start_rows(input_ids, mask if padded else None, skip_cached=not padded)
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+            raise ValueError(
+                f"`input_ids` must be a [batch_size, prompt_len] batch of at least one prompt, got shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        ids = input_ids.to("cpu").numpy()
+        mask = attention_mask.to("cpu", torch.bool).numpy() if attention_mask is not None else None
+        padded = mask is not None and not mask.all()
+        self._index_unwritten = True  # until the first forward has written the prompts
+        self._start_rows(ids, mask if padded else None, skip_cached=not padded)
         self._num_columns = min(row.num_computed for row in self._rows)
         for row in self._rows:
             row.num_computed = self._num_columns
+        self._prepared = True
         return self
 
     def memory_report(self) -> MemoryReport:
@@ -223,94 +261,209 @@ class PagedCache(Cache):
 
     # ---- one forward ---------------------------------------------------------------------------
 
-    def _begin_forward(self, input_ids: torch.Tensor | None, shape: tuple[int, int], mask: torch.Tensor | None):
-        """Plan one forward: slots for every row's real new tokens, CoW copies, the step metadata."""
+    def _begin_forward(
+        self,
+        input_ids: torch.Tensor | None,
+        shape: tuple[int, int],
+        mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ):
+        """Plan one forward: slots for every row's real new tokens, CoW copies, the step metadata.
+
+        Row b's real (unmasked) new columns carry the positions that follow its computed tokens, in order;
+        padding columns take no slot (-1), and neither do positions below ``write_from`` (shared blocks
+        another row writes)::
+
+            columns    | pad  pad  t    t    t   |   one row, query_len 5, left-padded
+            positions  |  -    -   p    p+1  p+2 |   p = row.num_computed before this forward
+        """
         batch_size, query_len = shape
+        # generate() expands each prepared prompt into num_copies rows for num_beams / num_return_sequences.
+        num_copies = 1
+        if self._prepared and batch_size > len(self._rows) and batch_size % len(self._rows) == 0:
+            num_copies = batch_size // len(self._rows)
+        self._check_forward(batch_size, query_len, mask, num_copies)
         if mask is not None:
-            if mask.dim() != 2:
-                raise ValueError(
-                    f"PagedCache needs a 2D attention_mask [batch, length], got shape {tuple(mask.shape)}"
-                )
-            if mask.shape[1] != self._num_columns + query_len:
-                raise ValueError(
-                    f"attention_mask covers {mask.shape[1]} columns, expected past {self._num_columns} + new "
-                    f"{query_len}; pass the mask of the whole sequence, as generate does"
-                )
             mask = mask.to("cpu", torch.bool)
-            if bool(mask.all()):
-                mask = None
-        ids_cpu = input_ids.to("cpu") if input_ids is not None else None
-        if not self._rows:
+            mask = None if bool(mask.all()) else mask.numpy()  # [batch_size, num_columns + query_len]
+        ids = input_ids.to("cpu").numpy() if input_ids is not None else None  # [batch_size, query_len]
+        # [batch_size, query_len] bool: the columns of this forward that hold real tokens
+        real = mask[:, self._num_columns :] if mask is not None else np.ones(shape, dtype=bool)
+        if self._rows:
+            rows = [self._rows[b // num_copies] for b in range(batch_size)]  # each batch row's row, before forks
+            self._check_positions(rows, position_ids, real)
+            if self._prepared and ids is not None:
+                self._check_prepared_tokens(rows, ids, real)
+            if num_copies > 1:
+                self._expand_prepared_rows(num_copies)
+            self._prepared = False
+        else:
             if self._num_columns:
                 raise RuntimeError("bug in hf_paged: PagedCache has columns but no rows")
-            self._start_rows(ids_cpu, mask, shape=shape)
-        elif len(self._rows) != batch_size:
-            raise ValueError(
-                f"this PagedCache holds {len(self._rows)} rows but the forward has batch size {batch_size}; "
-                "call cache.reset() or cache.prepare(...) before a new batch"
-            )
-        new_mask = mask[:, -query_len:] if mask is not None else None
-        slot_mapping = torch.full((batch_size, query_len), -1, dtype=torch.int64)
+            self._forget_unwritten_blocks()  # left by a first forward that failed
+        self._index_unwritten = True  # until this forward completes: it writes the blocks indexed below
+        if not self._rows:
+            self._start_rows(ids, mask, shape=shape, allow_empty=True)
+        num_new = real.sum(axis=1)  # [batch_size] real new tokens per row
+        num_computed = np.array([row.num_computed for row in self._rows], dtype=np.int64)
         cow: list[tuple[int, int]] = []
-        q_lens = []
         for b, row in enumerate(self._rows):
-            cols = new_mask[b].nonzero().flatten().tolist() if new_mask is not None else range(query_len)
-            num_new = len(cols)
-            start = row.num_computed
-            have = self.pool.num_tokens(row.seq_id)
-            if start + num_new > have:  # tokens the pool has not seen yet: append them
-                skip = have - start
-                tokens = ids_cpu[b, list(cols)[skip:]].tolist() if ids_cpu is not None else [0] * (num_new - skip)
-                pairs = self.pool.append(row.seq_id, tokens)
-                if pairs is None:
+            # The prompt's slots were reserved by _start_rows; later tokens get theirs here.
+            num_unseen = int(num_computed[b] + num_new[b]) - len(row.token_ids)
+            if num_unseen <= 0:
+                continue
+            # inputs_embeds: no ids; the row's unique extra key keeps these blocks out of every other prompt
+            tokens = ids[b, np.flatnonzero(real[b])[-num_unseen:]].tolist() if ids is not None else [0] * num_unseen
+            if not row.token_ids:  # a row whose prompt so far was all padding (chunked prefill) starts here
+                if not self._allocate_row(row, tokens):
                     self._raise_out_of_blocks(batch_size, query_len)
-                cow.extend(pairs)
-            table = self.pool.get_block_table(row.seq_id)
-            bs = self.block_size
-            for i, col in enumerate(cols):
-                pos = start + i
-                if pos >= row.write_from:
-                    slot_mapping[b, col] = table[pos // bs] * bs + pos % bs
-            row.num_computed = start + num_new
-            q_lens.append(num_new)
+                continue
+            pairs = self.pool.append(row.seq_id, num_unseen)
+            if pairs is None:
+                self._raise_out_of_blocks(batch_size, query_len)
+            cow.extend(pairs)
+            row.token_ids.extend(tokens)
+            self.pool.cache_blocks(row.seq_id, row.token_ids, len(row.token_ids))
         self.kv.copy_blocks(cow)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.stats.num_used_blocks)
-        tables = [self.pool.get_block_table(row.seq_id) for row in self._rows]
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros((batch_size, max_blocks), dtype=torch.int32)
-        for b, t in enumerate(tables):
-            block_tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        seq_lens = [row.num_computed for row in self._rows]
-        cu = [0, *itertools.accumulate(q_lens)]
-        token_idx = None
-        if new_mask is not None and not bool(new_mask.all()):
-            token_idx = new_mask.flatten().nonzero().flatten()
+        block_tables = self._block_tables()
+        write_from = np.array([row.write_from for row in self._rows], dtype=np.int64)
+        slots = self._column_slots(block_tables, real, num_computed, write_from)  # [batch_size, query_len]
+        seq_lens = num_computed + num_new
+        for row, seq_len in zip(self._rows, seq_lens.tolist(), strict=True):
+            row.num_computed = seq_len
+        cu_seqlens_q = np.zeros(batch_size + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu_seqlens_q[1:])
+        token_idx = None if real.all() else np.flatnonzero(real)
         paged = getattr(self._model_config, "_attn_implementation", None) == "paged"
-        gather_idx = None
-        if not paged:
-            gather_idx = self._gather_index(tables, mask, self._num_columns + query_len)
+        gather_idx = None if paged else self._gather_index(block_tables, mask, self._num_columns + query_len)
         device = self.kv.k_cache[0].device
         self._pending_columns = query_len
         self._ctx = ForwardContext(
-            slot_mapping=slot_mapping.flatten().to(device),
-            block_tables=block_tables.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
+            slot_mapping=to_device(slots.reshape(-1), torch.int64, device),
+            block_tables=to_device(block_tables, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            cu_seqlens_q=to_device(cu_seqlens_q, torch.int32, device),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
             batch_size=batch_size,
             query_len=query_len,
-            token_idx=token_idx.to(device) if token_idx is not None else None,
-            gather_idx=gather_idx.to(device) if gather_idx is not None else None,
+            token_idx=to_device(token_idx, torch.int64, device) if token_idx is not None else None,
+            gather_idx=to_device(gather_idx, torch.int64, device) if gather_idx is not None else None,
             paged=paged,
             owner=self,
         )
         return self._ctx
 
-    def _end_forward(self) -> None:
+    def _check_forward(self, batch_size: int, query_len: int, mask: torch.Tensor | None, num_copies: int) -> None:
+        """Name the caller mistakes a forward can carry before any state changes.
+
+        Raises:
+            ValueError: an empty batch; a mask that is not [batch_size, past + new columns]; or rows left from
+                an earlier ``generate``/``prepare`` call that this forward does not continue.
+        """
+        if batch_size == 0:
+            raise ValueError(
+                f"PagedCache needs a batch of at least one row, got an empty batch (input of shape "
+                f"({batch_size}, {query_len})); call generate() with at least one prompt"
+            )
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"PagedCache needs a 2D attention_mask [batch, length], got shape {tuple(mask.shape)}")
+        num_mask_columns = mask.shape[1] if mask is not None else self._num_columns + query_len
+        if self._rows and (
+            len(self._rows) * num_copies != batch_size
+            or query_len == 0
+            or num_mask_columns != self._num_columns + query_len
+        ):
+            # Within one generate() call every forward continues the rows; only a new call breaks that.
+            got = f"batch size {batch_size} with {query_len} new columns"
+            if mask is not None:
+                got += f" and an attention_mask of {mask.shape[1]} columns"
+            self._raise_stale(got)
+        if num_mask_columns != self._num_columns + query_len:
+            raise ValueError(
+                f"attention_mask covers {num_mask_columns} columns, expected past {self._num_columns} + new "
+                f"{query_len}; pass the mask of the whole sequence, as generate does"
+            )
+        if mask is not None and mask.shape[0] != batch_size:
+            raise ValueError(f"attention_mask has {mask.shape[0]} rows, but the forward has batch size {batch_size}")
+        if query_len == 0:
+            raise ValueError(f"PagedCache needs at least one input column per forward, got shape ({batch_size}, 0)")
+
+    def _check_positions(self, rows: list["_Row"], position_ids: torch.Tensor | None, real: np.ndarray) -> None:
+        """A forward on held rows must continue them: its real tokens' position_ids are the rows' next positions.
+
+        generate() passes position_ids (cumsum of the mask - 1: the count of real tokens before each one), so a
+        new generate() call on rows left from an earlier one shows up here, unless its prompt extends them
+        (a continuation, as with a DynamicCache). Without position_ids (or with 3D rope positions) nothing is checked.
+        """
+        batch_size, query_len = real.shape
+        if position_ids is None or tuple(position_ids.shape) not in {(batch_size, query_len), (1, query_len)}:
+            return
+        given = np.broadcast_to(position_ids.to("cpu").numpy(), real.shape)
+        num_computed = np.array([row.num_computed for row in rows], dtype=np.int64)
+        seq_idx, col_idx = np.nonzero(real)
+        expected = num_computed[seq_idx] + np.cumsum(real, axis=1)[seq_idx, col_idx] - 1
+        wrong = np.flatnonzero(given[seq_idx, col_idx] != expected)
+        if len(wrong):
+            i = wrong[0]
+            self._raise_stale(
+                f"position_ids {int(given[seq_idx[i], col_idx[i]])} in row {seq_idx[i]}, where that row continues "
+                f"at position {int(expected[i])}"
+            )
+
+    def _check_prepared_tokens(self, rows: list["_Row"], ids: np.ndarray, real: np.ndarray) -> None:
+        """The first forward after prepare() feeds the prompts it got: else their blocks would be indexed under
+        prepare()'s tokens while holding the K/V of others (wrong prefix hits later)."""
+        for b, row in enumerate(rows):
+            cols = np.flatnonzero(real[b])[: len(row.token_ids) - row.num_computed]
+            expected = row.token_ids[row.num_computed : row.num_computed + len(cols)]
+            if ids[b, cols].tolist() != expected:
+                raise ValueError(
+                    f"row {b} of this forward feeds other tokens than the prompt cache.prepare() got (from position "
+                    f"{row.num_computed}: {ids[b, cols].tolist()[:8]} vs {expected[:8]}); pass generate() the "
+                    "input_ids (and attention_mask) given to prepare()"
+                )
+
+    def _expand_prepared_rows(self, num_copies: int) -> None:
+        """Row b becomes rows b * num_copies ... (generate's repeat_interleave): the copies fork its blocks."""
+        rows = []
+        for row in self._rows:
+            rows.append(row)
+            for _ in range(num_copies - 1):
+                seq_id = next(self._seq_ids)
+                self.pool.fork(row.seq_id, seq_id)
+                # The first copy writes the uncached prompt; the others only read it.
+                rows.append(_Row(seq_id, list(row.token_ids), row.num_computed, len(row.token_ids), row.extra_key))
+        self._rows = rows
+
+    def _raise_stale(self, got: str):
+        raise ValueError(
+            f"this PagedCache still holds {len(self._rows)} rows of {self._num_columns} columns from an earlier "
+            f"generate() or prepare() call, which this forward ({got}) does not continue; call cache.reset() "
+            "before reusing the cache for another generate() call, or cache.prepare(input_ids, attention_mask) "
+            "to start it on the new prompts with their cached prefix"
+        )
+
+    def _end_forward(self, completed: bool) -> None:
         self._num_columns += self._pending_columns
         self._pending_columns = 0
         self._ctx = None
+        if completed and all(row.num_computed == len(row.token_ids) for row in self._rows):
+            self._index_unwritten = False  # every token the rows hold has its K/V
+
+    def _forget_unwritten_blocks(self) -> None:
+        """Empty the prefix index if it may hold blocks whose K/V were never written.
+
+        ``allocate`` indexes a prompt's full blocks, and ``cache_blocks`` a row's new full blocks, when the
+        forward that writes them is planned (so rows of one batch share a common prefix at once). If that
+        forward never completes (out of blocks for a later row, an exception in the model, a prepare() that
+        generate never fed), a later prompt would hit blocks without their K/V: wrong tokens, no error. The
+        pool has no per-block eviction, so the whole index goes (rare: only after a failed call).
+        """
+        if self._index_unwritten:
+            self.pool.reset_prefix_cache()
+            self._index_unwritten = False
 
     def _update_layer(self, key_states, value_states, layer_idx: int):
         """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
@@ -320,6 +473,7 @@ class PagedCache(Cache):
                 "PagedCache.update() was called outside a forward it planned. PagedCache plans each forward "
                 "through a hook on the model it was built with: pass it to that model's generate()/forward()"
             )
+        self._check_layer(key_states, layer_idx)
         k_cache, v_cache = self.kv.k_cache[layer_idx], self.kv.v_cache[layer_idx]
         ctx = ctx.on(k_cache.device)
         batch_size, num_kv_heads, query_len, head_dim = key_states.shape
@@ -330,9 +484,71 @@ class PagedCache(Cache):
             return k_cache, v_cache
         return _gather(k_cache, ctx.gather_idx), _gather(v_cache, ctx.gather_idx)
 
+    def _check_layer(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """The layer and its K/V shape must be those of the model the pool was built for."""
+        kv = self.kv
+        built_for = (
+            f"PagedCache was built for a model with {kv.num_layers} attention layers of {kv.num_kv_heads} KV heads "
+            f"of head_dim {kv.head_dim}"
+        )
+        fix = "; use a PagedCache built for this model: PagedCache(model, ...)"
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < kv.num_layers:
+            raise ValueError(
+                f"{built_for}, but this forward updates layer_idx {layer_idx!r} (allowed: 0 to "
+                f"{kv.num_layers - 1}){fix}"
+            )
+        shape = tuple(key_states.shape)
+        if len(shape) != 4 or shape[1] != kv.num_kv_heads or shape[3] != kv.head_dim:
+            got = f"num_kv_heads {shape[1]}, head_dim {shape[3]}" if len(shape) == 4 else f"{len(shape)} dims"
+            raise ValueError(
+                f"{built_for}, but layer {layer_idx} of this forward has key states of shape {shape} "
+                f"([batch, num_kv_heads, query_len, head_dim]: {got}){fix}"
+            )
+
+    def _block_tables(self) -> np.ndarray:
+        """[batch_size, max_blocks_per_seq] int32: every row's block table, zero-padded."""
+        tables = [self.pool.get_block_table(row.seq_id) if row.token_ids else [] for row in self._rows]
+        block_tables = np.zeros((len(tables), max(1, *(len(t) for t in tables))), dtype=np.int32)
+        for b, table in enumerate(tables):
+            block_tables[b, : len(table)] = table
+        return block_tables
+
+    def _column_slots(
+        self,
+        block_tables: np.ndarray,  # [num_rows, max_blocks_per_seq], int32
+        real: np.ndarray,  # [num_rows, num_columns], bool: True for a column that holds a token
+        first_pos: np.ndarray,  # [num_rows], int64: position of each row's first real column
+        write_from: np.ndarray | None = None,  # [num_rows], int64: positions below it get -1
+    ) -> np.ndarray:
+        """[num_rows, num_columns] int64: pool slot of each real column (-1 for padding), one slot_mapping call.
+
+        Row b's real columns hold positions first_pos[b], first_pos[b] + 1, ... from left to right.
+        """
+        seq_idx, col_idx = np.nonzero(real)  # [num_tokens] each, row-major: a row's columns in order
+        positions = first_pos[seq_idx] + np.cumsum(real, axis=1)[seq_idx, col_idx] - 1
+        slots = slot_mapping(block_tables, seq_idx, positions, self.block_size)
+        if write_from is not None:
+            slots[positions < write_from[seq_idx]] = -1
+        out = np.full(real.shape, -1, dtype=np.int64)
+        out[seq_idx, col_idx] = slots
+        return out
+
+    def _gather_index(self, block_tables: np.ndarray, mask: np.ndarray | None, kv_len: int) -> np.ndarray:
+        """[batch_size, kv_len] int64: slot of every key column transformers' mask addresses; -1 for padding."""
+        batch_size = block_tables.shape[0]
+        real = mask if mask is not None else np.ones((batch_size, kv_len), dtype=bool)
+        return self._column_slots(block_tables, real, np.zeros(batch_size, dtype=np.int64))
+
     # ---- rows ------------------------------------------------------------------------------------
 
-    def _start_rows(self, input_ids, mask, shape=None, skip_cached: bool = False) -> None:
+    def _start_rows(
+        self,
+        input_ids: np.ndarray | None,
+        mask: np.ndarray | None,
+        shape=None,
+        skip_cached: bool = False,
+        allow_empty: bool = False,
+    ) -> None:
         """Create one pool sequence per batch row for its prompt; identical rows fork the first one.
 
         Args:
@@ -340,42 +556,59 @@ class PagedCache(Cache):
             mask: [batch_size, length] bool, True for real tokens; None = no padding.
             skip_cached: start each row after its cached prefix (prepare()); otherwise the coming forward
                 computes every column and only skips writing the shared cached blocks.
+            allow_empty: a row without a real token gets no blocks yet and starts at its first real token
+                (generate's chunked prefill: ``prefill_chunk_size`` below a row's left padding). Otherwise an error.
         """
         if input_ids is not None:
-            input_ids = input_ids.to("cpu")
             shape = tuple(input_ids.shape[:2])
         batch_size, length = shape
         first_of: dict[tuple, _Row] = {}
         rows: list[_Row] = []
         for b in range(batch_size):
-            cols = mask[b].nonzero().flatten().tolist() if mask is not None else list(range(length))
-            if not cols:
+            cols = np.flatnonzero(mask[b]) if mask is not None else np.arange(length)
+            seq_id = next(self._seq_ids)
+            # Embeddings: no ids to hash; a unique key keeps them out of the index.
+            extra_key = ("embeds", seq_id) if input_ids is None else None
+            if not len(cols):
+                if allow_empty:
+                    rows.append(_Row(seq_id, [], num_computed=0, write_from=0, extra_key=extra_key))
+                    continue
                 self._free_rows(rows)
                 raise ValueError(f"batch row {b} has no real token (its attention_mask is all zeros)")
-            seq_id = next(self._seq_ids)
-            if input_ids is None:  # embeddings: no ids to hash; a unique key keeps them out of the index
-                tokens, extra_key = [0] * len(cols), ("embeds", seq_id)
-            else:
-                tokens, extra_key = input_ids[b, cols].tolist(), None
+            tokens = [0] * len(cols) if input_ids is None else input_ids[b, cols].tolist()
             parent = first_of.get((tuple(tokens), extra_key))
             if parent is not None:
                 self.pool.fork(parent.seq_id, seq_id)
                 # The parent writes the shared prompt; this row only reads it.
-                rows.append(_Row(seq_id, num_computed=parent.num_computed, write_from=len(tokens)))
+                rows.append(_Row(seq_id, tokens, num_computed=parent.num_computed, write_from=len(tokens)))
                 continue
-            result = self.pool.allocate(seq_id, tokens, extra_key)
-            if result is None:
+            row = _Row(seq_id, [], num_computed=0, write_from=0, extra_key=extra_key)
+            if not self._allocate_row(row, tokens):
                 self._free_rows(rows)
                 self._raise_out_of_blocks(batch_size, length)
-            cached = result.num_cached_tokens
-            row = _Row(seq_id, num_computed=cached if skip_cached else 0, write_from=cached, extra_key=extra_key)
+            if skip_cached:
+                row.num_computed = row.write_from
             first_of[(tuple(tokens), extra_key)] = row
             rows.append(row)
         self._rows = rows
 
+    def _allocate_row(self, row: "_Row", tokens: list[int]) -> bool:
+        """Give a row without blocks those of its first ``tokens`` (a prefix hit is not written again).
+
+        Returns:
+            False if the pool is out of blocks (nothing changed).
+        """
+        result = self.pool.allocate(row.seq_id, tokens, row.extra_key)
+        if result is None:
+            return False
+        row.token_ids = tokens
+        row.write_from = result.num_cached_tokens
+        return True
+
     def _free_rows(self, rows) -> None:
         for row in rows:
-            self.pool.free(row.seq_id)
+            if row.token_ids:  # a row without tokens has no blocks
+                self.pool.free(row.seq_id)
 
     def _remap_rows(self, sources: list[int]) -> None:
         """New row i continues old row sources[i] (fork, then free the old rows): no KV is copied."""
@@ -385,28 +618,14 @@ class PagedCache(Cache):
         for src in sources:
             old = self._rows[src]
             seq_id = next(self._seq_ids)
-            self.pool.fork(old.seq_id, seq_id)
-            new_rows.append(_Row(seq_id, old.num_computed, old.write_from, old.extra_key))
-        for row in self._rows:
-            self.pool.free(row.seq_id)
+            extra_key = old.extra_key
+            if old.token_ids:
+                self.pool.fork(old.seq_id, seq_id)
+            elif extra_key is not None:  # an embeddings row not started yet: its copy gets a key of its own
+                extra_key = ("embeds", seq_id)
+            new_rows.append(_Row(seq_id, list(old.token_ids), old.num_computed, old.write_from, extra_key))
+        self._free_rows(self._rows)
         self._rows = new_rows
-
-    def _gather_index(self, tables: list[list[int]], mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
-        """[batch_size, kv_len] slot of every key column transformers' mask addresses; -1 for padding."""
-        bs = self.block_size
-        if mask is None:
-            pos = torch.arange(kv_len).expand(len(tables), kv_len)
-        else:
-            pos = mask.long().cumsum(-1) - 1
-        max_blocks = max(len(t) for t in tables)
-        table_t = torch.zeros((len(tables), max_blocks), dtype=torch.int64)
-        for b, t in enumerate(tables):
-            table_t[b, : len(t)] = torch.tensor(t)
-        pos = pos.clamp(min=0)
-        slots = table_t.gather(1, pos // bs) * bs + pos % bs
-        if mask is not None:
-            slots = slots.masked_fill(~mask, -1)
-        return slots
 
     def _raise_out_of_blocks(self, batch_size: int, length: int):
         need = batch_size * math.ceil((self._num_columns + length) / self.block_size)
@@ -419,7 +638,14 @@ class PagedCache(Cache):
 
 @dataclass
 class _Row:
+    """One batch row: a pool sequence and the token ids it holds (the pool keeps counts, not ids).
+
+    Invariants: ``len(token_ids) == pool.num_tokens(seq_id)``, and the pool has no ``seq_id`` while
+    ``token_ids`` is empty (a row whose prompt so far was padding); ``num_computed <= len(token_ids)``.
+    """
+
     seq_id: int
+    token_ids: list[int]  # the row's real prompt tokens, then every token appended since; owned by this row
     num_computed: int  # tokens of this row whose K/V are in the pool (or will be, this forward)
     write_from: int  # positions below this are shared blocks written by someone else: never written here
     extra_key: object = None
@@ -472,7 +698,10 @@ def _pre_forward(module, args, kwargs):
     else:
         raise ValueError("PagedCache needs input_ids or inputs_embeds in the forward call")
     mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    ctx = cache._begin_forward(input_ids, shape, mask)
+    position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    ctx = cache._begin_forward(
+        input_ids, shape, mask, position_ids if isinstance(position_ids, torch.Tensor) else None
+    )
     module._hf_paged_token = set_forward_context(ctx)
     return None
 
@@ -485,5 +714,5 @@ def _post_forward(module, args, kwargs, output):
     cache = _find_cache(args, kwargs)
     reset_forward_context(token)
     if cache is not None:
-        cache._end_forward()
+        cache._end_forward(completed=output is not None)  # torch passes no output when the forward raised
     return None
