@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device-machine session: GPU tests of the kernels and PagedCache, then the benchmarks.
+# One device-machine session: GPU tests of the kernels, PagedCache and the engine (CUDA graphs, start-up warm-up,
+# async scheduling and replay are GPU-only paths), then the benchmarks.
 # Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR]
 set -uo pipefail
 out=${1:-${OUT:-/tmp/hf_paged_out}}
@@ -12,5 +13,8 @@ python3 -c "import hf_paged.kernels" || exit 1
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cache_ops.py tests/test_prefill.py tests/test_decode.py \
     2>&1 | tail -15 | tee "$out/tests.txt"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py -k cuda -W ignore::FutureWarning 2>&1 | tail -8 | tee -a "$out/tests.txt"
+# The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
+HF_PAGED_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_async.py \
+    tests/test_engine_reliability.py -W ignore::FutureWarning 2>&1 | tail -12 | tee -a "$out/tests.txt"
 timeout 120 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40
 timeout 240 python3 benchmarks/generate.py --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25

@@ -72,6 +72,7 @@ class KVManager:
         if result is None:
             self._seq_ids.discard(seq.seq_id)
         else:
+            seq.num_hashed_blocks = result.num_cached_tokens // self.block_size  # the prefix hits
             self._updates.append((seq.seq_id, 0, result.block_table))
         return result
 
@@ -96,7 +97,10 @@ class KVManager:
         Called when those tokens are scheduled: a block is indexed once the forward that computes it is queued
         (a request that hits it in a later step reads it after that forward on the device's stream).
         """
-        self.pool.cache_blocks(seq.seq_id, seq.token_ids, min(num_tokens, seq.num_known_tokens))
+        num_tokens = min(num_tokens, seq.num_known_tokens)
+        if num_tokens // self.block_size > seq.num_hashed_blocks:  # a block filled up: O(1) on most steps
+            self.pool.cache_blocks(seq.seq_id, seq.token_ids, num_tokens)
+            seq.num_hashed_blocks = num_tokens // self.block_size
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (ref += 1); a shared partial block is copied when written."""

@@ -53,6 +53,7 @@ class Sequence:
         self.num_inflight = 0
         self.sample_row = -1
         self.last_inflight = False
+        self.num_hashed_blocks = 0  # leading full blocks the pool has hashed (kept by the KV manager)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -85,6 +86,7 @@ class Sequence:
             raise RuntimeError("bug in hf_paged: a sequence with tokens in flight cannot be forked")
         child = Sequence(list(self.token_ids), self.num_prompt_tokens)
         child.num_computed = self.num_computed
+        child.num_hashed_blocks = self.num_hashed_blocks
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         child.text = self.text

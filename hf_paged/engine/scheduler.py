@@ -432,9 +432,7 @@ class _Step:
         """The final step: its sequences advance and their newly full blocks enter the prefix index."""
         out = SchedulerOutput(swap_out=self.swap_out, swap_in=self.swap_in, copies=self.copies,
                               preempted=self.preempted)  # fmt: skip
-        decode_first = sorted(range(len(self.chunks)), key=lambda i: self.chunks[i][2] != 1)
-        for i in decode_first:
-            request, seq, num_new = self.chunks[i]
+        for request, seq, num_new in self.chunks:
             start = seq.num_computed
             end = start + num_new
             if seq.num_inflight and start <= len(seq.token_ids) - seq.num_inflight < end:
