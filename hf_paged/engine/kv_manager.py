@@ -135,16 +135,19 @@ class KVManager:
             needed.update(self._computed_blocks(seq))
         return len(needed) <= self.swap.num_free
 
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def swap_out(self, seqs: list[Sequence], unfilled: dict[int, int] | None = None) -> list[tuple[int, int]]:
         """Give each sequence CPU slots for its computed blocks (shared blocks once); the (block, slot) copies.
 
-        The sequences keep their blocks: the caller frees them after scheduling the copies.
+        Args:
+            seqs: the sequences of one request; they keep their blocks (the caller frees them afterwards).
+            unfilled: copy-on-write destination -> source for copies that will not run: the source is saved.
         """
         slot_of: dict[int, int] = {}
         copies = []
         for seq in seqs:
             seq.swap_table = []
             for block in self._computed_blocks(seq):
+                block = (unfilled or {}).get(block, block)
                 if block not in slot_of:
                     slot_of[block] = self.swap.take()
                     copies.append((block, slot_of[block]))

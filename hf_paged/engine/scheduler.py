@@ -233,7 +233,7 @@ class Scheduler:
             while True:
                 pairs = self.kv.append_slots(seq, end)
                 if pairs is not None:
-                    step.copies.extend(pairs)
+                    step.copies.extend((src, dst, request) for src, dst in pairs)
                     break
                 victim = self.running[-1]
                 self._preempt(victim, step)
@@ -291,11 +291,14 @@ class Scheduler:
         self.running.remove(request)
         self.num_preemptions += 1
         request.metrics.num_preemptions += 1
+        # Its copy-on-write copies of this step never run: the runner copies after swapping out, so a destination
+        # block would be saved before it is filled (swap its source instead) and filled after it is reused.
+        pending = {dst: src for src, dst, owner in step.copies if owner is request}
         step.drop(request)
         seqs = request.live_seqs
         swap = self.preemption_mode == "swap" and self.kv.can_swap_out(seqs)
         if swap:
-            step.swap_out.extend(self.kv.swap_out(seqs))
+            step.swap_out.extend(self.kv.swap_out(seqs, pending))
         for seq in seqs:
             # Sampled tokens not computed yet stay in token_ids and are computed after readmission.
             self.kv.free(seq)
@@ -417,7 +420,7 @@ class _Step:
         self.num_tokens = 0
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
-        self.copies: list[tuple[int, int]] = []
+        self.copies: list[tuple[int, int, Request]] = []  # copy-on-write (src, dst, the request that asked)
         self.preempted: list[str] = []
 
     def add(self, request: Request, seq: Sequence, num_new: int) -> None:
@@ -425,12 +428,14 @@ class _Step:
         self.num_tokens += num_new
 
     def drop(self, request: Request) -> None:
+        """Forget ``request``'s chunks and copy-on-write copies (it is being preempted)."""
         self.chunks = [c for c in self.chunks if c[0] is not request]
         self.num_tokens = sum(c[2] for c in self.chunks)
+        self.copies = [c for c in self.copies if c[2] is not request]
 
     def build(self, kv: KVManager) -> SchedulerOutput:
         """The final step: its sequences advance and their newly full blocks enter the prefix index."""
-        out = SchedulerOutput(swap_out=self.swap_out, swap_in=self.swap_in, copies=self.copies,
+        out = SchedulerOutput(swap_out=self.swap_out, swap_in=self.swap_in, copies=[c[:2] for c in self.copies],
                               preempted=self.preempted)  # fmt: skip
         for request, seq, num_new in self.chunks:
             start = seq.num_computed
