@@ -96,18 +96,19 @@ def _is_greedy(params: SamplingParams) -> bool:
 
 
 def _arm_interrupt(engine, rng: random.Random):
-    """Make the next step raise at a random point: in the forward, in token application, in detokenisation, or
-    in scheduling right after the pool allocated or appended.
+    """Make the next step raise at a random point: in the forward, in token application, in detokenisation, in
+    a beam step, or in scheduling right after the pool allocated or appended.
 
     Returns a function that disarms it (the chosen point may not be reached in that step).
     """
-    target = rng.choice(["runner", "scheduler", "detokenizer", "allocate", "append"])
+    target = rng.choice(["runner", "scheduler", "detokenizer", "allocate", "append", "beams"])
     obj, name = {
         "runner": (engine.runner, "execute"),
         "scheduler": (engine.scheduler, "update_from_output"),
         "detokenizer": (engine.detokenizer, "update"),
         "allocate": (engine.pool, "allocate"),  # inside scheduling, once the pool has changed
         "append": (engine.pool, "append"),
+        "beams": (engine.scheduler, "apply_beam_step"),  # the beam search has ranked, the beams have not moved
     }[target]
     original = getattr(obj, name)
 

@@ -190,6 +190,61 @@ def test_5_interrupt_right_after_the_scheduler_allocated(model, async_scheduling
     _assert_idle(engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_5_stop_string_of_a_token_whose_check_was_interrupted(model, async_scheduling):
+    """A failed step applied a token but never checked it for stop strings: the check catches up, and tokens
+    sampled after the stop string are dropped, as in an uninterrupted run."""
+    tok = char_tokenizer()
+    prompt = _prompts()[1]
+    free = _alone(model, prompt, SamplingParams(max_new_tokens=8, **GREEDY))[0]
+    stop = tok.decode([free[2]])
+    params = SamplingParams(max_new_tokens=8, stop=[stop], temperature=0.0)
+    engine = ContinuousBatcher(model, tok, num_blocks=64, block_size=8, async_scheduling=async_scheduling)
+    expected = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert expected.finish_reason == "stop" and expected.token_ids == free[: free.index(free[2]) + 1]
+    rid = engine.add_request(prompt, params)
+    update = engine.detokenizer.update
+    calls = []
+
+    def skip_the_third(request, seq):
+        calls.append(1)
+        if len(calls) == 3:  # the token that completes the stop string is applied, then the step fails
+            engine.detokenizer.update = update
+            raise KeyboardInterrupt
+        return update(request, seq)
+
+    engine.detokenizer.update = skip_the_third
+    outs = {}
+    while engine.has_unfinished_requests():
+        try:
+            outs.update({o.request_id: o for o in engine.step()})
+        except KeyboardInterrupt:
+            pass
+    got = outs[rid].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, "stop")
+    _assert_idle(engine)
+
+
+def test_5_detokenizer_checks_skipped_tokens_in_order():
+    """Three unchecked tokens whose second completes a stop string: the third is dropped, the text cut."""
+    from hf_paged.engine.outputs import Detokenizer
+    from hf_paged.engine.request import Request
+
+    tok = char_tokenizer()
+    ids = tok("abcd")["input_ids"]
+    request = Request("r", [5, 6], SamplingParams(stop=["bc"], max_new_tokens=8), None)
+    seq = request.seqs[0]
+    seq.token_ids += ids[:3]  # "abc": nothing checked yet
+    seq.logprobs = [{t: -1.0} for t in ids[:3]]
+    assert Detokenizer(tok).update(request, seq) == "bc"
+    assert seq.output_token_ids == ids[:3] and seq.text == "a"
+    seq = Request("s", [5, 6], SamplingParams(stop=["b"], max_new_tokens=8), None).seqs[0]
+    seq.token_ids += ids[:3]
+    seq.logprobs = [{t: -1.0} for t in ids[:3]]
+    assert Detokenizer(tok).update(request=Request("s", [5], SamplingParams(stop=["b"]), None), seq=seq) == "b"
+    assert seq.output_token_ids == ids[:2] and seq.text == "a" and len(seq.logprobs) == 2
+
+
 def test_6_interleaved_streams_each_get_every_token(model):
     engine = ContinuousBatcher(model, num_blocks=64, block_size=8)
     prompts = _prompts()[:2]

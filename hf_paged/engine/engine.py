@@ -273,7 +273,12 @@ class ContinuousBatcher:
         self._inflight = None
         self.scheduler.recover()
         for request in list(self.requests.values()):
-            if not request.is_finished and not request.live_seqs:
+            if request.is_finished:
+                continue
+            for seq in request.seqs:  # stop strings of tokens applied by the failed step
+                if seq.num_detokenized < len(seq.output_token_ids):
+                    self._end_on_stop_string(request, seq)
+            if not request.live_seqs:
                 self.scheduler.finish(request)
                 self._unreported[request.request_id] = request
 
@@ -375,12 +380,7 @@ class ContinuousBatcher:
         self._metrics.num_generated_tokens += len(applied)
         for request, seq in applied:
             touched[request.request_id] = request
-            stop = self.detokenizer.update(request, seq)
-            if stop is not None:
-                if seq.is_finished:  # it also reached its length limit: the stop string wins
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                else:
-                    self.scheduler.finish_seq(seq, "stop", stop)
+            self._end_on_stop_string(request, seq)
         for request_id, rows in launched.beam_rows.items():
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
@@ -390,6 +390,14 @@ class ContinuousBatcher:
             if not request.is_finished and not request.live_seqs:
                 self.scheduler.finish(request)
 
+    def _end_on_stop_string(self, request: Request, seq: Seq) -> None:
+        stop = self.detokenizer.update(request, seq)
+        if stop is not None:
+            if seq.is_finished:  # it also reached its length limit: the stop string wins
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish_seq(seq, "stop", stop)
+
     def _beam_step(self, request: Request, logits: torch.Tensor) -> None:
         params = request.params
         beams = request.live_seqs
@@ -398,20 +406,28 @@ class ContinuousBatcher:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         num_out = beams[0].num_output_tokens
         masked = sorted(stop_ids | set(self.eos_token_ids)) if num_out < params.min_tokens else []
-        result = request.beam_state.step(logits, [b.cumulative_logprob for b in beams],
-                                         [b.output_token_ids for b in beams], stop_ids, masked)  # fmt: skip
+        state = request.beam_state
+        saved, old_seqs = (list(state.finished), state.improvable), request.seqs
+        try:
+            result = state.step(logits, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams],
+                                stop_ids, masked)  # fmt: skip
+            if result.done:
+                request.finished_seqs = [self._hypothesis(request, hyp) for hyp in state.finished[: params.n]]
+            self.scheduler.apply_beam_step(request, result)
+        except BaseException:
+            if request.seqs is old_seqs:  # the beams did not move: the step is redone after recovery
+                state.finished, state.improvable = saved
+                request.finished_seqs = []
+            raise
         self._metrics.num_generated_tokens += 1  # one more output position for the request (whatever its beams)
-        finished = []
-        if result.done:
-            for hyp in request.beam_state.finished[: params.n]:
-                seq = Seq(request.prompt_token_ids + hyp.token_ids, len(request.prompt_token_ids))
-                seq.cumulative_logprob = hyp.sum_logprobs
-                seq.finish_reason, seq.stop_reason = hyp.finish_reason, hyp.stop_reason
-                seq.text = self.detokenizer.decode(request, hyp.token_ids) or ""
-                finished.append(seq)
-        if result.done:
-            request.finished_seqs = finished
-        self.scheduler.apply_beam_step(request, result)
+
+    def _hypothesis(self, request: Request, hyp) -> Seq:
+        """A finished beam hypothesis as an output sequence (not in the pool)."""
+        seq = Seq(request.prompt_token_ids + hyp.token_ids, len(request.prompt_token_ids))
+        seq.cumulative_logprob = hyp.sum_logprobs
+        seq.finish_reason, seq.stop_reason = hyp.finish_reason, hyp.stop_reason
+        seq.text = self.detokenizer.decode(request, hyp.token_ids) or ""
+        return seq
 
     # ---- offline and streaming ---------------------------------------------------------------------
 

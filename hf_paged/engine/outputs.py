@@ -28,23 +28,38 @@ class Detokenizer:
         """Refresh ``seq.text`` after new tokens; returns the stop string found in the new text, if any.
 
         A stop string is looked for once ``min_tokens`` tokens are out; the text is cut before it (or after
-        it with ``include_stop_str_in_output``). The caller ends the sequence.
+        it with ``include_stop_str_in_output``). New tokens are checked one at a time (there is one, unless a
+        failed step left some unchecked), and tokens after the one that completes a stop string are dropped, so
+        the output is what an uninterrupted run gives. The caller ends the sequence.
         """
         if self.tokenizer is None:
             return None
         params = request.params
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        out = seq.output_token_ids
+        ends = [len(out)]
+        if params.stop and seq.finish_reason in (None, "length"):
+            ends = range(max(seq.num_detokenized + 1, params.min_tokens, 1), len(out) + 1) or ends
         found = None
-        if params.stop and seq.finish_reason in (None, "length") and len(seq.output_token_ids) >= params.min_tokens:
-            # Only the new tail can hold a new match.
-            search_from = max(0, len(seq.text) - max(len(s) for s in params.stop))
-            for stop in params.stop:
-                at = text.find(stop, search_from)
-                if at >= 0:
-                    text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
-                    found = stop
-                    break
+        prev_len = len(seq.text)
+        for end in ends:
+            text = self.tokenizer.decode(out[:end], skip_special_tokens=params.skip_special_tokens)
+            if params.stop and seq.finish_reason in (None, "length") and end >= params.min_tokens:
+                search_from = max(0, prev_len - max(len(s) for s in params.stop))  # only the new tail can match
+                for stop in params.stop:
+                    at = text.find(stop, search_from)
+                    if at >= 0:
+                        text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                        found = stop
+                        break
+            if found is not None:
+                if end < len(out):  # tokens sampled after the stop string (a check a failed step skipped)
+                    start = seq.num_prompt_tokens + end
+                    del seq.token_ids[start : len(seq.token_ids) - seq.num_inflight]
+                    del seq.logprobs[end:]
+                break
+            prev_len = len(text)
         seq.text = text
+        seq.num_detokenized = len(seq.output_token_ids)
         return found
 
     def decode(self, request: Request, token_ids: list[int]) -> str | None:

@@ -54,6 +54,7 @@ class Sequence:
         self.sample_row = -1
         self.last_inflight = False
         self.num_hashed_blocks = 0  # leading full blocks the pool has hashed (kept by the KV manager)
+        self.num_detokenized = 0  # output tokens whose text and stop strings were checked (outputs.Detokenizer)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -87,6 +88,7 @@ class Sequence:
         child = Sequence(list(self.token_ids), self.num_prompt_tokens)
         child.num_computed = self.num_computed
         child.num_hashed_blocks = self.num_hashed_blocks
+        child.num_detokenized = self.num_detokenized
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         child.text = self.text
