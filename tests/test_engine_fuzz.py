@@ -8,7 +8,8 @@ finished or was aborted, every block is free, and every greedy request (plain, `
 the same request run alone on a roomy engine.
 
 CI runs a bounded profile (``HF_PAGED_FUZZ`` unset: a few configurations, about a minute);
-``HF_PAGED_FUZZ=long`` runs the long one (at least 20 000 engine steps) and prints its figures.
+``HF_PAGED_FUZZ=long`` runs the long one (48 runs of 1200 operations: over 20 000 engine steps) and prints
+its figures.
 """
 
 import os
@@ -24,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 from hf_paged import ContinuousBatcher, SamplingParams
 
 LONG = os.environ.get("HF_PAGED_FUZZ") == "long"
-NUM_RUNS = 32 if LONG else 5
+NUM_RUNS = 48 if LONG else 5
 OPS_PER_RUN = 1200 if LONG else 80
 
 
