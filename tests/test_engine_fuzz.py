@@ -52,12 +52,21 @@ class _Reference:
                                         max_num_batched_tokens=256, async_scheduling=False)  # fmt: skip
         self.memo = {}
 
-    def __call__(self, prompt, params: SamplingParams):
-        key = (tuple(prompt), params.n, params.beam_width, params.max_new_tokens, params.stop, params.ignore_eos)
+    def __call__(self, prompt, params: SamplingParams, companions: int = 0):
+        """The request's outputs, run alone (or beside ``companions`` unrelated requests: another batch shape)."""
+        key = (tuple(prompt), params.n, params.beam_width, params.max_new_tokens, params.stop, params.ignore_eos,
+               companions)  # fmt: skip
         if key not in self.memo:
-            out = self.engine.generate([prompt], params, use_tqdm=False)[0]
-            self.memo[key] = sorted((c.token_ids, c.finish_reason) for c in out.outputs)
+            others = [[7 + i, 9, 11 + i] * (i + 2) for i in range(companions)]
+            outs = self.engine.generate([prompt, *others], [params] + [SamplingParams(max_new_tokens=3)] * companions,
+                                        use_tqdm=False)  # fmt: skip
+            self.memo[key] = sorted((c.token_ids, c.finish_reason) for c in outs[0].outputs)
         return self.memo[key]
+
+    def is_numerically_tied(self, prompt, params: SamplingParams) -> bool:
+        """Whether the request's own greedy choices change with the batch around it (fp32 rounding of a near-tie:
+        then a run that differs from the lone one is not a bug)."""
+        return any(self(prompt, params, c) != self(prompt, params) for c in (1, 3))
 
 
 def _config(rng: random.Random) -> dict:
@@ -133,7 +142,9 @@ def _run(seed: int, model, tokenizer, references) -> dict:
     finished: dict[str, object] = {}
     aborted: set[str] = set()
     streams: list[tuple[str, object, list]] = []
-    counts = dict(steps=0, requests=0, rejected=0, aborts=0, interrupts=0, stream_deltas=0)
+    counts = dict(
+        steps=0, requests=0, rejected=0, aborts=0, interrupts=0, stream_deltas=0, greedy_checked=0, numeric_ties=0
+    )
 
     def record(outs):
         for out in outs:
@@ -216,7 +227,11 @@ def _run(seed: int, model, tokenizer, references) -> dict:
             continue
         if _is_greedy(params):
             got = sorted((c.token_ids, c.finish_reason) for c in out.outputs)
-            assert got == reference(prompt, params), (rid, prompt, params, config)
+            if got != reference(prompt, params):
+                if not reference.is_numerically_tied(prompt, params):
+                    raise AssertionError((rid, prompt, params, config, got, reference(prompt, params)))
+                counts["numeric_ties"] += 1
+            counts["greedy_checked"] += 1
         assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
     assert engine.pool.stats.num_used_blocks == 0
     assert not engine.requests

@@ -232,7 +232,7 @@ class ContinuousBatcher:
         """Process the step in flight, if any (waits for the device)."""
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
-            self._process(launched, {})
+            self._process(launched, self._unreported)  # reported by the next step
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -284,7 +284,9 @@ class ContinuousBatcher:
 
     def _step_once(self) -> dict[str, Request]:
         self._apply_aborts()
-        touched = dict(self._unreported)  # cleared once the step has succeeded: a failed step loses no report
+        # Reports accumulate in self._unreported and leave it only when the step returns: a step that fails after
+        # finishing a request (say, in the step it processes after the previous one) loses no report.
+        touched = self._unreported
         sched = self.scheduler.schedule()
         for request_id in sched.preempted:
             touched[request_id] = self.requests[request_id]
@@ -313,7 +315,7 @@ class ContinuousBatcher:
                 self._inflight = launched
             else:
                 self._process(launched, touched)
-        self._unreported.clear()
+        self._unreported = {}
         return touched
 
     def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> "_Launched":
