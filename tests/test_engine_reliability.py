@@ -245,6 +245,32 @@ def test_5_detokenizer_checks_skipped_tokens_in_order():
     assert seq.output_token_ids == ids[:2] and seq.text == "a" and len(seq.logprobs) == 2
 
 
+def test_5_a_failed_step_keeps_the_reports_of_what_it_finished(model):
+    """Async scheduling: a step processes the previous step (finishing a request), then fails in its own beam
+    step; the finished request is still reported once by a later step()."""
+    engine = ContinuousBatcher(model, num_blocks=64, block_size=8, async_scheduling=True)
+    plain = engine.add_request(_prompts()[0], SamplingParams(max_new_tokens=2, **GREEDY))
+    engine.step()
+    engine.step()  # plain's last token is in flight (deferred)
+    beams = engine.add_request(_prompts()[1], SamplingParams(beam_width=2, max_new_tokens=4, ignore_eos=True))
+    apply_beam_step = engine.scheduler.apply_beam_step
+
+    def fail_once(request, result):
+        engine.scheduler.apply_beam_step = apply_beam_step
+        assert engine.get_output(plain).finished  # finished by this step, before its beam step
+        raise KeyboardInterrupt
+
+    engine.scheduler.apply_beam_step = fail_once
+    finished = []
+    while engine.has_unfinished_requests():
+        try:
+            finished += [o.request_id for o in engine.step() if o.finished]
+        except KeyboardInterrupt:
+            pass
+    assert sorted(finished) == sorted([plain, beams])
+    _assert_idle(engine)
+
+
 def test_6_interleaved_streams_each_get_every_token(model):
     engine = ContinuousBatcher(model, num_blocks=64, block_size=8)
     prompts = _prompts()[:2]
