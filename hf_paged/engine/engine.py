@@ -458,13 +458,22 @@ class ContinuousBatcher:
                 self._wait_for(ids, use_tqdm)
             except BaseException:
                 for rid in ids:  # all or nothing: a bad prompt or an interrupt leaves none of this call's requests
-                    request = self.requests.pop(rid, None)
-                    if request is not None:
-                        self.scheduler.finish(request, "abort")
+                    self._forget(rid)
                 raise
             if not self.scheduler.has_unfinished():
                 self._drain()  # only discarded tokens are left in flight: leave the engine idle
-            return [request_output(self.requests.pop(rid), self.tokenizer is not None) for rid in ids]
+            outputs = [request_output(self.requests[rid], self.tokenizer is not None) for rid in ids]
+            for rid in ids:
+                self._forget(rid)
+            return outputs
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a request a generate()/stream() call owned (aborted first if it still runs)."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            self.scheduler.finish(request, "abort")
+        self._unreported.pop(request_id, None)
+        self._unclaimed.pop(request_id, None)
 
     def _wait_for(self, ids: list[str], use_tqdm: bool) -> None:
         pending = set(ids)
@@ -529,8 +538,11 @@ class ContinuousBatcher:
         finally:
             if not request.is_finished:
                 self.abort(request.request_id)
-            if request.owner is owner:
-                self.requests.pop(request.request_id, None)
+            if request.owner is owner and self._lock.acquire(blocking=False):
+                try:
+                    self._forget(request.request_id)
+                finally:
+                    self._lock.release()
 
     # ---- reporting ------------------------------------------------------------------------------
 
