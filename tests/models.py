@@ -58,3 +58,20 @@ def cache_kwarg() -> str:
     from transformers import LlamaModel
 
     return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def char_tokenizer():
+    """One character per token (ids 3-95, so they fit the tiny models' vocabulary), with a chat template: stop
+    strings and text are easy to place in tests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, 96):
+        vocab[chr(ord("!") + i)] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
+    return fast

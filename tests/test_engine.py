@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from models import DEVICE, cache_kwarg
+from models import DEVICE, cache_kwarg, char_tokenizer
 from models import tiny_model as _tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import DynamicCache, PreTrainedTokenizerFast
+from transformers import DynamicCache
 
 from hf_paged import ContinuousBatcher, SamplingParams
 
@@ -176,20 +175,8 @@ def test_beam_search_shares_blocks():
     _assert_all_free(engine)
 
 
-def _char_tokenizer():
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, 96):
-        vocab[chr(ord("!") + i)] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
-    return fast
-
-
 def test_text_prompts_chat_messages_and_stop_strings():
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     engine = make_engine(tiny_model("llama"), tokenizer=tok, block_size=8, num_blocks=64)
     plain = engine.generate("hello there", SamplingParams(max_new_tokens=20, **GREEDY), use_tqdm=False)[0]
     text = plain.outputs[0].text

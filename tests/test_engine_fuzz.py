@@ -18,26 +18,13 @@ import threading
 import time
 
 import pytest
-from models import DEVICE, tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from models import DEVICE, char_tokenizer, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
 
 LONG = os.environ.get("HF_PAGED_FUZZ") == "long"
 NUM_RUNS = 48 if LONG else 5
 OPS_PER_RUN = 1200 if LONG else 80
-
-
-def char_tokenizer():
-    """One character per token (ids 3-95), so stop strings are easy to place."""
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, 96):
-        vocab[chr(ord("!") + i)] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 class Interrupt(KeyboardInterrupt):

@@ -18,8 +18,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from models import DEVICE, tiny_model
-from test_engine_fuzz import char_tokenizer
+from models import DEVICE, char_tokenizer, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
 
