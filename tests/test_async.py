@@ -8,6 +8,7 @@ Every test compares against the same engine with async scheduling off, and ends 
 
 import pytest
 import torch
+from helpers import assert_engine_drained
 from models import DEVICE
 from models import tiny_model as _tiny_model
 
@@ -29,12 +30,6 @@ def _engine(async_scheduling: bool, **kwargs) -> ContinuousBatcher:
     torch.manual_seed(0)  # same random weights for both engines
     kwargs = dict(block_size=8, num_blocks=64) | kwargs
     return ContinuousBatcher(tiny_model("llama"), async_scheduling=async_scheduling, **kwargs)
-
-
-def _assert_all_free(engine):
-    assert not engine.has_unfinished_requests()
-    assert engine.pool.stats.num_used_blocks == 0
-    engine.pool.check_invariants()
 
 
 def _drive(engine) -> dict:
@@ -65,7 +60,7 @@ def test_steps_are_deferred_and_placeholders_never_leak():
     assert [[g] for g in got] == _run(_engine(False), prompts, SamplingParams(max_new_tokens=4, **GREEDY))
     # 2 prompts + 3 decode steps of 2 tokens each: the step in flight at the length limit computes nothing more
     assert engine.metrics().num_computed_tokens == sum(map(len, prompts)) + 3 * 2
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_stop_token_discards_the_token_computed_after_it():
@@ -81,7 +76,7 @@ def test_stop_token_discards_the_token_computed_after_it():
     # The step after the stop token was already queued: one token computed and thrown away.
     assert eager.metrics().num_computed_tokens == sync.metrics().num_computed_tokens + 1
     assert eager.metrics().num_generated_tokens == sync.metrics().num_generated_tokens
-    _assert_all_free(eager)
+    assert_engine_drained(eager)
 
 
 def test_mixed_requests_equal_the_synchronous_engine():
@@ -101,7 +96,7 @@ def test_mixed_requests_equal_the_synchronous_engine():
         expected = _run(_engine(False, max_num_batched_tokens=budget), prompts, params)
         engine = _engine(True, max_num_batched_tokens=budget)
         assert _run(engine, prompts, params) == expected
-        _assert_all_free(engine)
+        assert_engine_drained(engine)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -113,7 +108,7 @@ def test_preemption_with_tokens_in_flight(mode):
     engine = _engine(True, **config)
     assert _run(engine, prompts, params) == expected
     assert engine.metrics().num_preemptions > 0
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_abort_with_a_token_in_flight():
@@ -132,7 +127,7 @@ def test_abort_with_a_token_in_flight():
     assert drop not in last
     got = last[keep].outputs[0].token_ids
     assert got == _run(_engine(False), [prompts[0]], SamplingParams(max_new_tokens=8, **GREEDY))[0][0]
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_stream_delivers_every_token_once():
@@ -143,7 +138,7 @@ def test_stream_delivers_every_token_once():
     tokens = [t for d in deltas for t in d.token_ids]
     assert tokens == _run(_engine(False), [prompt], params)[0][0]
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_to_device_copies_and_converts():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import assert_engine_drained
 from models import DEVICE, cache_kwarg, char_tokenizer
 from models import tiny_model as _tiny_model
 from transformers import DynamicCache
@@ -63,13 +64,6 @@ def _drive(engine) -> dict:
     return last
 
 
-def _assert_all_free(engine):
-    assert not engine.has_unfinished_requests()
-    stats = engine.pool.stats
-    assert stats.num_used_blocks == 0, stats
-    engine.pool.check_invariants()
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -90,7 +84,7 @@ def test_greedy_equals_model_generate(reference, config):
     if config["num_blocks"] == 14:
         assert engine.metrics().num_preemptions > 0
         assert (engine.metrics().num_swapped_out_blocks > 0) == (config.get("preemption_mode") == "swap")
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_prefix_cache_hits_are_not_recomputed(reference):
@@ -102,7 +96,7 @@ def test_prefix_cache_hits_are_not_recomputed(reference):
     assert second.num_cached_tokens == 32  # 4 full blocks; the last prompt token is always computed
     assert engine.metrics().num_computed_tokens - computed == 40 + 12 - 1 - 32
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == reference[4]
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_parallel_sampling_computes_prompt_once_and_shares_blocks():
@@ -119,7 +113,7 @@ def test_parallel_sampling_computes_prompt_once_and_shares_blocks():
     out = _drive(engine)[rid]
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_parallel_sampling_copies_only_the_partial_block():
@@ -131,7 +125,7 @@ def test_parallel_sampling_copies_only_the_partial_block():
     engine.step()  # two children copy the shared partial block, the last writes it in place
     assert engine.pool.stats.num_used_blocks == 5 + 2
     assert _drive(engine)[rid].finished
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_seeded_sampling_is_reproducible_across_batches():
@@ -158,7 +152,7 @@ def test_beam_search_equals_hf_beam_search(width):
         out = engine.generate([prompt], SamplingParams(beam_width=width, max_new_tokens=12), use_tqdm=False)[0]
         got = out.outputs[0].token_ids
         assert got == expected[: len(got)] and all(t == model.config.pad_token_id for t in expected[len(got) :])
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_beam_search_shares_blocks():
@@ -172,7 +166,7 @@ def test_beam_search_shares_blocks():
             peak_used, peak_entries = stats.num_used_blocks, stats.num_table_entries
     assert peak_used < 0.6 * peak_entries, (peak_used, peak_entries)  # vs a copy of every block per beam
     assert rid not in engine.requests  # returned by step(), then forgotten
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_text_prompts_chat_messages_and_stop_strings():
@@ -194,7 +188,7 @@ def test_text_prompts_chat_messages_and_stop_strings():
     assert out.prompt_token_ids == list(expected)
     deltas = list(engine.stream("hello there", SamplingParams(max_new_tokens=20, **GREEDY)))
     assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason == "length"
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_stop_token_ids_min_tokens_and_logprobs():
@@ -213,7 +207,7 @@ def test_stop_token_ids_min_tokens_and_logprobs():
     assert len(out.logprobs) == len(out.token_ids)
     for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert token in lp and len(lp) >= 3 and all(v <= 0 for v in lp.values())
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_abort_mid_stream_frees_blocks_and_others_finish(reference):
@@ -232,7 +226,7 @@ def test_abort_mid_stream_frees_blocks_and_others_finish(reference):
     assert outs[keep].outputs[0].token_ids == reference[0]
     with pytest.raises(ValueError, match="unknown request id 'nope'"):
         engine.abort("nope")
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_bad_input_is_rejected_while_others_complete(reference):
@@ -258,7 +252,7 @@ def test_bad_input_is_rejected_while_others_complete(reference):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(prompts[1], SamplingParams(), request_id=ok)
     assert _drive(engine)[ok].outputs[0].token_ids == reference[0]
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_engine_rejects_bad_configuration():
@@ -278,7 +272,7 @@ def test_other_families_greedy(family):
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=14, **GREEDY), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(ref_model, prompt, 14)
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_warmup_forward_writes_nothing_to_the_pool():
@@ -289,7 +283,7 @@ def test_warmup_forward_writes_nothing_to_the_pool():
     before = [t.clone() for t in engine.kv.k_cache + engine.kv.v_cache]
     engine.runner.warmup(40)
     assert all(torch.equal(a, b) for a, b in zip(before, engine.kv.k_cache + engine.kv.v_cache, strict=True))
-    _assert_all_free(engine)
+    assert_engine_drained(engine)
 
 
 def test_close_drains_and_the_engine_still_serves(reference):
@@ -300,4 +294,4 @@ def test_close_drains_and_the_engine_still_serves(reference):
     engine.close()  # the step in flight is processed; graphs (CUDA) are freed
     assert not engine.runner.use_cuda_graphs
     assert _drive(engine)[rid].outputs[0].token_ids == reference[0]
-    _assert_all_free(engine)
+    assert_engine_drained(engine)

@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers import assert_engine_drained
 from models import DEVICE, char_tokenizer, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
@@ -40,12 +41,6 @@ def _alone(model, prompt, params, **kwargs):
     return [c.token_ids for c in engine.generate([prompt], params, use_tqdm=False)[0].outputs]
 
 
-def _assert_idle(engine):
-    assert not engine.has_unfinished_requests()
-    assert engine.pool.stats.num_used_blocks == 0
-    engine.pool.check_invariants()
-
-
 def test_1_beam_and_n_samples_in_one_step(model):
     prompts = _prompts()[:2]
     beam = SamplingParams(beam_width=2, max_new_tokens=6, ignore_eos=True)
@@ -55,7 +50,7 @@ def test_1_beam_and_n_samples_in_one_step(model):
     expected = _alone(model, prompts[1], pair)
     assert [c.token_ids for c in outs[1].outputs] == expected  # not drawn from the beam request's logits
     assert [c.token_ids for c in outs[0].outputs] == _alone(model, prompts[0], beam)
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -72,7 +67,7 @@ def test_2_3_forks_recompute_with_a_small_budget(model, kind, async_scheduling):
     assert engine.metrics().num_preemptions > 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert sorted(c.token_ids for c in out.outputs) == sorted(_alone(model, prompt, params))
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -85,7 +80,7 @@ def test_4_preempted_forks_without_prefix_caching_are_readmitted(model, mode):
     assert engine.metrics().num_preemptions > 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert sorted(c.token_ids for c in out.outputs) == sorted(_alone(model, prompt, params))
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_4_admission_counts_the_unshared_case(model):
@@ -124,10 +119,10 @@ def test_5_interrupt_in_detokenisation_leaves_the_engine_usable(model, async_sch
     params = SamplingParams(max_new_tokens=8, **GREEDY)
     with pytest.raises(exc, match="injected"):
         engine.generate(prompts, params, use_tqdm=False)
-    _assert_idle(engine)  # the interrupted call's requests are aborted, their blocks free
+    assert_engine_drained(engine)  # the interrupted call's requests are aborted, their blocks free
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_alone(model, p, params)[0] for p in prompts]
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -156,7 +151,7 @@ def test_5_interrupt_after_allocation_keeps_other_requests(model, async_scheduli
                 done[out.request_id] = out.outputs[0].token_ids
     assert done[rid] == _alone(model, prompts[0], params)[0]
     assert sorted(done.values()) == sorted(_alone(model, p, params)[0] for p in prompts)
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -186,7 +181,7 @@ def test_5_interrupt_right_after_the_scheduler_allocated(model, async_scheduling
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[first].outputs[0].token_ids == _alone(model, prompts[0], params)[0]
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -221,7 +216,7 @@ def test_5_stop_string_of_a_token_whose_check_was_interrupted(model, async_sched
             pass
     got = outs[rid].outputs[0]
     assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, "stop")
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_5_detokenizer_checks_skipped_tokens_in_order():
@@ -267,7 +262,7 @@ def test_5_a_failed_step_keeps_the_reports_of_what_it_finished(model):
         except KeyboardInterrupt:
             pass
     assert sorted(finished) == sorted([plain, beams])
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_6_interleaved_streams_each_get_every_token(model):
@@ -287,7 +282,7 @@ def test_6_interleaved_streams_each_get_every_token(model):
     for i in range(2):
         assert [t for d in deltas[i] for t in d.token_ids] == _alone(model, prompts[i], params[i])[0]
         assert deltas[i][-1].finish_reason == "length"
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_7_abort_from_another_thread_ends_a_waiting_generate(model):
@@ -315,7 +310,7 @@ def test_7_abort_from_another_thread_ends_a_waiting_generate(model):
     assert not worker.is_alive(), "generate() never returned"
     outs = result[0]
     assert outs[1].outputs[0].finish_reason == "abort" and outs[0].outputs[0].finish_reason == "length"
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_8_a_second_thread_is_refused(model):
@@ -341,7 +336,7 @@ def test_8_a_second_thread_is_refused(model):
     outs = engine.generate(_prompts()[:2], SamplingParams(max_new_tokens=5, **GREEDY), use_tqdm=False)
     assert len(errors) == 1 and "in use by another thread" in str(errors[0])
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_9_more_samples_than_max_num_seqs_is_refused(model):
@@ -352,7 +347,7 @@ def test_9_more_samples_than_max_num_seqs_is_refused(model):
         engine.add_request([5, 6, 7], SamplingParams(beam_width=5, max_new_tokens=2))
     out = engine.generate([[5, 6, 7]], SamplingParams(n=4, max_new_tokens=3, **GREEDY), use_tqdm=False)[0]
     assert len(out.outputs) == 4
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_10_beam_search_refuses_stop_strings_and_logprobs():
@@ -373,7 +368,7 @@ def test_smaller_input_errors(model):
     params = SamplingParams(max_new_tokens=3, **GREEDY)
     outs = engine.generate([ids, list(ids), torch.tensor([5, 6, 7, 8])], params, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
-    _assert_idle(engine)
+    assert_engine_drained(engine)
 
 
 def test_finished_requests_are_forgotten_in_a_long_step_loop(model):
@@ -390,4 +385,4 @@ def test_finished_requests_are_forgotten_in_a_long_step_loop(model):
     while engine.has_unfinished_requests():
         engine.step()
     assert high_water <= 64 and not engine.requests
-    _assert_idle(engine)
+    assert_engine_drained(engine)
