@@ -78,10 +78,11 @@ class KVManager:
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
         """Make the first ``num_tokens`` tokens of ``seq`` have slots; the copy-on-write pairs, or None if short."""
-        num_new = num_tokens - self.pool.num_tokens(seq.seq_id)
+        have = self.pool.num_tokens(seq.seq_id)
+        num_new = num_tokens - have
         if num_new <= 0:
             return []
-        old_len = -(-self.pool.num_tokens(seq.seq_id) // self.block_size)
+        old_len = -(-have // self.block_size)
         pairs = self.pool.append(seq.seq_id, num_new)
         if pairs is None:
             return None

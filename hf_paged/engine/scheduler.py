@@ -186,6 +186,16 @@ class Scheduler:
         while idx < len(self.running):
             request = self.running[idx]
             seqs = _schedulable(request)
+            if len(seqs) == 1:  # the common case, without the generic loops below
+                seq = seqs[0]
+                if len(seq.token_ids) - seq.num_computed != 1:
+                    computing.append(request)
+                    idx += 1
+                    continue
+                if self._reserve(request, seqs, (len(seq.token_ids),), step):
+                    step.add(request, seq, 1)
+                    idx += 1
+                continue
             if any(len(seq.token_ids) - seq.num_computed != 1 for seq in seqs):
                 computing.append(request)
                 idx += 1
