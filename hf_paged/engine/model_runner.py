@@ -100,7 +100,7 @@ class ModelRunner:
         self._static = None
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step (queues the work on the device; never waits for it).
 
         Args:
@@ -110,7 +110,8 @@ class ModelRunner:
                 from ``prev_sampled[row]`` (async scheduling). None when no input is a placeholder.
 
         Returns:
-            logits: [len(sched.sample_idx), vocab_size] fp32, row r for sequence ``sched.sample_idx[r]``.
+            logits: [len(sched.sample_idx), vocab_size] fp32, row r for sequence ``sched.sample_idx[r]``; None for
+            an empty step (its block movements and table diffs are still applied).
         """
         self.kv.swap_out(sched.swap_out)
         self.kv.swap_in(sched.swap_in)
