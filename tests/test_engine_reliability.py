@@ -285,20 +285,25 @@ def test_6_interleaved_streams_each_get_every_token(model):
     assert_engine_drained(engine)
 
 
-def test_7_abort_from_another_thread_ends_a_waiting_generate(model):
-    engine = ContinuousBatcher(model, num_blocks=64, block_size=8)
+def _in_another_thread_during_step(engine, call_number: int, fn) -> None:
+    """Run ``fn`` on a second thread (and wait for it) while this thread is inside step number ``call_number``."""
     execute = engine.runner.execute
     calls = []
 
-    def execute_and_abort(*args, **kwargs):
+    def execute_and_run(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:  # another thread aborts while this one is inside a step
-            thread = threading.Thread(target=engine.abort, args=("1",))
+        if len(calls) == call_number:
+            thread = threading.Thread(target=fn)
             thread.start()
             thread.join()
         return execute(*args, **kwargs)
 
-    engine.runner.execute = execute_and_abort
+    engine.runner.execute = execute_and_run
+
+
+def test_7_abort_from_another_thread_ends_a_waiting_generate(model):
+    engine = ContinuousBatcher(model, num_blocks=64, block_size=8)
+    _in_another_thread_during_step(engine, 3, lambda: engine.abort("1"))
     result = []
     worker = threading.Thread(
         target=lambda: result.append(
@@ -315,24 +320,15 @@ def test_7_abort_from_another_thread_ends_a_waiting_generate(model):
 
 def test_8_a_second_thread_is_refused(model):
     engine = ContinuousBatcher(model, num_blocks=64, block_size=8)
-    execute = engine.runner.execute
     errors = []
 
-    def execute_and_intrude(*args, **kwargs):
-        if not errors:
+    def intrude():
+        try:
+            engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+        except RuntimeError as e:
+            errors.append(e)
 
-            def intrude():
-                try:
-                    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
-                except RuntimeError as e:
-                    errors.append(e)
-
-            thread = threading.Thread(target=intrude)
-            thread.start()
-            thread.join()
-        return execute(*args, **kwargs)
-
-    engine.runner.execute = execute_and_intrude
+    _in_another_thread_during_step(engine, 1, intrude)
     outs = engine.generate(_prompts()[:2], SamplingParams(max_new_tokens=5, **GREEDY), use_tqdm=False)
     assert len(errors) == 1 and "in use by another thread" in str(errors[0])
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
