@@ -24,6 +24,15 @@ scale is positive, else the exact update of the masked tiles (the fused one need
 
 K/V are read through the block table, except that with ``key=/value=`` a fresh prompt (no cached
 context) reads them from the contiguous new-token tensors instead.
+
+Grid: ``(num_tokens * GROUP // BLOCK_M + num_seqs, num_kv_heads)``, one flat axis of tile slots for the whole
+batch (as vLLM's unified attention). Sequence s owns the slots from ``first_slot(s) = cu_seqlens_q[s] * GROUP //
+BLOCK_M + s`` up to ``first_slot(s + 1)``: at least ``cdiv(q_len * GROUP, BLOCK_M)`` of them, since
+floor(a + b) - floor(a) >= ceil(b) - 1. A program finds its sequence by binary search over ``cu_seqlens_q`` and
+exits at once on a spare slot. The grid depends only on the tensor shapes, never on the lengths: one grid serves a
+batch of one long prompt or of many decode rows without idle programs in proportion to ``num_seqs * max_query_len``,
+and a CUDA graph captured with padded shapes (zero-length padding sequences, padding tokens of no sequence) replays
+it for any batch that fits.
 """
 
 import os
@@ -226,9 +235,9 @@ def _attend_ranges(
     return acc, l_i, m_i
 
 
-# The block table's row stride is its width, which changes from step to step: not specialised (Triton would
-# compile a new kernel for width 1 and for widths divisible by 16 in the middle of serving).
-@triton.jit(do_not_specialize=["stride_table_s"])
+# The block table's row stride is its width and num_seqs is the batch's: both change from step to step, so they
+# are not specialised (Triton would compile a new kernel for 1 and for multiples of 16 in the middle of serving).
+@triton.jit(do_not_specialize=["stride_table_s", "num_seqs"])
 def _paged_prefill_kernel(
     # pointers
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -258,6 +267,7 @@ def _paged_prefill_kernel(
     qk_scale,
     soft_cap,
     sliding_window,
+    num_seqs,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # num_heads // num_kv_heads: rows are (token, query head) pairs of one KV head
@@ -272,16 +282,25 @@ def _paged_prefill_kernel(
     EXACT_SOFTMAX: tl.constexpr,  # scale <= 0: no fused update of the interior tiles
     CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
 ):
-    # Causal: later row tiles attend to more keys. Launch them first so the short ones fill the tail.
-    tile_idx = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq_idx = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    # Flat grid over the row tiles of every sequence (see "Grid" in the module docstring). Causal: later tiles
+    # attend to more keys, and chunks sit after decode rows; launch from the end so the short ones fill the tail.
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # seq_idx: the last sequence whose first slot first_slot(s) = cu_seqlens_q[s] * GROUP // BLOCK_M + s is <= slot.
+    seq_lo = 0
+    seq_hi = num_seqs
+    while seq_hi - seq_lo > 1:
+        mid = (seq_lo + seq_hi) // 2
+        before = tl.load(cu_seqlens_q_ptr + mid) * GROUP // BLOCK_M + mid <= slot
+        seq_lo = tl.where(before, mid, seq_lo)
+        seq_hi = tl.where(before, seq_hi, mid)
+    seq_idx = seq_lo
 
     q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
     q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
     num_rows = q_len * GROUP
-    row_start = tile_idx * BLOCK_M
-    if row_start >= num_rows:  # the grid is sized for max_query_len; this sequence is shorter
+    row_start = (slot - (q_start * GROUP // BLOCK_M + seq_idx)) * BLOCK_M
+    if row_start >= num_rows:  # a spare slot of this sequence (or of an empty padding sequence)
         return
     ctx_len = tl.load(seq_lens_ptr + seq_idx)
     first_pos = ctx_len - q_len  # context position of the sequence's first new token
@@ -403,7 +422,7 @@ def paged_prefill_triton(
     Sequence s's ``q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s]`` new tokens are the last ``q_len``
     of its ``seq_lens[s]`` context tokens, whose K/V are already in the cache (write_kv runs first).
     Fresh prompts (q_len == seq_len), chunked prefill / prefix hits (q_len < seq_len) and single
-    tokens mix freely in one batch. No host sync: the grid comes from ``max_query_len``.
+    tokens mix freely in one batch. No host sync: the grid comes from the tensor shapes.
 
     Tile sizes follow a per-dtype/head_dim heuristic (``_default_tiles``); ``BLOCK_M`` shrinks to the
     next power of two >= 16 of ``max_query_len * num_heads // num_kv_heads`` for short queries. The rows
@@ -420,8 +439,8 @@ def paged_prefill_triton(
         seq_lens: [num_seqs], int32: context length of each sequence, including its new tokens.
         cu_seqlens_q: [num_seqs + 1], int32: offsets of each sequence's new tokens in ``query``.
         scale: softmax scale applied to q . k.
-        max_query_len: host-side upper bound of the q_len values; sizes the grid (tokens beyond it
-            are not computed).
+        max_query_len: host-side upper bound of the q_len values; picks ``BLOCK_M`` (shorter tiles for
+            short queries). The grid comes from the shapes.
         max_seq_len: host-side upper bound of seq_lens; 0 means nothing to do.
         sliding_window: W > 0: token p attends only to j with p - j < W. None or <= 0: off.
         soft_cap: C > 0: scores become C * tanh(scores / C). None or <= 0: off.
@@ -527,7 +546,7 @@ def paged_prefill_triton(
     contig_kv = key is not None
     if not contig_kv:  # never read (CONTIG_KV=False): any pointer and strides of the right dtype
         key = value = k_cache[0, 0]  # [num_kv_heads, head_dim]
-    grid = (triton.cdiv(max_query_len * group, tile_m), num_seqs, num_kv_heads)
+    grid = (num_tokens * group // tile_m + num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         query_ptr=query,
         k_cache_ptr=k_cache,
@@ -554,6 +573,7 @@ def paged_prefill_triton(
         qk_scale=float(scale) * (1.0 if has_soft_cap else _LOG2E),
         soft_cap=float(soft_cap) if has_soft_cap else 1.0,
         sliding_window=int(sliding_window) if has_window else 0,
+        num_seqs=num_seqs,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         GROUP=group,

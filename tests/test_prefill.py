@@ -102,8 +102,10 @@ def _check(
     contig_kv=False,
     key_ramp=False,
     scale=None,  # default head_dim**-0.5
+    extra=3,
+    max_query_len=None,  # host hints; default: the batch's own
+    max_seq_len=None,
 ):
-    extra = 3
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(
         seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_tokens=extra
     )
@@ -126,7 +128,7 @@ def _check(
     with _tiles(block_m, block_n):
         result = paged_prefill_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-            max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
+            max_query_len=max_query_len or max(q for q, _ in seqs), max_seq_len=max_seq_len or max(n for _, n in seqs),
             sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key, value=value,
         )  # fmt: skip
     assert result is out
@@ -229,6 +231,21 @@ def test_idle_sequences_and_single_tokens():
     # q_len == 0 sequences (idle batch slots) write nothing; a batch of only single tokens also works.
     _check([(0, 12), (5, 20), (0, 1), (1, 1)])
     _check([(1, 9), (1, 33), (1, 1)], num_heads=8, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_m", [(4, 2, 16), (6, 2, 16), (4, 1, None)])
+def test_padded_graph_batch(num_heads, num_kv_heads, block_m):
+    # A mixed step as a CUDA graph bucket sees it: many sequences of uneven lengths (the flat grid's binary search
+    # over cu_seqlens_q), zero-length padding sequences at the end, padding tokens of no sequence, and host hints
+    # sized for the bucket rather than for the batch. GROUP 3 does not divide BLOCK_M.
+    gen = torch.Generator().manual_seed(7)
+    seqs = []
+    for _ in range(29):
+        q_len = [1, 1, 1, 2, 5, 17][torch.randint(6, (1,), generator=gen).item()]
+        seqs.append((q_len, q_len + torch.randint(0, 40, (1,), generator=gen).item()))
+    seqs += [(0, 0)] * 11  # padding sequences: no token, no context
+    _check(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=8, block_m=block_m, extra=9,
+           max_query_len=256, max_seq_len=4096)  # fmt: skip
 
 
 def test_strided_query():
