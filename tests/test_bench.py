@@ -18,6 +18,9 @@ def test_workloads_have_the_documented_shapes():
     prefix = make_workload("prefix", 1000, 50)
     assert all(p[:341] == prefix.prompts[0][:341] for p in prefix.prompts)
     assert all(351 <= len(p) <= 381 for p in prefix.prompts) and all(20 <= n <= 80 for n in prefix.output_lens)
+    short = make_workload("short", 1000, None)
+    assert len(short.prompts) == 1000
+    assert all(10 <= len(p) <= 100 for p in short.prompts) and all(20 <= n <= 200 for n in short.output_lens)
     assert make_workload("nano", 1000, 8).prompts == make_workload("nano", 1000, 8).prompts  # seeded
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         make_workload("chat", 1000, None)

@@ -107,8 +107,8 @@ class ContinuousBatcher:
             model.set_attn_implementation("paged")
         self.runner = ModelRunner(
             model, self.kv, config.block_size, max_num_seqs=config.max_num_seqs,
-            max_model_len=info.max_model_len or 8192, use_cuda_graphs=config.use_cuda_graphs,
-            compile_model=config.compile_model,
+            max_model_len=info.max_model_len or 8192, max_num_batched_tokens=config.max_num_batched_tokens,
+            use_cuda_graphs=config.use_cuda_graphs, compile_model=config.compile_model,
         )  # fmt: skip
         self._sync = RankSync(info.tp_size, self.runner.device)
         if self.runner.device.type == "cuda":

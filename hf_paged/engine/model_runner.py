@@ -10,11 +10,18 @@ Step, in order:
      attention function writes each layer's K/V at the slots and reads the blocks; logits are
      computed only at the sampling positions (``logits_to_keep`` with indices).
 
-CUDA graphs: a step of decode tokens only (one token per sequence, every one sampling) replays a graph
-captured for the smallest batch bucket that holds it (``GRAPH_BATCH_SIZES``; the engine captures every
-bucket at start-up). Run only copies the plan into static buffers and replays: it must stay capturable
-(no host sync, no shape change). Padding rows of a bucket get slot -1 (never written) and length 0
-(output zeros). Prefill and mixed steps run eagerly.
+CUDA graphs: every step that fits a bucket replays a graph captured at start-up (the whole forward, attention
+included), so a step costs the host one staging copy and one replay whatever it carries:
+- a decode step (one token per sequence, every one sampling) replays the graph of the smallest batch bucket
+  that holds it (``GRAPH_BATCH_SIZES``); attention takes the split-K decode kernel;
+- any other step (prompt chunks, prefix hits, decode tokens mixed in) replays the graph of the smallest token
+  bucket that holds it (``MIXED_TOKEN_SIZES``, up to ``max_num_batched_tokens``), with room for
+  ``min(tokens, max_num_seqs)`` sequences; attention takes the varlen prefill kernel, whose grid depends
+  only on the shapes (kernels/prefill.py), so one capture serves every mix of lengths.
+Replay only stages the plan into static inputs (``StaticInputs``) and replays: the captured forward must stay
+capturable (no host sync, no shape change). Padding tokens get slot -1 (never written) and belong to no
+sequence (attention output 0); padding sequences are empty (length 0). Steps above the largest bucket run
+eagerly.
 
 Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.transfer),
 and an input token that the previous step sampled but the host has not seen yet (a ``PLACEHOLDER``, async
@@ -45,7 +52,11 @@ def _keep_on_own_device(model: torch.nn.Module, key: str) -> None:
                 h.skip_keys = [*keys, key]
 
 
+# Graph buckets. Decode steps (one token per sequence, all sampling): padded to the next batch size here.
+# Mixed steps (prompt chunks, possibly with decode tokens): padded to the next token count here, with room for
+# min(tokens, max_num_seqs) sequences.
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
 class ModelRunner:
@@ -55,10 +66,14 @@ class ModelRunner:
         model: a Hugging Face causal LM set to attn_implementation="paged".
         kv: the per-layer block pools.
         block_size: tokens per block.
-        max_num_seqs: the largest decode batch (the largest graph bucket).
+        max_num_seqs: the most sequences in a step (the largest decode bucket).
         max_model_len: the longest sequence (width of the static block tables).
-        use_cuda_graphs: replay CUDA graphs for decode steps (CUDA only; default: on when on CUDA).
-        compile_model: compile the model (torch.compile) inside the decode graphs.
+        max_num_batched_tokens: the most tokens in a step (the largest mixed bucket, capped at 8192: longer
+            steps run eagerly, where the host's share of the step is small).
+        use_cuda_graphs: replay CUDA graphs for steps that fit a bucket (CUDA only; default: on when on CUDA).
+        compile_model: compile the model (torch.compile) inside the graphs.
+        emulate_graphs: run each step that fits a bucket eagerly through the padded static inputs its graph would
+            read, without capturing (tests the bucketing and padding on the CPU).
     """
 
     def __init__(
@@ -68,13 +83,15 @@ class ModelRunner:
         block_size: int,
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
+        max_num_batched_tokens: int = 2048,
         use_cuda_graphs: bool | None = None,
         compile_model: bool = False,
+        emulate_graphs: bool = False,
     ):
         self.model = model
         # torch.compile fuses the model's elementwise ops (norms, rotary, activations) between the attention
-        # calls, which stay eager (the attention function is excluded from tracing). Only the captured decode
-        # graphs use it: prefill lengths vary without bound and would keep recompiling.
+        # calls, which stay eager (the attention function is excluded from tracing). Only the captured graphs use
+        # it: eager steps have unbounded shapes and would keep recompiling.
         self._graph_forward = torch.compile(model, dynamic=True) if compile_model else model
         self.kv = kv
         self.block_size = block_size
@@ -91,13 +108,17 @@ class ModelRunner:
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda" and single_device
         self.use_cuda_graphs = use_cuda_graphs
-        self.graph_sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+        self.emulate_graphs = emulate_graphs and not use_cuda_graphs
+        self.max_num_seqs = max_num_seqs
+        self.decode_sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+        top = min(max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
+        self.mixed_sizes = sorted({t for t in MIXED_TOKEN_SIZES if t < top} | {top})
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
         self.tables = BlockTables(self.max_blocks_per_seq)  # kept from the scheduler's diffs
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[str, int], tuple] = {}
         self._graph_pool = None
-        self._static = None
+        self._static: StaticInputs | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -119,7 +140,6 @@ class ModelRunner:
         self.tables.apply(sched.block_updates)
         if sched.is_empty:
             return None
-        num_seqs = len(sched.seq_ids)
         plan = plan_chunks(
             self.tables.gather(sched.seq_ids),
             np.array(sched.num_computed, dtype=np.int64),
@@ -128,13 +148,9 @@ class ModelRunner:
             self.block_size,
         )
         input_ids = np.array(sched.input_token_ids, dtype=np.int64)
-        if (
-            self.use_cuda_graphs
-            and num_seqs <= self.graph_sizes[-1]
-            and sched.num_batched_tokens == num_seqs
-            and len(sched.sample_idx) == num_seqs
-        ):
-            return self._replay(plan, input_ids, sched.placeholders, prev_sampled)
+        bucket = self._bucket(len(sched.seq_ids), len(input_ids), len(sched.sample_idx))
+        if bucket is not None:
+            return self._run_static(bucket, plan, input_ids, sched.placeholders, prev_sampled)
         ctx = to_context(plan, self.device, batch_size=1, query_len=len(input_ids), paged=True, owner=self,
                          kv_caches=self.kv_caches)  # fmt: skip
         input_ids_t = to_device(input_ids, torch.int64, self.input_device)
@@ -159,38 +175,60 @@ class ModelRunner:
         values = prev_sampled.index_select(0, to_device(src, torch.int64, prev_sampled.device)).to(input_ids.device)
         input_ids.index_copy_(0, to_device(dst, torch.int64, input_ids.device), values)
 
-    # ---- CUDA graphs for decode steps --------------------------------------------------------------
+    # ---- CUDA graphs: static, padded inputs --------------------------------------------------------
 
-    def _replay(self, plan: ForwardPlan, input_ids: np.ndarray, placeholders, prev_sampled) -> torch.Tensor:
-        """Copy the decode step's plan into the static buffers and replay the bucket's graph."""
-        num_seqs = len(input_ids)
-        bucket = next(b for b in self.graph_sizes if b >= num_seqs)
+    def _bucket(self, num_seqs: int, num_tokens: int, num_sampling: int) -> tuple[str, int] | None:
+        """The graph that runs this step: ("decode", batch) or ("mixed", tokens); None = eager."""
+        if not (self.use_cuda_graphs or self.emulate_graphs) or num_seqs > self.max_num_seqs:
+            return None
+        if num_tokens == num_seqs and num_sampling == num_seqs:  # decode only: the split-K decode kernel
+            return "decode", next(b for b in self.decode_sizes if b >= num_seqs)
+        if num_tokens <= self.mixed_sizes[-1]:
+            return "mixed", next(t for t in self.mixed_sizes if t >= num_tokens)
+        return None
+
+    def _bucket_shape(self, bucket: tuple[str, int]) -> tuple[int, int]:
+        """(padded tokens, padded sequences) of a bucket."""
+        kind, size = bucket
+        return (size, size) if kind == "decode" else (size, min(size, self.max_num_seqs))
+
+    def _run_static(self, bucket, plan: ForwardPlan, input_ids: np.ndarray, placeholders, prev_sampled):
+        """Stage the step's plan into the static inputs, padded to its bucket, and replay the bucket's graph.
+
+        Padding: tokens past the real ones get id 0, position 0 and slot -1 (never written) and belong to no
+        sequence (attention output 0); sequences past the real ones are empty (no token, length 0); logits rows
+        past the sampling ones read token 0 and are dropped.
+        """
         if self._static is None:
             self._allocate_static()
         st = self._static
-        host = st["host"]
-        host["input_ids"][:num_seqs] = np.maximum(input_ids, 0)  # placeholders are filled on the device below
-        host["position_ids"][:num_seqs] = plan.positions
-        host["slot_mapping"][:num_seqs] = plan.slot_mapping
+        num_tokens, num_seqs, num_sampling = len(input_ids), len(plan.seq_lens), len(plan.logits_idx)
+        pad_tokens, pad_seqs = self._bucket_shape(bucket)
+        host = st.stage()  # numpy views of a free pinned staging buffer
+        np.maximum(input_ids, 0, out=host["input_ids"][:num_tokens])  # placeholders are filled on the device below
+        host["input_ids"][num_tokens:pad_tokens] = 0
+        host["position_ids"][:num_tokens] = plan.positions
+        host["position_ids"][num_tokens:pad_tokens] = 0
+        host["slot_mapping"][:num_tokens] = plan.slot_mapping
+        host["slot_mapping"][num_tokens:pad_tokens] = -1
+        host["logits_idx"][:num_sampling] = plan.logits_idx
+        host["logits_idx"][num_sampling:pad_seqs] = 0
         host["seq_lens"][:num_seqs] = plan.seq_lens
-        # Padding rows: a valid id, slot -1 (never written), length 0 (output zeros).
-        host["input_ids"][num_seqs:bucket] = 0
-        host["position_ids"][num_seqs:bucket] = 0
-        host["slot_mapping"][num_seqs:bucket] = -1
-        host["seq_lens"][num_seqs:bucket] = 0
-        # Pinned staging copies: the host arrays are reused next step while these copies may still be queued.
-        for name in ("input_ids", "position_ids", "slot_mapping", "seq_lens"):
-            st[name][:bucket].copy_(torch.from_numpy(host[name][:bucket]).pin_memory(), non_blocking=True)
+        host["seq_lens"][num_seqs:pad_seqs] = 0
+        host["cu_seqlens_q"][: num_seqs + 1] = plan.cu_seqlens_q
+        host["cu_seqlens_q"][num_seqs + 1 : pad_seqs + 1] = num_tokens
         width = plan.block_tables.shape[1]
-        st["block_tables"][:num_seqs, :width].copy_(
-            torch.from_numpy(plan.block_tables).pin_memory(), non_blocking=True
-        )
-        self._fill_placeholders(st["input_ids"], placeholders, prev_sampled)
-        if bucket not in self._graphs:
-            self._capture(bucket)
-        graph, logits = self._graphs[bucket]
-        graph.replay()
-        return logits[0, :num_seqs].float()
+        host["block_tables"][: num_seqs * width] = plan.block_tables.ravel()
+        st.upload(num_seqs, width)
+        self._fill_placeholders(st.dev["input_ids"], placeholders, prev_sampled)
+        if self.emulate_graphs:
+            logits = self._static_forward(bucket)()
+        else:
+            if bucket not in self._graphs:
+                self._capture(bucket)
+            graph, logits = self._graphs[bucket]
+            graph.replay()
+        return logits[0, :num_sampling].float()
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:
@@ -233,65 +271,58 @@ class ModelRunner:
         self._graphs.clear()
         self._graph_pool = None
         self._static = None
-        self.use_cuda_graphs = False
+        self.use_cuda_graphs = self.emulate_graphs = False
 
     def capture_all(self) -> None:
-        """Capture every decode bucket now (largest first, so smaller graphs reuse its memory pool)."""
+        """Capture every bucket now, largest first (smaller graphs reuse its memory pool): mixed, then decode."""
         if self._static is None:
             self._allocate_static()
-        for bucket in sorted(self.graph_sizes, reverse=True):
+        buckets = [("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes]
+        for bucket in sorted(buckets, key=lambda b: self._bucket_shape(b), reverse=True):
             if bucket not in self._graphs:
                 self._capture(bucket)
 
     def _allocate_static(self) -> None:
-        max_bs = self.graph_sizes[-1]
-        dev = self.device
-        self._static = {
-            # Flat: a bucket's [1, bucket] view is then contiguous (torch.compile guards on strides).
-            "input_ids": torch.zeros((max_bs,), dtype=torch.int64, device=dev),
-            "position_ids": torch.zeros((max_bs,), dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "seq_lens": torch.zeros((max_bs,), dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros((max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "logits_idx": torch.arange(max_bs, dtype=torch.int64, device=dev),
-            # Host staging (numpy views of one step's plan).
-            "host": {
-                "input_ids": np.zeros(max_bs, dtype=np.int64),
-                "position_ids": np.zeros(max_bs, dtype=np.int64),
-                "slot_mapping": np.full(max_bs, -1, dtype=np.int64),
-                "seq_lens": np.zeros(max_bs, dtype=np.int32),
-            },
-        }
+        max_tokens = max(self.mixed_sizes[-1], self.decode_sizes[-1])
+        self._static = StaticInputs(max_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
 
-    def _capture(self, bucket: int) -> None:
-        """Capture the decode forward for ``bucket`` sequences (after one eager warm-up run)."""
-        st = self._static
+    def _static_forward(self, bucket: tuple[str, int]):
+        """The forward of ``bucket`` over views of the static inputs (what its graph captures)."""
+        kind, _ = bucket
+        pad_tokens, pad_seqs = self._bucket_shape(bucket)
+        dev = self._static.dev
         ctx = ForwardContext(
-            slot_mapping=st["slot_mapping"][:bucket],
-            block_tables=st["block_tables"][:bucket],
-            seq_lens=st["seq_lens"][:bucket],
-            cu_seqlens_q=st["cu_seqlens_q"][: bucket + 1],
-            max_query_len=1,
-            # A fixed hint: the decode kernel's split count must not change between replays.
+            slot_mapping=dev["slot_mapping"][:pad_tokens],
+            block_tables=dev["block_tables"][:pad_seqs],
+            seq_lens=dev["seq_lens"][:pad_seqs],
+            cu_seqlens_q=dev["cu_seqlens_q"][: pad_seqs + 1],
+            # Host hints fixed for the bucket. Decode: the split count must not change between replays. Mixed:
+            # BLOCK_M for the longest query the bucket can hold; the prefill grid comes from the shapes.
+            max_query_len=1 if kind == "decode" else pad_tokens,
             max_seq_len=self.max_model_len,
             batch_size=1,
-            query_len=bucket,
+            query_len=pad_tokens,
             paged=True,
             owner=self,
             kv_caches=self.kv_caches,
         )
+        model = self.model if self.emulate_graphs else self._graph_forward
 
         def forward():
             with forward_context(ctx):
-                return self._graph_forward(
-                    input_ids=st["input_ids"][:bucket].unsqueeze(0),
-                    position_ids=st["position_ids"][:bucket].unsqueeze(0),
+                return model(
+                    input_ids=dev["input_ids"][:pad_tokens].unsqueeze(0),
+                    position_ids=dev["position_ids"][:pad_tokens].unsqueeze(0),
                     attention_mask=self._no_mask,
                     use_cache=False,
-                    logits_to_keep=st["logits_idx"][:bucket],
+                    logits_to_keep=dev["logits_idx"][:pad_seqs],
                 ).logits
 
+        return forward
+
+    def _capture(self, bucket: tuple[str, int]) -> None:
+        """Capture the forward of ``bucket`` (after one eager warm-up run)."""
+        forward = self._static_forward(bucket)
         # The live rows were just written; the warm-up may rewrite their slots with the same K/V.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -303,3 +334,68 @@ class ModelRunner:
             logits = forward()
         self._graph_pool = graph.pool()
         self._graphs[bucket] = (graph, logits)
+
+
+class StaticInputs:
+    """The captured steps' inputs: static device tensors, filled each step from double-buffered pinned staging.
+
+    Every graph reads views of the same device tensors (a bucket of T tokens and S sequences reads the first T
+    and S entries). A step writes its padded plan into the numpy views of one pinned host buffer (``stage()``)
+    and ``upload()`` queues three asynchronous copies: no allocation and no sync per step. The two staging
+    buffers alternate; a buffer is reused only after the copies that read it two steps ago have run (an event).
+
+    Args:
+        max_tokens: tokens of the largest bucket.
+        max_seqs: sequences of the largest bucket.
+        max_blocks_per_seq: block-table width.
+        device: where the graphs run.
+    """
+
+    # (name, dtype, length as a function of (max_tokens, max_seqs)): packed into one int64 and one int32 buffer.
+    I64 = (("input_ids", "T"), ("position_ids", "T"), ("slot_mapping", "T"), ("logits_idx", "S"))
+    I32 = (("seq_lens", "S"), ("cu_seqlens_q", "S1"))
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        sizes = {"T": max_tokens, "S": max_seqs, "S1": max_seqs + 1}
+        self.device = device
+        pin = device.type == "cuda"
+        self._layout = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        self._dev_packed = {}
+        for dtype, fields in ((torch.int64, self.I64), (torch.int32, self.I32)):
+            total = sum(sizes[n] for _, n in fields)
+            packed = torch.zeros(total, dtype=dtype, device=device)
+            self._dev_packed[dtype] = packed
+            offset = 0
+            for name, n in fields:
+                self._layout[name] = (dtype, offset, sizes[n])
+                self.dev[name] = packed[offset : offset + sizes[n]]
+                offset += sizes[n]
+        self.dev["slot_mapping"].fill_(-1)
+        self.dev["block_tables"] = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self._host = []  # two staging buffers: {dtype: pinned packed tensor, "block_tables": pinned flat}
+        for _ in range(2):
+            buf = {dtype: torch.zeros(p.numel(), dtype=dtype, pin_memory=pin) for dtype, p in self._dev_packed.items()}
+            buf["block_tables"] = torch.zeros(max_seqs * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+            views = {name: buf[dtype].numpy()[off : off + n] for name, (dtype, off, n) in self._layout.items()}
+            views["block_tables"] = buf["block_tables"].numpy()
+            self._host.append((buf, views, torch.cuda.Event() if pin else None))
+        self._turn = 0
+
+    def stage(self) -> dict[str, np.ndarray]:
+        """The numpy views of the next free staging buffer (waits, rarely, for its copies of two steps ago)."""
+        self._turn ^= 1
+        _, views, event = self._host[self._turn]
+        if event is not None:
+            event.synchronize()
+        return views
+
+    def upload(self, num_seqs: int, width: int) -> None:
+        """Queue the copies of the staged step: the packed buffers whole, the block tables' first rows."""
+        buf, _, event = self._host[self._turn]
+        for dtype, packed in self._dev_packed.items():
+            packed.copy_(buf[dtype], non_blocking=True)
+        rows = buf["block_tables"][: num_seqs * width].view(num_seqs, width)
+        self.dev["block_tables"][:num_seqs, :width].copy_(rows, non_blocking=True)
+        if event is not None:
+            event.record()

@@ -4,13 +4,19 @@ Random-weight bf16 models built from configs (no hub; like ``vllm bench --load-f
 prompt ids, EOS ignored, seeded workloads:
 - nano: 256 requests, prompt U[100, 1024], output U[100, 1024] (nano-vllm's bench);
 - sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
-- prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4).
+- prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4);
+- short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps).
 Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without async scheduling
 (``hf_paged_sync``), transformers ``generate`` with
 padded static batches, transformers' built-in continuous batching. Each reports output tokens/s, total
-tokens/s and peak memory; the physical floor is the time to read the weights once per decode step plus
-every KV byte each output token attends to, over the measured copy bandwidth, plus the prefill FLOPs over
-the measured matmul rate.
+tokens/s (median of ``--repeats`` runs, with min and max), start-up time and peak memory.
+
+The physical floor is one formula for every workload, and an estimate, not a strict bound: the time to read
+the weights once per decode step (the fewest steps: requests in waves of ``max_num_seqs``, each wave as long
+as its longest output; the wave model is not exact for staggered arrivals) plus every KV byte each output
+token attends to, over the measured copy bandwidth, plus the prefill FLOPs (2 x parameters x prompt tokens)
+over the measured matmul rate. The embedding table counts as weights read each step although only its
+gathered rows are read, so for small models the floor is a little too high.
 
 Run: ``hf-paged bench --workload nano --model qwen3-0.6b`` or ``python benchmarks/throughput.py ...``.
 Tensor parallelism (2 GPUs), beside 1 GPU on the same checkpoint:
@@ -23,6 +29,7 @@ import argparse
 import datetime
 import gc
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +49,7 @@ SHAPES = {
 }  # fmt: skip
 
 SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_sync", "hf_generate", "hf_cb")
+WORKLOADS = ("nano", "sharegpt", "prefix", "short")
 
 
 @dataclass
@@ -85,7 +93,12 @@ def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: in
         uniq = torch.randint(10, 41, (n,), generator=gen).tolist()
         lens_out = torch.randint(20, 81, (n,), generator=gen).tolist()
         return Workload(name, [prefix + ids(k) for k in uniq], lens_out)
-    raise ValueError(f"unknown workload {name!r}; choose from nano, sharegpt, prefix")
+    if name == "short":
+        n = num_requests or 1000
+        lens_in = torch.randint(10, 101, (n,), generator=gen).tolist()
+        lens_out = torch.randint(20, 201, (n,), generator=gen).tolist()
+        return Workload(name, [ids(k) for k in lens_in], lens_out)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
 def build_model(shape: str, device: str = "cuda"):
@@ -177,7 +190,10 @@ def _reset_memory():
     return torch.cuda.memory_allocated()
 
 
-def run_hf_paged(model, workload: Workload, prefix_caching: bool, args, async_scheduling: bool | None = None) -> dict:
+def run_hf_paged(
+    model, workload: Workload, prefix_caching: bool, args, repeats: int, async_scheduling: bool | None = None
+) -> dict:
+    """One engine (start-up timed to its first token), then ``repeats`` timed runs of the workload."""
     from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
 
     base = _reset_memory()
@@ -186,34 +202,51 @@ def run_hf_paged(model, workload: Workload, prefix_caching: bool, args, async_sc
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=args.compile, async_scheduling=async_scheduling,
     )  # fmt: skip
+    start = time.perf_counter()
     engine = ContinuousBatcher(model, config=config)
+    first = engine.generate([workload.prompts[0]], SamplingParams(max_new_tokens=1, ignore_eos=True), use_tqdm=False)
+    startup = time.perf_counter() - start
+    assert len(first[0].outputs[0].token_ids) == 1
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     warm = engine.generate(
         workload.prompts[:4], [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 4, use_tqdm=False
     )
     assert len(warm) == 4
-    engine.reset_prefix_cache()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = engine.generate(workload.prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    elapsed, generated = [], 0
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        steps_before = engine.metrics().num_steps
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.generate(workload.prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        elapsed.append(time.perf_counter() - start)
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
     m = engine.metrics()
     note = (f"{engine.pool.num_blocks} blocks, prefix hit {m.prefix_hit_rate:.0%}, "
-            f"{m.num_preemptions} preemptions, {m.num_steps} steps, async {engine.async_scheduling}")  # fmt: skip
+            f"{m.num_preemptions} preemptions, {m.num_steps - steps_before} steps, "
+            f"async {engine.async_scheduling}")  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base
     engine.close()  # frees the graphs now (under TP, destroy_process_group hangs while they live)
     del engine
-    return dict(elapsed=elapsed, generated=generated, peak=peak, note=note)
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note=note, startup=startup)
 
 
-def run_hf_generate(model, workload: Workload, args) -> dict:
+def run_hf_generate(model, workload: Workload, args, repeats: int) -> dict:
     """transformers generate over padded static batches of ``args.hf_batch`` requests (arrival order)."""
     model.set_attn_implementation("sdpa")
     base = _reset_memory()
-    pad = model.config.pad_token_id
     model.generate(input_ids=torch.tensor([workload.prompts[0][:16]], device="cuda"), max_new_tokens=4)
+    elapsed = []
+    for _ in range(repeats):
+        t, generated = _hf_generate_once(model, workload, args)
+        elapsed.append(t)
+    peak = torch.cuda.max_memory_allocated() - base
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note=f"batches of {args.hf_batch}, sdpa")
+
+
+def _hf_generate_once(model, workload: Workload, args) -> tuple[float, int]:
+    pad = model.config.pad_token_id
     torch.cuda.synchronize()
     start = time.perf_counter()
     generated = 0
@@ -228,17 +261,24 @@ def run_hf_generate(model, workload: Workload, args) -> dict:
                        do_sample=False, pad_token_id=pad)  # fmt: skip
         generated += sum(outs)
     torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - base
-    return dict(elapsed=elapsed, generated=generated, peak=peak, note=f"batches of {args.hf_batch}, sdpa")
+    return time.perf_counter() - start, generated
 
 
-def run_hf_cb(model, workload: Workload, args) -> dict:
+def run_hf_cb(model, workload: Workload, args, repeats: int) -> dict:
     """transformers' built-in continuous batching (ContinuousBatchingManager), sdpa attention."""
-    from transformers import GenerationConfig
-
     model.set_attn_implementation("sdpa")
     base = _reset_memory()
+    elapsed = []
+    for _ in range(repeats):
+        t, generated = _hf_cb_once(model, workload)
+        elapsed.append(t)
+    peak = torch.cuda.max_memory_allocated() - base
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note="ContinuousBatchingManager, sdpa")
+
+
+def _hf_cb_once(model, workload: Workload) -> tuple[float, int]:
+    from transformers import GenerationConfig
+
     config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1,
                               pad_token_id=model.config.pad_token_id)  # fmt: skip
     start = None
@@ -256,21 +296,23 @@ def run_hf_cb(model, workload: Workload, args) -> dict:
                 done += 1
                 generated += len(result.generated_tokens)
     torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - base
-    return dict(elapsed=elapsed, generated=generated, peak=peak, note="ContinuousBatchingManager, sdpa")
+    return time.perf_counter() - start, generated
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-paged bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
-    parser.add_argument("--workload", default="nano", choices=("nano", "sharegpt", "prefix"))
+    parser.add_argument("--workload", default="nano", choices=WORKLOADS)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument(
         "--quick",
         action="store_true",
         help="16 requests, outputs clipped to 128 tokens: < 2 min of GPU for all systems",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median, min and max)")
+    parser.add_argument(
+        "--baseline-repeats", type=int, default=None, help="timed runs of hf_generate and hf_cb (default: --repeats)"
     )
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--memory-fraction", type=float, default=0.6)
@@ -309,21 +351,22 @@ def main(argv: list[str] | None = None) -> int:
         workload.output_lens = [min(n, 128) for n in workload.output_lens]
     bandwidth, flops = measure_ceilings()
     floor = floor_seconds(model, workload, bandwidth, flops, args.max_num_seqs)
+    baseline_repeats = args.baseline_repeats or args.repeats
     rows = []
     for system in systems:
         try:
             if system == "hf_paged":
-                r = run_hf_paged(model, workload, True, args)
+                r = run_hf_paged(model, workload, True, args, args.repeats)
             elif system == "hf_paged_no_prefix":
-                r = run_hf_paged(model, workload, False, args)
+                r = run_hf_paged(model, workload, False, args, args.repeats)
             elif system == "hf_paged_sync":  # async scheduling off: the host's work between steps not overlapped
-                r = run_hf_paged(model, workload, True, args, async_scheduling=False)
+                r = run_hf_paged(model, workload, True, args, args.repeats, async_scheduling=False)
             elif system == "hf_generate":
-                r = run_hf_generate(model, workload, args)
+                r = run_hf_generate(model, workload, args, baseline_repeats)
             else:
-                r = run_hf_cb(model, workload, args)
+                r = run_hf_cb(model, workload, args, baseline_repeats)
         except Exception as exc:  # report the failure in the table, go on with the other systems
-            r = dict(elapsed=float("nan"), generated=0, peak=0, note=f"failed: {type(exc).__name__}: {exc}"[:200])
+            r = dict(elapsed=[], generated=0, peak=0, note=f"failed: {type(exc).__name__}: {exc}"[:200])
         rows.append((system + (f" (tp={model.tp_size})" if args.tp else ""), r))
         if rank == 0:
             print(f"{system}: {r}", flush=True)
@@ -339,13 +382,21 @@ def main(argv: list[str] | None = None) -> int:
         f"`hf-paged bench {' '.join(argv if argv is not None else sys.argv[1:])}` — measured copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; physical floor {floor:.2f} s = "
         f"{floor_tps:.0f} output tok/s\n\n"
-        "| system | time (s) | output tok/s | total tok/s | % of floor | peak memory (GiB) | notes |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "| system | runs | time (s), median [min, max] | output tok/s, median [min, max] | total tok/s | % of floor "
+        "| start-up to first token (s) | peak memory (GiB) | notes |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     for system, r in rows:
-        out_tps = r["generated"] / r["elapsed"] if r["elapsed"] == r["elapsed"] and r["elapsed"] > 0 else 0.0
-        tot_tps = total_tokens / r["elapsed"] if out_tps else 0.0
-        table += (f"| {system} | {r['elapsed']:.2f} | {out_tps:.0f} | {tot_tps:.0f} | {out_tps / floor_tps:.1%} | "
+        times = r["elapsed"]
+        if not times:
+            table += f"| {system} | 0 | - | - | - | - | - | - | {r['note']} |\n"
+            continue
+        med = statistics.median(times)
+        out_tps = r["generated"] / med
+        startup = f"{r['startup']:.1f}" if "startup" in r else "-"
+        spread = f"[{r['generated'] / max(times):.0f}, {r['generated'] / min(times):.0f}]"
+        table += (f"| {system} | {len(times)} | {med:.2f} [{min(times):.2f}, {max(times):.2f}] | {out_tps:.0f} "
+                  f"{spread} | {total_tokens / med:.0f} | {out_tps / floor_tps:.1%} | {startup} | "
                   f"{r['peak'] / 2**30:.1f} | {r['note']} |\n")  # fmt: skip
     print(table)
     if args.out:

@@ -1,0 +1,134 @@
+"""Every step through a graph bucket: padded static inputs give the same tokens as the eager engine.
+
+On CUDA (``HF_PAGED_TEST_DEVICE=cuda``, benchmarks/run_gpu.sh) the engine captures and replays real CUDA graphs,
+decode and mixed. On the CPU there is no capture; ``runner.emulate_graphs`` runs each step eagerly through the
+same padded static inputs its graph would read (padding tokens of no sequence, empty padding sequences, padded
+logits rows, double-buffered staging), which is what can go wrong in the bucketing.
+"""
+
+import pytest
+import torch
+from helpers import assert_engine_drained
+from models import DEVICE
+from models import tiny_model as _tiny_model
+
+from hf_paged import ContinuousBatcher, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def tiny_model(family="llama"):
+    return _tiny_model(family, device=DEVICE)
+
+
+def _engine(model, graphs: bool, **config) -> ContinuousBatcher:
+    engine = ContinuousBatcher(model, use_cuda_graphs=graphs and DEVICE == "cuda", block_size=8, **config)
+    if graphs and DEVICE != "cuda":
+        engine.runner.emulate_graphs = True
+    runs = {"decode": 0, "mixed": 0, "eager": 0}
+    run_static, execute = engine.runner._run_static, engine.runner.execute
+
+    def counting_static(bucket, *args):
+        runs[bucket[0]] += 1
+        return run_static(bucket, *args)
+
+    def counting_execute(sched, *args):
+        before = runs["decode"] + runs["mixed"]
+        out = execute(sched, *args)
+        if out is not None and runs["decode"] + runs["mixed"] == before:
+            runs["eager"] += 1
+        return out
+
+    engine.runner._run_static, engine.runner.execute = counting_static, counting_execute
+    engine.bucket_runs = runs
+    return engine
+
+
+def _workload(seed=3):
+    """Uneven prompts, two sharing a 24-token prefix (prefix hits), one whose whole prompt is cached."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, 96, (n,), generator=gen).tolist()  # noqa: E731
+    prefix = ids(24)
+    prompts = [ids(5), ids(37), prefix + ids(9), ids(1), prefix + ids(3), ids(20), prefix, prefix, ids(61)]
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in (9, 14, 6, 20, 11, 3, 8, 5, 12)]
+    params[5] = SamplingParams(n=3, max_new_tokens=7, temperature=1.0, seed=11, ignore_eos=True)  # forks
+    return prompts, params
+
+
+def _outputs(engine, prompts, params, arrive_every=0):
+    """Token ids of every request; with ``arrive_every`` > 0 a new request arrives every that many steps."""
+    if not arrive_every:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+    pending = list(zip(prompts, params, strict=True))
+    ids, last, step = [], {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % arrive_every == 0:
+            ids.append(engine.add_request(*pending.pop(0)))
+        for out in engine.step():
+            last[out.request_id] = out
+        step += 1
+    return [[c.token_ids for c in last[i].outputs] for i in ids]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "config, arrive_every",
+    [
+        (dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96), 0),  # chunked prefill, mixed steps
+        (dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96), 2),  # arrivals: a prompt in most steps
+        (dict(max_num_batched_tokens=24, max_num_seqs=6, num_blocks=14), 1),  # tiny pool: preemption
+        (dict(max_num_batched_tokens=24, max_num_seqs=6, num_blocks=14, preemption_mode="swap"), 1),
+        (dict(max_num_batched_tokens=256, max_num_seqs=16, num_blocks=96), 0),  # whole prompts, steps above buckets
+    ],
+    ids=["chunked", "arrivals", "preempt-recompute", "preempt-swap", "large-steps"],
+)
+def test_graph_steps_equal_eager(config, arrive_every, async_scheduling):
+    prompts, params = _workload()
+    eager = _engine(tiny_model(), graphs=False, async_scheduling=async_scheduling, **config)
+    graphs = _engine(tiny_model(), graphs=True, async_scheduling=async_scheduling, **config)
+    expected = _outputs(eager, prompts, params, arrive_every)
+    assert _outputs(graphs, prompts, params, arrive_every) == expected
+    runs = graphs.bucket_runs
+    assert runs["decode"] > 0 and runs["mixed"] > 0, runs
+    if config["max_num_batched_tokens"] <= 32:
+        assert runs["eager"] == 0, runs  # every step fits a bucket
+    if config["num_blocks"] == 14:
+        assert graphs.metrics().num_preemptions > 0
+    assert eager.bucket_runs["decode"] == eager.bucket_runs["mixed"] == 0
+    assert_engine_drained(graphs)
+    assert_engine_drained(eager)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3"])  # sliding windows, soft caps, q/k norms
+def test_graph_steps_other_families(family):
+    prompts, params = _workload(seed=5)
+    config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
+    expected = _outputs(_engine(tiny_model(family), graphs=False, **config), prompts, params, 2)
+    engine = _engine(tiny_model(family), graphs=True, **config)
+    assert _outputs(engine, prompts, params, 2) == expected
+    assert engine.bucket_runs["mixed"] > 0 and engine.bucket_runs["eager"] == 0
+    assert_engine_drained(engine)
+
+
+def test_beam_search_through_graph_buckets():
+    prompts, _ = _workload(seed=7)
+    config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=128)
+    params = SamplingParams(beam_width=3, max_new_tokens=10)
+    expected = _outputs(_engine(tiny_model(), graphs=False, **config), prompts[:3], [params] * 3)
+    engine = _engine(tiny_model(), graphs=True, **config)
+    assert _outputs(engine, prompts[:3], [params] * 3) == expected
+    assert engine.bucket_runs["mixed"] > 0
+    assert_engine_drained(engine)
+
+
+def test_bucket_choice():
+    engine = _engine(tiny_model(), graphs=True, max_num_batched_tokens=100, max_num_seqs=6, num_blocks=32)
+    runner = engine.runner
+    assert runner.decode_sizes == [1, 2, 4, 6] and runner.mixed_sizes == [16, 32, 64, 100]
+    assert runner._bucket(num_seqs=5, num_tokens=5, num_sampling=5) == ("decode", 6)
+    assert runner._bucket(num_seqs=5, num_tokens=5, num_sampling=4) == ("mixed", 16)  # a chunk's last-but-one
+    assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) == ("mixed", 64)
+    assert runner._bucket_shape(("mixed", 64)) == (64, 6) and runner._bucket_shape(("mixed", 16)) == (16, 6)
+    runner.emulate_graphs = False
+    assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) is None  # eager when graphs are off
