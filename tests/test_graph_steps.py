@@ -130,5 +130,5 @@ def test_bucket_choice():
     assert runner._bucket(num_seqs=5, num_tokens=5, num_sampling=4) == ("mixed", 16)  # a chunk's last-but-one
     assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) == ("mixed", 64)
     assert runner._bucket_shape(("mixed", 64)) == (64, 6) and runner._bucket_shape(("mixed", 16)) == (16, 6)
-    runner.emulate_graphs = False
+    runner.emulate_graphs = runner.use_cuda_graphs = False
     assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) is None  # eager when graphs are off

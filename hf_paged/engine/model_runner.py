@@ -118,6 +118,7 @@ class ModelRunner:
         self.tables = BlockTables(self.max_blocks_per_seq)  # kept from the scheduler's diffs
         self._graphs: dict[tuple[str, int], tuple] = {}
         self._graph_pool = None
+        self._capture_stream = None
         self._static: StaticInputs | None = None
 
     @torch.inference_mode()
@@ -324,7 +325,11 @@ class ModelRunner:
         """Capture the forward of ``bucket`` (after one eager warm-up run)."""
         forward = self._static_forward(bucket)
         # The live rows were just written; the warm-up may rewrite their slots with the same K/V.
-        stream = torch.cuda.Stream(self.device)
+        # One side stream for every warm-up: the allocator caches freed blocks per stream, so a new stream per
+        # capture would strand each warm-up's activations (a 8192-token bucket's are over a GiB).
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             forward()  # compiles Triton kernels, creates cuBLAS handles, outside the capture

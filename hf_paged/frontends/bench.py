@@ -300,6 +300,8 @@ def _hf_cb_once(model, workload: Workload) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hf_paged.engine.config import EngineConfig
+
     parser = argparse.ArgumentParser(prog="hf-paged bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--workload", default="nano", choices=WORKLOADS)
@@ -315,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-repeats", type=int, default=None, help="timed runs of hf_generate and hf_cb (default: --repeats)"
     )
     parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--memory-fraction", type=float, default=0.6)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # hf_paged's settings: the engine's defaults unless given
+    parser.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="hf_paged: torch.compile the model")
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
