@@ -334,6 +334,15 @@ class BlockPool:
             ValueError: ``num_new_tokens`` < 0, or ``seq_id`` is unknown.
             TypeError: ``num_new_tokens`` is not an int.
         """
+        seq = self._seqs.get(seq_id)
+        if seq is not None and type(num_new_tokens) is int and num_new_tokens > 0 and seq.block_table:
+            last = self._blocks[seq.block_table[-1]]
+            if last.ref_count == 1 and last.num_tokens + num_new_tokens <= self.block_size:
+                # Fast path (most decode steps): the tokens fit in the sequence's own partial last block.
+                last.num_tokens += num_new_tokens
+                self._num_used_slots += num_new_tokens
+                seq.num_tokens += num_new_tokens
+                return []
         _check_num_new_tokens(num_new_tokens)
         seq = self._get_seq(seq_id)
         if num_new_tokens == 0:

@@ -336,7 +336,7 @@ class ContinuousBatcher:
                 launched.deferred = False
                 continue
             copies = 1 if request.forked else request.params.n  # the prompt's row is sampled n times
-            history = _needs_history(request.params)
+            history = request.needs_history
             launched.deferred = launched.deferred and copies == 1 and not history
             for _ in range(copies):
                 row_idx.append(r)
@@ -618,8 +618,6 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     return host
 
 
-def _needs_history(p: SamplingParams) -> bool:
-    return p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _progress(total: int, enabled: bool):

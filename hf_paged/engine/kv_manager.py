@@ -86,9 +86,9 @@ class KVManager:
         pairs = self.pool.append(seq.seq_id, num_new)
         if pairs is None:
             return None
-        first = old_len - 1 if pairs else old_len  # copy-on-write replaced the last block
-        table = self.pool.get_block_table(seq.seq_id)
-        if first < len(table):
+        if pairs or -(-num_tokens // self.block_size) > old_len:  # the table changed (most steps: it did not)
+            first = old_len - 1 if pairs else old_len  # copy-on-write replaced the last block
+            table = self.pool.get_block_table(seq.seq_id)
             self._updates.append((seq.seq_id, first, table[first:]))
         return pairs
 

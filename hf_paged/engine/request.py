@@ -125,6 +125,13 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        # The sampler needs the output so far (penalties, min_tokens): such a step cannot run ahead (async).
+        self.needs_history = (
+            params.min_tokens > 0
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
         self.status = Status.WAITING
         self.seqs = [Sequence(list(prompt_token_ids), len(prompt_token_ids))]
         self.finished_seqs: list[Sequence] = []  # beam search: finished hypotheses (not in the pool)

@@ -192,9 +192,13 @@ class Scheduler:
                     computing.append(request)
                     idx += 1
                     continue
-                if self._reserve(request, seqs, (len(seq.token_ids),), step):
-                    step.add(request, seq, 1)
-                    idx += 1
+                pairs = self.kv.append_slots(seq, len(seq.token_ids))
+                if pairs is None and not self._reserve(request, seqs, (len(seq.token_ids),), step):
+                    continue  # preempted itself: the same idx is the next request
+                if pairs:
+                    step.copies.extend((src, dst, request) for src, dst in pairs)
+                step.add(request, seq, 1)
+                idx += 1
                 continue
             if any(len(seq.token_ids) - seq.num_computed != 1 for seq in seqs):
                 computing.append(request)
@@ -210,10 +214,12 @@ class Scheduler:
         for request in computing:
             if request.status is Status.RUNNING:  # not preempted in the meantime
                 budget = self._schedule_chunks(request, budget, step)
-        # 3. admit waiting requests, first come first served.
+        # 3. admit waiting requests, first come first served (nothing is preempted from here on).
+        num_running_seqs = self._num_running_seqs() if self.waiting else 0
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self._num_running_seqs() + _width(request) > self.max_num_seqs:
+            width = _width(request)
+            if num_running_seqs + width > self.max_num_seqs:
                 break
             if any(seq.num_inflight for seq in request.seqs):
                 break  # preempted with a token in flight: readmitted once its id is known (next step)
@@ -221,6 +227,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            num_running_seqs += width
             request.status = Status.RUNNING
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
@@ -354,8 +361,19 @@ class Scheduler:
             if request is None or request.is_finished or seq.is_finished:
                 j += 1  # aborted, or ended by the previous step's token: this one is discarded
                 continue
-            group = 1 if request.forked else request.params.n
-            seqs = [seq] if request.forked else self._fork_samples(request, seq, group)
+            if request.forked:  # the common case: one row, one sequence
+                row = sampled[j]
+                if deferred:
+                    seq.token_ids[len(seq.token_ids) - seq.num_inflight] = row.token_id  # the oldest placeholder
+                    seq.num_inflight -= 1
+                else:
+                    seq.token_ids.append(row.token_id)
+                self._check_stop(request, seq, row)
+                applied.append((request, seq))
+                j += 1
+                continue
+            group = request.params.n
+            seqs = self._fork_samples(request, seq, group)
             for row, child in zip(sampled[j : j + group], seqs, strict=True):
                 if deferred:
                     pos = len(child.token_ids) - child.num_inflight  # the oldest placeholder
@@ -486,4 +504,7 @@ def _chunk_sizes(remaining: list[int], budget: int) -> list[int]:
 
 def _width(request: Request) -> int:
     """Sequences the request runs at once: its n samples or beams, once forked."""
-    return max(len(request.live_seqs), request.params.n, request.params.beam_width)
+    params = request.params
+    if params.n == 1 and params.beam_width == 1 and len(request.seqs) == 1:  # the common case
+        return 1
+    return max(len(request.live_seqs), params.n, params.beam_width)
