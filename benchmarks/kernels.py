@@ -1,9 +1,12 @@
 """Benchmark the paged attention kernels against the card's copy bandwidth and torch SDPA.
 
 Decode (bf16, 32 query heads, 8 KV heads, head_dim 128, block_size 16, shuffled block tables) at
-batch {1, 32, 256} x context {512, 4096}: median latency (do_bench, with p20/p80), bytes moved
+batch {1, 8, 32, 256} x context {512, 2048, 4096}: median latency (do_bench, with p20/p80), bytes moved
 (K + V of every context + query + out; block-table reads are ignored), achieved GB/s, the share of
 the measured device-to-device copy bandwidth, and torch SDPA on contiguous K/V of the same shape.
+Eager calls include each call's launch cost (a Triton launch from Python costs more than the kernel at batch 1);
+the "in a CUDA graph" columns replay both calls from a graph (``do_bench_cudagraph``), as the engine runs decode,
+so they compare device time.
 Prefill (when kernels/prefill.py exists): 4 fresh prompts x 1024 tokens vs causal SDPA.
 
 Prints a markdown block to paste into benchmarks/RESULTS.md; ``--out PATH`` also writes it there.
@@ -23,7 +26,7 @@ import triton.testing
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-DECODE_BATCHES = (1, 32, 256)
+DECODE_BATCHES = (1, 8, 32, 256)
 DECODE_CONTEXTS = (512, 2048, 4096)
 PREFILL_BATCH, PREFILL_LEN = 4, 1024
 QUANTILES = [0.5, 0.2, 0.8]  # do_bench returns (median, p20, p80) in ms
@@ -71,8 +74,8 @@ def _paged_inputs(batch: int, context: int, num_sets: int, generator: torch.Gene
     return query, seq_lens, sets
 
 
-def _bench_paged_decode(batch: int, context: int, l2_bytes: int) -> tuple[float, float, float]:
-    """(median, p20, p80) µs of paged_decode_triton, rotating input sets when the KV fits in L2."""
+def _bench_paged_decode(batch: int, context: int, l2_bytes: int) -> tuple[float, float, float, float]:
+    """(median, p20, p80, in-graph median) µs of paged_decode_triton, rotating input sets when the KV fits in L2."""
     from hf_paged.kernels.decode import paged_decode_triton
 
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -89,11 +92,16 @@ def _bench_paged_decode(batch: int, context: int, l2_bytes: int) -> tuple[float,
         k_cache, v_cache, block_tables = next(rotation)
         paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=context, out=out)
 
-    return _bench(run_paged)
+    return (*_bench(run_paged), _graph_us(run_paged))
 
 
-def _bench_sdpa_decode(batch: int, context: int, gqa_kwargs: dict) -> float:
-    """Median µs of torch SDPA: one query token over contiguous K/V [batch, num_kv_heads, context, head_dim]."""
+def _graph_us(fn) -> float:
+    """Median µs per call of ``fn`` replayed from a CUDA graph (no launch cost; L2 not flushed between calls)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+def _bench_sdpa_decode(batch: int, context: int, gqa_kwargs: dict) -> tuple[float, float]:
+    """Median µs of torch SDPA (eager, in a graph): one query token over contiguous K/V [batch, kv_heads, ctx, D]."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
@@ -102,8 +110,12 @@ def _bench_sdpa_decode(batch: int, context: int, gqa_kwargs: dict) -> float:
         k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
         v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    median_us, _, _ = _bench(lambda: sdpa(q, k, v, scale=HEAD_DIM**-0.5, **gqa_kwargs))
-    return median_us
+
+    def run():
+        sdpa(q, k, v, scale=HEAD_DIM**-0.5, **gqa_kwargs)
+
+    median_us, _, _ = _bench(run)
+    return median_us, _graph_us(run)
 
 
 def _kv_bytes(batch: int, context: int) -> int:
@@ -114,9 +126,9 @@ def bench_decode(batch: int, context: int, copy_gbs: float, gqa_kwargs: dict, l2
     """One row of the decode table."""
     from hf_paged.kernels.decode import choose_num_splits
 
-    paged_us, paged_p20, paged_p80 = _bench_paged_decode(batch, context, l2_bytes)
+    paged_us, paged_p20, paged_p80, paged_graph_us = _bench_paged_decode(batch, context, l2_bytes)
     torch.cuda.empty_cache()
-    sdpa_us = _bench_sdpa_decode(batch, context, gqa_kwargs)
+    sdpa_us, sdpa_graph_us = _bench_sdpa_decode(batch, context, gqa_kwargs)
     torch.cuda.empty_cache()
     # K + V of every context, plus the query read and the out written.
     moved = _kv_bytes(batch, context) + 2 * batch * NUM_HEADS * HEAD_DIM * (torch.finfo(DTYPE).bits // 8)
@@ -133,6 +145,8 @@ def bench_decode(batch: int, context: int, copy_gbs: float, gqa_kwargs: dict, l2
         "gbs": gbs,
         "pct": 100 * gbs / copy_gbs,
         "sdpa_us": sdpa_us,
+        "graph_us": paged_graph_us,
+        "sdpa_graph_us": sdpa_graph_us,
     }
 
 
@@ -240,13 +254,15 @@ def main(argv: list[str] | None = None) -> int:
         f"### Decode: bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}, "
         "shuffled block tables",
         "",
-        "| batch | context | splits | paged µs (p20-p80) | MB moved | GB/s | % of copy BW | SDPA µs | SDPA / paged |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | context | splits | paged µs (p20-p80) | MB moved | GB/s | % of copy BW | SDPA µs | SDPA / paged "
+        "| in a CUDA graph: paged µs | SDPA µs | SDPA / paged |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['splits']} | {r['us']:.1f} ({r['p20']:.1f}-{r['p80']:.1f}) "
-            f"| {r['mb']:.1f} | {r['gbs']:.0f} | {r['pct']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_us'] / r['us']:.2f} |"
+            f"| {r['mb']:.1f} | {r['gbs']:.0f} | {r['pct']:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_us'] / r['us']:.2f} "
+            f"| {r['graph_us']:.1f} | {r['sdpa_graph_us']:.1f} | {r['sdpa_graph_us'] / r['graph_us']:.2f} |"
         )
     lines += ["", f"Decode correctness (batch 8, ragged contexts <= 1000): max abs diff vs reference {max_diff:.2e}."]
     prefill = bench_prefill(gqa_kwargs)

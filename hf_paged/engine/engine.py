@@ -618,8 +618,6 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     return host
 
 
-
-
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
