@@ -15,6 +15,6 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cache_ops.py tes
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py -k cuda -W ignore::FutureWarning 2>&1 | tail -8 | tee -a "$out/tests.txt"
 # The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
 HF_PAGED_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_async.py \
-    tests/test_engine_reliability.py -W ignore::FutureWarning 2>&1 | tail -12 | tee -a "$out/tests.txt"
+    tests/test_engine_reliability.py tests/test_graph_steps.py -W ignore::FutureWarning 2>&1 | tail -12 | tee -a "$out/tests.txt"
 timeout 120 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40
 timeout 240 python3 benchmarks/generate.py --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25

@@ -36,8 +36,9 @@ class EngineConfig:
         enable_prefix_caching: reuse full blocks across requests by content hash.
         preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
         swap_space_gb: CPU memory for swapped blocks (swap mode), >= 0.
-        use_cuda_graphs: replay CUDA graphs for decode steps; None = on for a model on one CUDA device.
-        compile_model: torch.compile the model inside the decode CUDA graphs.
+        use_cuda_graphs: replay CUDA graphs for every step that fits a bucket (decode and mixed); None = on for a
+            model on one CUDA device.
+        compile_model: torch.compile the model inside the CUDA graphs (faster steps, tens of seconds of start-up).
         async_scheduling: queue step N+1 before reading back step N's tokens; None = on for a model on CUDA.
     """
 

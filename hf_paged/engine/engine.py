@@ -219,7 +219,7 @@ class ContinuousBatcher:
             self.scheduler.reset_prefix_cache()
 
     def close(self) -> None:
-        """Finish the step in flight and free the CUDA graphs (the engine then runs decode steps eagerly).
+        """Finish the step in flight and free the CUDA graphs (the engine then runs every step eagerly).
 
         Call it before ``torch.distributed.destroy_process_group()`` under tensor parallelism: that call hangs
         while graphs with captured NCCL collectives are alive (pytorch/pytorch#115388).
