@@ -26,8 +26,8 @@ K/V are read through the block table, except that with ``key=/value=`` a fresh p
 context) reads them from the contiguous new-token tensors instead.
 
 Grid: ``(num_tokens * GROUP // BLOCK_M + num_seqs, num_kv_heads)``, one flat axis of tile slots for the whole
-batch (as vLLM's unified attention). Sequence s owns the slots from ``first_slot(s) = cu_seqlens_q[s] * GROUP //
-BLOCK_M + s`` up to ``first_slot(s + 1)``: at least ``cdiv(q_len * GROUP, BLOCK_M)`` of them, since
+batch (as vLLM's unified attention). Sequence s owns the slots from ``first_slot(s) = (cu_seqlens_q[s] -
+cu_seqlens_q[0]) * GROUP // BLOCK_M + s`` up to ``first_slot(s + 1)``: at least ``cdiv(q_len * GROUP, BLOCK_M)`` of them, since
 floor(a + b) - floor(a) >= ceil(b) - 1. A program finds its sequence by binary search over ``cu_seqlens_q`` and
 exits at once on a spare slot. The grid depends only on the tensor shapes, never on the lengths: one grid serves a
 batch of one long prompt or of many decode rows without idle programs in proportion to ``num_seqs * max_query_len``,
@@ -286,12 +286,15 @@ def _paged_prefill_kernel(
     # attend to more keys, and chunks sit after decode rows; launch from the end so the short ones fill the tail.
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    # seq_idx: the last sequence whose first slot first_slot(s) = cu_seqlens_q[s] * GROUP // BLOCK_M + s is <= slot.
+    # seq_idx: the last sequence whose first slot first_slot(s) = (cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP //
+    # BLOCK_M + s is <= slot. Offsets count from cu_seqlens_q[0], which may be > 0 (rows before it belong to no
+    # sequence): first_slot(0) = 0 <= slot then holds for every program, the search's invariant.
+    cu_first = tl.load(cu_seqlens_q_ptr)
     seq_lo = 0
     seq_hi = num_seqs
     while seq_hi - seq_lo > 1:
         mid = (seq_lo + seq_hi) // 2
-        before = tl.load(cu_seqlens_q_ptr + mid) * GROUP // BLOCK_M + mid <= slot
+        before = (tl.load(cu_seqlens_q_ptr + mid) - cu_first) * GROUP // BLOCK_M + mid <= slot
         seq_lo = tl.where(before, mid, seq_lo)
         seq_hi = tl.where(before, seq_hi, mid)
     seq_idx = seq_lo
@@ -299,7 +302,7 @@ def _paged_prefill_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
     q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
     num_rows = q_len * GROUP
-    row_start = (slot - (q_start * GROUP // BLOCK_M + seq_idx)) * BLOCK_M
+    row_start = (slot - ((q_start - cu_first) * GROUP // BLOCK_M + seq_idx)) * BLOCK_M
     if row_start >= num_rows:  # a spare slot of this sequence (or of an empty padding sequence)
         return
     ctx_len = tl.load(seq_lens_ptr + seq_idx)
@@ -445,7 +448,7 @@ def paged_prefill_triton(
         sliding_window: W > 0: token p attends only to j with p - j < W. None or <= 0: off.
         soft_cap: C > 0: scores become C * tanh(scores / C). None or <= 0: off.
         out: [num_tokens, num_heads, head_dim], query's dtype; zero-filled when None. Rows of tokens
-            beyond ``cu_seqlens_q[-1]`` are left untouched.
+            of no sequence (before ``cu_seqlens_q[0]`` or from ``cu_seqlens_q[-1]`` on) are left untouched.
         key, value: [num_tokens, num_kv_heads, head_dim], the new tokens' K/V, rows aligned with
             ``query`` (the tensors write_kv stored), last dim contiguous. When given, a fresh prompt
             (seq_len == q_len) reads its K/V from these contiguous rows instead of through the block

@@ -248,6 +248,30 @@ def test_padded_graph_batch(num_heads, num_kv_heads, block_m):
            max_query_len=256, max_seq_len=4096)  # fmt: skip
 
 
+@pytest.mark.parametrize("block_m", [16, None])
+def test_leading_empty_sequences(block_m):
+    # The chunks of a mixed step whose leading decode rows another kernel already wrote: those sequences are made
+    # empty at the offset where the chunks begin (cu_seqlens_q = max(cu, D)), their rows must stay as they were.
+    num_decode = 37
+    seqs = [(1, 5 + 3 * i) for i in range(num_decode)] + [(17, 17), (9, 40), (30, 30)] + [(0, 0)] * 5
+    query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(
+        seqs, 4, 2, 64, 16, torch.float16, extra_tokens=7
+    )
+    scale = 64**-0.5
+    expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEVICE)
+    out[:num_decode] = 7.0  # "written by the decode kernel"
+    with _tiles(block_m):
+        paged_prefill_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.clamp(min=num_decode), scale,
+            max_query_len=2048, max_seq_len=4096, out=out,
+        )  # fmt: skip
+    num_tokens = int(cu_seqlens_q[-1])
+    assert (out[:num_decode] == 7.0).all()
+    torch.testing.assert_close(out[num_decode:num_tokens], expected[num_decode:num_tokens], atol=2e-3, rtol=2e-3)
+    assert out[num_tokens:].isnan().all()
+
+
 def test_strided_query():
     _check(MIXED, query_view=True)
 
