@@ -68,18 +68,30 @@ def paged_attention_forward(
             new_key, new_value = new_key.index_select(0, ctx.token_idx), new_value.index_select(0, ctx.token_idx)
     if query_len == 1 or (new_key is not None and new_key.stride(2) != 1):
         new_key = new_value = None  # decode reads the blocks; the prefill kernel needs a contiguous last dim
+    window, cap = (sliding_window if sliding_window else None), (softcap if softcap else None)
+    out = None
+    cu_seqlens_q = ctx.cu_seqlens_q
+    if ctx.decode_seq_lens is not None:  # mixed graph step: the leading decode rows take the decode kernel first
+        num_seqs = ctx.decode_seq_lens.shape[0]
+        out = torch.zeros_like(q)  # rows of no sequence read as 0
+        paged_attention(
+            q[:num_seqs], key, value, ctx.block_tables, ctx.decode_seq_lens, ctx.decode_cu_seqlens_q, scaling,
+            max_query_len=1, max_seq_len=ctx.max_seq_len, sliding_window=window, soft_cap=cap, out=out[:num_seqs],
+        )  # fmt: skip
+        cu_seqlens_q = ctx.prefill_cu_seqlens_q  # the decode rows are empty sequences there: left as written
     out = paged_attention(
         q,
         key,
         value,
         ctx.block_tables,
         ctx.seq_lens,
-        ctx.cu_seqlens_q,
+        cu_seqlens_q,
         scaling,
         max_query_len=ctx.max_query_len,
         max_seq_len=ctx.max_seq_len,
-        sliding_window=sliding_window if sliding_window else None,
-        soft_cap=softcap if softcap else None,
+        sliding_window=window,
+        soft_cap=cap,
+        out=out,
         key=new_key,  # fresh prompts read their K/V here instead of through the block table
         value=new_value,
     )  # [num_tokens, num_heads, head_dim]

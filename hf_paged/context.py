@@ -45,6 +45,13 @@ class ForwardContext:
     # Engine path (model called with use_cache=False): per-layer (k_cache, v_cache) pools; the attention
     # function writes the layer's new K/V at slot_mapping itself. None when a PagedCache's update() does it.
     kv_caches: list | None = None
+    # Mixed steps replayed from a CUDA graph: the leading single-token rows (decode tokens; row s is sequence s)
+    # take the split-K decode kernel and the other sequences the prefill kernel. decode_seq_lens [num_seqs]: the
+    # context length of each leading single-token sequence, 0 for the others; decode_cu_seqlens_q [num_seqs + 1]:
+    # 0..num_seqs; prefill_cu_seqlens_q [num_seqs + 1]: cu_seqlens_q with those sequences made empty. None = off.
+    decode_seq_lens: torch.Tensor | None = None
+    decode_cu_seqlens_q: torch.Tensor | None = None
+    prefill_cu_seqlens_q: torch.Tensor | None = None
     _per_device: dict = field(default_factory=dict, repr=False)
 
     def on(self, device: torch.device) -> "ForwardContext":
@@ -55,7 +62,17 @@ class ForwardContext:
         if ctx is None:
             moved = {
                 name: (getattr(self, name).to(device, non_blocking=True) if getattr(self, name) is not None else None)
-                for name in ("slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "token_idx", "gather_idx")
+                for name in (
+                    "slot_mapping",
+                    "block_tables",
+                    "seq_lens",
+                    "cu_seqlens_q",
+                    "token_idx",
+                    "gather_idx",
+                    "decode_seq_lens",
+                    "decode_cu_seqlens_q",
+                    "prefill_cu_seqlens_q",
+                )  # fmt: skip
             }
             ctx = ForwardContext(
                 **moved,

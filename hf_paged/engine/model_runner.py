@@ -218,6 +218,13 @@ class ModelRunner:
         host["seq_lens"][num_seqs:pad_seqs] = 0
         host["cu_seqlens_q"][: num_seqs + 1] = plan.cu_seqlens_q
         host["cu_seqlens_q"][num_seqs + 1 : pad_seqs + 1] = num_tokens
+        if bucket[0] == "mixed":  # the leading single-token sequences go to the decode kernel
+            single = plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1] == 1
+            num_decode = num_seqs if single.all() else int(np.argmin(single))
+            host["decode_seq_lens"][:num_decode] = plan.seq_lens[:num_decode]
+            host["decode_seq_lens"][num_decode:pad_seqs] = 0
+            np.maximum(plan.cu_seqlens_q, num_decode, out=host["prefill_cu_seqlens_q"][: num_seqs + 1])
+            host["prefill_cu_seqlens_q"][num_seqs + 1 : pad_seqs + 1] = num_tokens
         width = plan.block_tables.shape[1]
         host["block_tables"][: num_seqs * width] = plan.block_tables.ravel()
         st.upload(num_seqs, width)
@@ -307,6 +314,12 @@ class ModelRunner:
             owner=self,
             kv_caches=self.kv_caches,
         )
+        if kind == "mixed":
+            # Decode rows through the prefill kernel would each take a whole BLOCK_M tile and its pipeline ramp
+            # (about 3 ms a step at 256 rows, 28 layers): they take the split-K decode kernel instead.
+            ctx.decode_seq_lens = dev["decode_seq_lens"][:pad_seqs]
+            ctx.decode_cu_seqlens_q = dev["decode_cu_seqlens_q"][: pad_seqs + 1]
+            ctx.prefill_cu_seqlens_q = dev["prefill_cu_seqlens_q"][: pad_seqs + 1]
         model = self.model if self.emulate_graphs else self._graph_forward
 
         def forward():
@@ -358,7 +371,7 @@ class StaticInputs:
 
     # (name, dtype, length as a function of (max_tokens, max_seqs)): packed into one int64 and one int32 buffer.
     I64 = (("input_ids", "T"), ("position_ids", "T"), ("slot_mapping", "T"), ("logits_idx", "S"))
-    I32 = (("seq_lens", "S"), ("cu_seqlens_q", "S1"))
+    I32 = (("seq_lens", "S"), ("cu_seqlens_q", "S1"), ("decode_seq_lens", "S"), ("prefill_cu_seqlens_q", "S1"))
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
         sizes = {"T": max_tokens, "S": max_seqs, "S1": max_seqs + 1}
@@ -377,6 +390,7 @@ class StaticInputs:
                 self.dev[name] = packed[offset : offset + sizes[n]]
                 offset += sizes[n]
         self.dev["slot_mapping"].fill_(-1)
+        self.dev["decode_cu_seqlens_q"] = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)  # constant
         self.dev["block_tables"] = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
         self._host = []  # two staging buffers: {dtype: pinned packed tensor, "block_tables": pinned flat}
         for _ in range(2):
