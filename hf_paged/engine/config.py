@@ -27,9 +27,13 @@ class EngineConfig:
     """Settings of a ContinuousBatcher.
 
     Attributes:
-        num_blocks: KV blocks in the pool; None = ``memory_fraction`` of free device memory.
+        num_blocks: KV blocks in the pool; None = sized from memory: on CUDA what ``gpu_memory_utilization`` of
+            the card leaves after a profiled full-budget step (hf_paged.engine.memory), or ``memory_fraction``
+            of free memory when that is given (and on the CPU, 0.5 of free RAM up to 2 GiB).
         block_size: tokens per block (a positive multiple of 8).
-        memory_fraction: share of free device memory for the pool when ``num_blocks`` is None; in (0, 1].
+        memory_fraction: share of *free* device memory for the pool (the older, simpler sizing); in (0, 1].
+        gpu_memory_utilization: share of the CUDA card's *total* memory this engine may use, weights,
+            activations and pool together (as vLLM's setting); in (0, 1].
         max_num_batched_tokens: token budget of one forward (chunked prefill splits longer prompts).
         max_num_seqs: most sequences in one forward; None = min(256, max_num_batched_tokens). Also the most
             samples (``n``) or beams one request may have.
@@ -44,7 +48,8 @@ class EngineConfig:
 
     num_blocks: int | None = None
     block_size: int = 16
-    memory_fraction: float = 0.5
+    memory_fraction: float | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
@@ -64,12 +69,12 @@ class EngineConfig:
             or (self.block_size % 8)
         ):
             raise ValueError(f"`block_size` must be a positive multiple of 8 (e.g. 16), got {self.block_size!r}")
-        if (
-            isinstance(self.memory_fraction, bool)
-            or not isinstance(self.memory_fraction, (int, float))
-            or not (0.0 < self.memory_fraction <= 1.0)
-        ):
-            raise ValueError(f"`memory_fraction` must be in (0, 1], got {self.memory_fraction!r}")
+        for name in ("memory_fraction", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if name == "memory_fraction" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+                raise ValueError(f"`{name}` must be in (0, 1], got {value!r}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_num_seqs is None:
             self.max_num_seqs = min(256, self.max_num_batched_tokens)

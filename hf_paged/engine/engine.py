@@ -1,6 +1,6 @@
 """ContinuousBatcher: an iteration-level serving engine over any Hugging Face causal LM.
 
-    engine = ContinuousBatcher(model, tokenizer=tok)                 # pool sized from free memory
+    engine = ContinuousBatcher(model, tokenizer=tok)                 # pool: 0.9 of the card after a profiled step
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=256, temperature=0.7))
     for delta in engine.stream("Hello", SamplingParams(...)): print(delta.text, end="")
     rid = engine.add_request(prompt_ids, params); outs = engine.step(); engine.abort(rid)
@@ -39,6 +39,7 @@ from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.distributed import RankSync
 from hf_paged.engine.inputs import InputProcessor, eos_token_ids, is_messages
 from hf_paged.engine.kv_manager import KVManager
+from hf_paged.engine.memory import MemoryProfile, profile_num_blocks
 from hf_paged.engine.metrics import EngineMetrics, MetricsRecorder
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.outputs import Detokenizer, StreamDelta, request_output
@@ -69,9 +70,10 @@ class ContinuousBatcher:
         model: a decoder-only Hugging Face causal LM (full or sliding-window attention layers).
         tokenizer: optional; enables string prompts, chat messages, stop strings and text outputs.
         config: an ``EngineConfig``; or pass its fields as keyword arguments (``num_blocks=``, ``block_size=``,
-            ``memory_fraction=``, ``max_num_batched_tokens=``, ``max_num_seqs=``, ``enable_prefix_caching=``,
-            ``preemption_mode=``, ``swap_space_gb=``, ``use_cuda_graphs=``, ``compile_model=``,
-            ``async_scheduling=``; see EngineConfig). Every setting is checked before anything is allocated.
+            ``gpu_memory_utilization=``, ``memory_fraction=``, ``max_num_batched_tokens=``, ``max_num_seqs=``,
+            ``enable_prefix_caching=``, ``preemption_mode=``, ``swap_space_gb=``, ``use_cuda_graphs=``,
+            ``compile_model=``, ``async_scheduling=``; see EngineConfig). Every setting is checked before anything
+            is allocated.
 
     Async scheduling: a token sampled after a sequence's stop token is computed and discarded. Steps with beam
     search, penalties, ``min_tokens`` or a prompt forking into ``n`` samples are processed at once.
@@ -86,7 +88,19 @@ class ContinuousBatcher:
             raise TypeError(f"`config` must be an EngineConfig, got {type(config).__name__}")
         self.config = config
         info = ModelInfo.from_model(model)
-        num_blocks = info.num_blocks_for(config.num_blocks, config.block_size, config.memory_fraction)
+        if getattr(model.config, "_attn_implementation", None) != "paged":
+            import hf_paged.attention  # noqa: F401  (registers "paged")
+
+            model.set_attn_implementation("paged")
+        self.memory_profile: MemoryProfile | None = None  # how the pool was sized, when profiled
+        if config.num_blocks is None and config.memory_fraction is None and info.devices[0].type == "cuda":
+            self.memory_profile = profile_num_blocks(
+                model, info, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+                config.gpu_memory_utilization, _graphs_on(config, info), info.max_model_len or 8192,
+            )  # fmt: skip
+            num_blocks = self.memory_profile.num_blocks
+        else:
+            num_blocks = info.num_blocks_for(config.num_blocks, config.block_size, config.memory_fraction or 0.5)
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
@@ -101,10 +115,6 @@ class ContinuousBatcher:
             KVManager(pool, num_swap_slots), config.max_num_batched_tokens, config.max_num_seqs,
             config.preemption_mode, self.eos_token_ids, info.max_model_len,
         )  # fmt: skip
-        if getattr(model.config, "_attn_implementation", None) != "paged":
-            import hf_paged.attention  # noqa: F401  (registers "paged")
-
-            model.set_attn_implementation("paged")
         self.runner = ModelRunner(
             model, self.kv, config.block_size, max_num_seqs=config.max_num_seqs,
             max_model_len=info.max_model_len or 8192, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -114,6 +124,8 @@ class ContinuousBatcher:
         if self.runner.device.type == "cuda":
             self.runner.warmup(config.max_num_batched_tokens)  # kernels compiled, allocator grown: before requests
         if self.runner.use_cuda_graphs:
+            if config.max_num_batched_tokens <= self.runner.mixed_sizes[-1]:
+                torch.cuda.empty_cache()  # every step replays a graph: the warm-up's cached activations go back
             self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
         self.sampler = Sampler()
         head = model.get_output_embeddings()
@@ -589,6 +601,13 @@ class _Launched:
     token_ids: torch.Tensor | None = None  # [num_rows] int64 on the device: read by the next step's inputs
     host: list | None = None  # host copies of (token_ids, logprobs, top_logprobs, top_token_ids) (pinned on CUDA)
     event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+
+
+def _graphs_on(config: EngineConfig, info: ModelInfo) -> bool:
+    """Whether the runner will replay CUDA graphs (its default: on for a model on one CUDA device)."""
+    if config.use_cuda_graphs is not None:
+        return config.use_cuda_graphs
+    return len(set(info.devices)) == 1 and info.devices[0].type == "cuda"
 
 
 def _as_prompt_list(prompts) -> list:

@@ -199,6 +199,7 @@ def run_hf_paged(
     base = _reset_memory()
     config = EngineConfig(
         num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=args.compile, async_scheduling=async_scheduling,
     )  # fmt: skip
@@ -223,9 +224,12 @@ def run_hf_paged(
         elapsed.append(time.perf_counter() - start)
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
     m = engine.metrics()
+    pool_gib = engine.pool.num_blocks * engine.info.bytes_per_block(engine.pool.block_size) / 2**30
+    card_gib = torch.cuda.mem_get_info()[1] / 2**30
     note = (f"{engine.pool.num_blocks} blocks, prefix hit {m.prefix_hit_rate:.0%}, "
             f"{m.num_preemptions} preemptions, {m.num_steps - steps_before} steps, "
-            f"async {engine.async_scheduling}")  # fmt: skip
+            f"async {engine.async_scheduling}, pool {pool_gib:.1f} GiB, "
+            f"peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} of {card_gib:.0f} GiB")  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base
     engine.close()  # frees the graphs now (under TP, destroy_process_group hangs while they live)
     del engine
@@ -318,7 +322,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-blocks", type=int, default=None)
     # hf_paged's settings: the engine's defaults unless given
-    parser.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction)
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=EngineConfig.memory_fraction,
+        help="pool = this share of free memory (default: sized by --gpu-memory-utilization)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=EngineConfig.gpu_memory_utilization,
+        help="share of the card for weights, activations and pool (default: %(default)s)",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="hf_paged: torch.compile the model")
