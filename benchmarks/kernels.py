@@ -95,6 +95,31 @@ def _bench_paged_decode(batch: int, context: int, l2_bytes: int) -> tuple[float,
     return (*_bench(run_paged), _graph_us(run_paged))
 
 
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def sweep_splits(batch: int, context: int) -> dict[int, float]:
+    """In-graph µs of the decode kernel for each forced split count (the heuristic's choice is in the main table).
+
+    The kernel caps each sequence's splits at one per MIN_KEYS_PER_SPLIT keys, so large counts stop mattering.
+    """
+    from hf_paged.kernels.decode import paged_decode_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    query, seq_lens, sets = _paged_inputs(batch, context, 1, generator)
+    k_cache, v_cache, block_tables = sets[0]
+    out = torch.empty_like(query)
+    result = {}
+    for n in SWEEP_SPLITS:
+        result[n] = _graph_us(
+            lambda n=n: paged_decode_triton(
+                query, k_cache, v_cache, block_tables, seq_lens, HEAD_DIM**-0.5, max_seq_len=context, out=out,
+                num_splits=n,
+            )
+        )  # fmt: skip
+    return result
+
+
 def _graph_us(fn) -> float:
     """Median µs per call of ``fn`` replayed from a CUDA graph (no launch cost; L2 not flushed between calls)."""
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
@@ -265,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['graph_us']:.1f} | {r['sdpa_graph_us']:.1f} | {r['sdpa_graph_us'] / r['graph_us']:.2f} |"
         )
     lines += ["", f"Decode correctness (batch 8, ragged contexts <= 1000): max abs diff vs reference {max_diff:.2e}."]
+    lines += ["", "### Decode split count, in a CUDA graph (µs; the heuristic's pick: main table, `splits`)", "",
+              "| batch | context | " + " | ".join(f"{n} splits" for n in SWEEP_SPLITS) + " |",
+              "|---:|---:|" + "---:|" * len(SWEEP_SPLITS)]  # fmt: skip
+    for batch, context in ((1, 512), (1, 4096), (8, 2048)):
+        sweep = sweep_splits(batch, context)
+        lines.append(f"| {batch} | {context} | " + " | ".join(f"{sweep[n]:.1f}" for n in SWEEP_SPLITS) + " |")
     prefill = bench_prefill(gqa_kwargs)
     lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
 

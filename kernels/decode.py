@@ -21,9 +21,10 @@ Two kernels:
 2. ``_merge_splits_kernel``, grid ``(num_seqs, num_heads)``: log-sum-exp combine of the partials.
    Rows whose partials are all neutral (``seq_len == 0``, e.g. CUDA-graph padding) get zeros.
 
-The split is per sequence (each sequence divides its own length), so ``max_seq_len`` only feeds the
-``num_splits`` heuristic and never affects correctness: a CUDA graph captured with a bound that is
-too small still computes the right answer.
+The split is per sequence (each sequence divides its own length, and uses only as many of the grid's
+splits as give each ``MIN_KEYS_PER_SPLIT`` keys), so ``max_seq_len`` only sizes the grid and never
+affects correctness: a CUDA graph captured with a bound that is too small still computes the right
+answer, and one captured with ``max_model_len`` splits a short context as an exact bound would.
 
 Why ``tl.dot`` for the group: the query tile is padded to at least 16 rows (the tensor-core minimum).
 Decode is memory bound (about 1 flop per byte of K/V per query head), so the padded rows cost idle
@@ -108,6 +109,7 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     WRITE_OUT: tl.constexpr,  # num_splits == 1: normalize and write out, skip the merge
+    MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles (MIN_KEYS_PER_SPLIT keys)
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
 ):
     seq_idx = tl.program_id(0)
@@ -122,7 +124,12 @@ def _paged_decode_kernel(
     # Tiles are aligned to multiples of BLOCK_N, so with ONE_BLOCK_PER_TILE no tile crosses a block.
     tile_lo = lo // BLOCK_N
     tile_hi = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+    # The grid holds num_splits splits (fixed for a CUDA graph, sized for the longest context it may see); this
+    # sequence uses only as many as its own context fills with MIN_TILES_PER_SPLIT tiles each. The rest are
+    # empty (neutral partials), so a short context in a graph captured for a long one keeps long splits.
+    num_tiles = tile_hi - tile_lo
+    splits_used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES_PER_SPLIT), 1))
+    tiles_per_split = tl.cdiv(num_tiles, splits_used)
     split_tile_lo = tile_lo + split_idx * tiles_per_split
     split_tile_hi = tl.minimum(split_tile_lo + tiles_per_split, tile_hi)
 
@@ -468,6 +475,7 @@ def paged_decode_triton(
         USE_WINDOW=use_window,
         USE_SOFT_CAP=use_soft_cap,
         WRITE_OUT=write_out,
+        MIN_TILES_PER_SPLIT=max(1, MIN_KEYS_PER_SPLIT // block_n),
         DOT_FP32=dot_fp32,
         num_warps=4,
         num_stages=2,
