@@ -144,3 +144,20 @@ def test_bucket_choice():
     assert runner._bucket_shape(("mixed", 64)) == (64, 6) and runner._bucket_shape(("mixed", 16)) == (16, 6)
     runner.emulate_graphs = runner.use_cuda_graphs = False
     assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) is None  # eager when graphs are off
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compile_model applies on CUDA only (HF_PAGED_TEST_DEVICE=cuda, device)")
+@pytest.mark.parametrize("mode", ["modules", "full"])
+def test_compiled_steps_equal_eager(mode):
+    """compile_model="modules" (norms and MLPs compiled in place) and "full": the same tokens and logprobs as eager."""
+    prompts, params = _workload(seed=9)
+    config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
+    expected = _outputs(_engine(tiny_model(), graphs=True, **config), prompts, params, 2)
+    model = tiny_model()
+    engine = _engine(model, graphs=True, compile_model=mode, **config)
+    _assert_same(_outputs(engine, prompts, params, 2), expected)
+    assert engine.bucket_runs["mixed"] > 0 and engine.bucket_runs["decode"] > 0
+    compiled = [m for m in model.modules() if getattr(m, "_hf_paged_compiled", False)]
+    # "modules": each of the 2 layers' two norms and MLP, and the final norm; "full" leaves the modules alone.
+    assert len(compiled) == (2 * 3 + 1 if mode == "modules" else 0), len(compiled)
+    assert_engine_drained(engine)

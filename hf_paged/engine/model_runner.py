@@ -59,6 +59,23 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192,
 MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
+# Modules compiled in place by compile_model="modules": a decoder's norms and MLPs, by class-name suffix (LlamaRMSNorm,
+# Qwen3MLP, Gemma2RMSNorm...). Eager, each RMSNorm is about 7 kernels and each gated MLP's activation 2; compiled,
+# one each. All layers share one compiled graph (same code, dynamic shapes), so start-up pays a few compiles.
+COMPILED_MODULE_SUFFIXES = ("RMSNorm", "MLP")
+
+
+def compile_modules(model: torch.nn.Module) -> int:
+    """torch.compile the forward of every norm and MLP module of ``model`` in place; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__.endswith(COMPILED_MODULE_SUFFIXES) and not getattr(module, "_hf_paged_compiled", 0):
+            module.forward = torch.compile(module.forward, dynamic=True)
+            module._hf_paged_compiled = True
+            count += 1
+    return count
+
+
 class ModelRunner:
     """Owns the model's forward for the engine.
 
@@ -71,7 +88,8 @@ class ModelRunner:
         max_num_batched_tokens: the most tokens in a step (the largest mixed bucket, capped at 8192: longer
             steps run eagerly, where the host's share of the step is small).
         use_cuda_graphs: replay CUDA graphs for steps that fit a bucket (CUDA only; default: on when on CUDA).
-        compile_model: compile the model (torch.compile) inside the graphs.
+        compile_model: False, "modules" (compile the model's norm and MLP modules in place) or "full"/True
+            (compile the whole forward inside the graphs); CUDA only.
         emulate_graphs: run each step that fits a bucket eagerly through the padded static inputs its graph would
             read, without capturing (tests the bucketing and padding on the CPU).
     """
@@ -85,14 +103,18 @@ class ModelRunner:
         max_model_len: int = 8192,
         max_num_batched_tokens: int = 2048,
         use_cuda_graphs: bool | None = None,
-        compile_model: bool = False,
+        compile_model: bool | str = False,
         emulate_graphs: bool = False,
     ):
         self.model = model
-        # torch.compile fuses the model's elementwise ops (norms, rotary, activations) between the attention
+        mode = "full" if compile_model is True else (compile_model or None)
+        on_cuda = kv.k_cache[0].device.type == "cuda"
+        if mode == "modules" and on_cuda:
+            compile_modules(model)
+        # "full": torch.compile fuses the model's elementwise ops (norms, rotary, activations) between the attention
         # calls, which stay eager (the attention function is excluded from tracing). Only the captured graphs use
         # it: eager steps have unbounded shapes and would keep recompiling.
-        self._graph_forward = torch.compile(model, dynamic=True) if compile_model else model
+        self._graph_forward = torch.compile(model, dynamic=True) if mode == "full" else model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.k_cache[0].device

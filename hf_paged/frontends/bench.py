@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="hf_paged: torch.compile the model")
+    parser.add_argument("--compile", nargs="?", const="full", default=False, choices=["modules", "full"],
+                        help="hf_paged: compile_model (bare --compile: full)")  # fmt: skip
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
     parser.add_argument("--out", help="append the markdown table to this file (e.g. benchmarks/RESULTS.md)")
     parser.add_argument("--model-dir", help="load the random-weight model from DIR (built and saved there first)")
