@@ -12,7 +12,7 @@ Builds a random-weight model (hf_paged.frontends.bench shapes), fills the engine
 
 4. times mixed steps (the batch's decode tokens plus one new prompt, run eagerly, without CUDA graphs).
 
-Run: python benchmarks/profile_engine.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--compile]
+Run: python benchmarks/profile_engine.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--compile none|layers|full]
 Tensor parallelism: torchrun --nproc-per-node 2 benchmarks/profile_engine.py --model llama-8b --model-dir DIR --tp
 """
 
@@ -74,7 +74,7 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", default="none", choices=["none", "layers", "full"], help="compile_model")
     parser.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top CPU/GPU ops")
     parser.add_argument("--model-dir", help="load the random-weight model from DIR (saved there first)")
     parser.add_argument("--tp", action="store_true", help="tensor parallelism under torchrun (needs --model-dir)")
@@ -83,7 +83,8 @@ def main():
     rank = torch.distributed.get_rank() if args.tp else 0
     say = print if rank == 0 else (lambda *a, **k: None)
     config = EngineConfig(memory_fraction=0.5, max_num_batched_tokens=8192, max_num_seqs=args.batch,
-                          compile_model=args.compile, async_scheduling=False)  # fmt: skip
+                          compile_model=False if args.compile == "none" else args.compile,
+                          async_scheduling=False)  # fmt: skip
     engine = ContinuousBatcher(model, config=config)
     gen = torch.Generator().manual_seed(0)
     max_new = min(10_000, (engine.info.max_model_len or 1 << 30) - args.prompt)  # never finishes while timed

@@ -9,7 +9,12 @@ imported.
 import pytest
 from helpers import has_default_model
 
+from hf_paged.engine import model_runner
 from hf_paged.frontends import models as frontend_models
+
+# The engine compiles its model's layers by default on CUDA (compile_model=None); the GPU test run builds a hundred
+# engines, so there the default is eager, and the tests of compilation ask for it (test_graph_steps.py).
+model_runner.AUTO_COMPILE_MODE = False
 
 
 @pytest.fixture(scope="session")

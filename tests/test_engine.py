@@ -262,8 +262,10 @@ def test_engine_rejects_bad_configuration():
         make_engine(tiny_model("llama"), num_blocks=8, preemption_mode="drop")
     with pytest.raises(ValueError, match="`block_size` must be a positive multiple of 8"):
         make_engine(tiny_model("llama"), num_blocks=8, block_size=4)
-    for bad in ("yes", 1, "max-autotune"):
-        with pytest.raises(ValueError, match=r"`compile_model` must be False, True, or one of \('modules', 'full'\)"):
+    for bad in ("yes", 1, "modules"):
+        with pytest.raises(
+            ValueError, match=r"`compile_model` must be None \(auto\), False, True, or one of \('layers',"
+        ):
             make_engine(tiny_model("llama"), num_blocks=8, compile_model=bad)
 
 

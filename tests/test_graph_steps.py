@@ -13,6 +13,7 @@ from models import DEVICE
 from models import tiny_model as _tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
+from hf_paged.engine import model_runner
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -146,18 +147,59 @@ def test_bucket_choice():
     assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) is None  # eager when graphs are off
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="compile_model applies on CUDA only (HF_PAGED_TEST_DEVICE=cuda, device)")
-@pytest.mark.parametrize("mode", ["modules", "full"])
+ON_CUDA_ONLY = pytest.mark.skipif(
+    DEVICE != "cuda", reason="compile_model applies on CUDA only (HF_PAGED_TEST_DEVICE=cuda, device machine)"
+)
+
+
+@ON_CUDA_ONLY
+@pytest.mark.parametrize("mode", ["layers", "full"])
 def test_compiled_steps_equal_eager(mode):
-    """compile_model="modules" (norms and MLPs compiled in place) and "full": the same tokens and logprobs as eager."""
+    """compile_model="layers" (each decoder layer compiled in place) and "full": the eager engine's tokens and
+    logprobs."""
     prompts, params = _workload(seed=9)
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
     expected = _outputs(_engine(tiny_model(), graphs=True, **config), prompts, params, 2)
     model = tiny_model()
     engine = _engine(model, graphs=True, compile_model=mode, **config)
+    assert engine.runner.compile_mode == mode
     _assert_same(_outputs(engine, prompts, params, 2), expected)
     assert engine.bucket_runs["mixed"] > 0 and engine.bucket_runs["decode"] > 0
     compiled = [m for m in model.modules() if getattr(m, "_hf_paged_compiled", False)]
-    # "modules": each of the 2 layers' two norms and MLP, and the final norm; "full" leaves the modules alone.
-    assert len(compiled) == (2 * 3 + 1 if mode == "modules" else 0), len(compiled)
+    assert len(compiled) == (2 if mode == "layers" else 0), len(compiled)  # the tiny model's 2 decoder layers
     assert_engine_drained(engine)
+
+
+def test_compile_default(monkeypatch):
+    """compile_model=None compiles the layers on one CUDA device (the test run's default is eager: conftest) and
+    nothing on the CPU."""
+    monkeypatch.setattr(model_runner, "AUTO_COMPILE_MODE", "layers")
+    engine = _engine(tiny_model(), graphs=True, num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4)
+    assert engine.runner.compile_mode == ("layers" if DEVICE == "cuda" else None)
+    assert not engine.runner.compiled_modules or DEVICE == "cuda"
+
+
+@ON_CUDA_ONLY
+def test_failed_default_compile_falls_back_to_eager(monkeypatch):
+    """A compile error under the default setting warns and leaves an eager engine with the same outputs."""
+    monkeypatch.setattr(model_runner, "AUTO_COMPILE_MODE", "layers")
+
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("inductor could not compile this")
+
+        return run
+
+    monkeypatch.setattr(model_runner.torch, "compile", broken_compile)
+    prompts, params = _workload(seed=9)
+    config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
+    model = tiny_model()
+    with pytest.warns(UserWarning, match="torch.compile of the model's layers failed"):
+        engine = _engine(model, graphs=True, **config)
+    assert engine.runner.compile_mode is None and not any("forward" in vars(m) for m in model.modules())
+    monkeypatch.undo()
+    expected = _outputs(_engine(tiny_model(), graphs=True, compile_model=False, **config), prompts, params, 2)
+    _assert_same(_outputs(engine, prompts, params, 2), expected)
+    with pytest.raises(RuntimeError, match="inductor could not compile"):  # asked for explicitly: no fallback
+        monkeypatch.setattr(model_runner.torch, "compile", broken_compile)
+        _engine(tiny_model(), graphs=True, compile_model="layers", **config)

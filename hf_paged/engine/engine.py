@@ -27,6 +27,7 @@ import itertools
 import numbers
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -121,12 +122,18 @@ class ContinuousBatcher:
             use_cuda_graphs=config.use_cuda_graphs, compile_model=config.compile_model,
         )  # fmt: skip
         self._sync = RankSync(info.tp_size, self.runner.device)
-        if self.runner.device.type == "cuda":
-            self.runner.warmup(config.max_num_batched_tokens)  # kernels compiled, allocator grown: before requests
-        if self.runner.use_cuda_graphs:
-            if config.max_num_batched_tokens <= self.runner.mixed_sizes[-1]:
-                torch.cuda.empty_cache()  # every step replays a graph: the warm-up's cached activations go back
-            self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
+        try:
+            self._start_runner(config)
+        except Exception as e:
+            if config.compile_model is not None or self.runner.compile_mode is None:
+                raise
+            warnings.warn(
+                f"torch.compile of the model's layers failed ({type(e).__name__}: {str(e)[:300]}); the engine runs "
+                "them eagerly (slower steps). Pass compile_model=False to skip the attempt",
+                stacklevel=2,
+            )
+            self.runner.drop_compile()
+            self._start_runner(config)
         self.sampler = Sampler()
         head = model.get_output_embeddings()
         self.sample_device = head.weight.device if head is not None else self.runner.device  # where logits live
@@ -146,6 +153,16 @@ class ContinuousBatcher:
         self._aborts: collections.deque[str] = collections.deque()  # abort() from any thread lands here
         self._unreported: dict[str, Request] = {}  # finished outside a step (aborts): reported by the next step
         self._unclaimed: dict[str, Request] = {}  # step()-owned requests that finished inside generate/stream
+
+    def _start_runner(self, config: EngineConfig) -> None:
+        """Warm-up forward and graph capture, at start-up (where compilation happens too)."""
+        self.runner.clear_graphs()
+        if self.runner.device.type == "cuda":
+            self.runner.warmup(config.max_num_batched_tokens)  # kernels compiled, allocator grown: before requests
+        if self.runner.use_cuda_graphs:
+            if config.max_num_batched_tokens <= self.runner.mixed_sizes[-1]:
+                torch.cuda.empty_cache()  # every step replays a graph: the warm-up's cached activations go back
+            self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
 
     @property
     def pool(self) -> BlockPool:

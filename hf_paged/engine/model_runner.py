@@ -59,21 +59,35 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192,
 MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
-# Modules compiled in place by compile_model="modules": a decoder's norms and MLPs, by class-name suffix (LlamaRMSNorm,
-# Qwen3MLP, Gemma2RMSNorm...). Eager, each RMSNorm is about 7 kernels and each gated MLP's activation 2; compiled,
-# one each. All layers share one compiled graph (same code, dynamic shapes), so start-up pays a few compiles.
-COMPILED_MODULE_SUFFIXES = ("RMSNorm", "MLP")
+# compile_model="layers": each decoder layer (LlamaDecoderLayer, Qwen3DecoderLayer...) is compiled in place. The
+# attention function is excluded from tracing, so a layer compiles into two pieces around it (projections, norms,
+# rotary / output projection, residuals, MLP); all layers share the compiled code (same code, dynamic shapes).
+# Eagerly a layer runs about 40 small kernels; compiled, a handful. Models without such classes compile their norms,
+# MLPs and attention modules instead.
+LAYER_SUFFIXES = ("DecoderLayer",)
+AUTO_COMPILE_MODE = "layers"  # what compile_model=None means with CUDA graphs (the GPU tests set False: speed)
+FALLBACK_SUFFIXES = ("RMSNorm", "MLP", "Attention")
 
 
-def compile_modules(model: torch.nn.Module) -> int:
-    """torch.compile the forward of every norm and MLP module of ``model`` in place; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__.endswith(COMPILED_MODULE_SUFFIXES) and not getattr(module, "_hf_paged_compiled", 0):
-            module.forward = torch.compile(module.forward, dynamic=True)
-            module._hf_paged_compiled = True
-            count += 1
-    return count
+def compile_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """torch.compile the forward of every decoder layer of ``model`` in place; returns the modules compiled."""
+    compiled = []
+    for suffixes in (LAYER_SUFFIXES, FALLBACK_SUFFIXES):
+        for module in model.modules():
+            if type(module).__name__.endswith(suffixes) and not getattr(module, "_hf_paged_compiled", False):
+                module.forward = torch.compile(module.forward, dynamic=True)
+                module._hf_paged_compiled = True
+                compiled.append(module)
+        if compiled or any(getattr(m, "_hf_paged_compiled", False) for m in model.modules()):
+            break
+    return compiled
+
+
+def uncompile_layers(modules: list[torch.nn.Module]) -> None:
+    """Undo ``compile_layers``: the modules' class forwards again."""
+    for module in modules:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_hf_paged_compiled", None)
 
 
 class ModelRunner:
@@ -88,8 +102,8 @@ class ModelRunner:
         max_num_batched_tokens: the most tokens in a step (the largest mixed bucket, capped at 8192: longer
             steps run eagerly, where the host's share of the step is small).
         use_cuda_graphs: replay CUDA graphs for steps that fit a bucket (CUDA only; default: on when on CUDA).
-        compile_model: False, "modules" (compile the model's norm and MLP modules in place) or "full"/True
-            (compile the whole forward inside the graphs); CUDA only.
+        compile_model: None (auto: "layers" when graphs are on), False, "layers" (compile each decoder layer in
+            place) or "full"/True (compile the whole forward inside the graphs); CUDA only.
         emulate_graphs: run each step that fits a bucket eagerly through the padded static inputs its graph would
             read, without capturing (tests the bucketing and padding on the CPU).
     """
@@ -103,22 +117,26 @@ class ModelRunner:
         max_model_len: int = 8192,
         max_num_batched_tokens: int = 2048,
         use_cuda_graphs: bool | None = None,
-        compile_model: bool | str = False,
+        compile_model: bool | str | None = False,
         emulate_graphs: bool = False,
     ):
         self.model = model
+        self.device = kv.k_cache[0].device
+        self.input_device = model.get_input_embeddings().weight.device
+        single_device = all(k.device == self.device for k in kv.k_cache) and self.input_device == self.device
+        if use_cuda_graphs is None:
+            use_cuda_graphs = self.device.type == "cuda" and single_device
+        if compile_model is None:  # auto
+            compile_model = AUTO_COMPILE_MODE if use_cuda_graphs and self.device.type == "cuda" else False
         mode = "full" if compile_model is True else (compile_model or None)
-        on_cuda = kv.k_cache[0].device.type == "cuda"
-        if mode == "modules" and on_cuda:
-            compile_modules(model)
+        self.compile_mode = mode if self.device.type == "cuda" else None  # what runs; the CPU never compiles
+        self.compiled_modules = compile_layers(model) if self.compile_mode == "layers" else []
         # "full": torch.compile fuses the model's elementwise ops (norms, rotary, activations) between the attention
         # calls, which stay eager (the attention function is excluded from tracing). Only the captured graphs use
         # it: eager steps have unbounded shapes and would keep recompiling.
-        self._graph_forward = torch.compile(model, dynamic=True) if mode == "full" else model
+        self._graph_forward = torch.compile(model, dynamic=True) if self.compile_mode == "full" else model
         self.kv = kv
         self.block_size = block_size
-        self.device = kv.k_cache[0].device
-        self.input_device = model.get_input_embeddings().weight.device
         head = model.get_output_embeddings()
         self.output_device = head.weight.device if head is not None else self.input_device  # logits_to_keep's
         _keep_on_own_device(model, "logits_to_keep")
@@ -126,9 +144,6 @@ class ModelRunner:
         # A 4D mask makes transformers skip building masks (the paged kernels take lengths, not masks);
         # it also keeps mask code with host syncs out of the captured graphs.
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.input_device)
-        single_device = all(k.device == self.device for k in kv.k_cache) and self.input_device == self.device
-        if use_cuda_graphs is None:
-            use_cuda_graphs = self.device.type == "cuda" and single_device
         self.use_cuda_graphs = use_cuda_graphs
         self.emulate_graphs = emulate_graphs and not use_cuda_graphs
         self.max_num_seqs = max_num_seqs
@@ -295,6 +310,18 @@ class ModelRunner:
                 logits_to_keep=torch.arange(num_tokens - num_logits, num_tokens, device=self.output_device),
             )
         return out.logits[0].float()
+
+    def drop_compile(self) -> None:
+        """Run eagerly from now on (the model's layers get their own forwards back)."""
+        uncompile_layers(self.compiled_modules)
+        self.compiled_modules = []
+        self._graph_forward = self.model
+        self.compile_mode = None
+
+    def clear_graphs(self) -> None:
+        """Forget captured graphs (a capture is redone); graphs stay on."""
+        self._graphs.clear()
+        self._graph_pool = None
 
     def release_graphs(self) -> None:
         """Free the captured graphs and their buffers; later decode steps run eagerly.

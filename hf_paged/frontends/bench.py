@@ -48,6 +48,7 @@ SHAPES = {
         vocab_size=1024, max_position_embeddings=4096)),
 }  # fmt: skip
 
+COMPILE_CHOICES = {"auto": None, "none": False, "layers": "layers", "full": "full"}  # --compile -> compile_model
 SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_sync", "hf_generate", "hf_cb")
 WORKLOADS = ("nano", "sharegpt", "prefix", "short")
 
@@ -201,7 +202,8 @@ def run_hf_paged(
         num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=prefix_caching, compile_model=args.compile, async_scheduling=async_scheduling,
+        enable_prefix_caching=prefix_caching, compile_model=COMPILE_CHOICES[args.compile],
+        async_scheduling=async_scheduling,
     )  # fmt: skip
     start = time.perf_counter()
     engine = ContinuousBatcher(model, config=config)
@@ -336,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--compile", nargs="?", const="full", default=False, choices=["modules", "full"],
-                        help="hf_paged: compile_model (bare --compile: full)")  # fmt: skip
+    parser.add_argument("--compile", default="auto", choices=["auto", "none", "layers", "full"],
+                        help="hf_paged's compile_model: auto (the engine's default: layers on CUDA), none, layers, "
+                             "full (default: %(default)s)")  # fmt: skip
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
     parser.add_argument("--out", help="append the markdown table to this file (e.g. benchmarks/RESULTS.md)")
     parser.add_argument("--model-dir", help="load the random-weight model from DIR (built and saved there first)")
