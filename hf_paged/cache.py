@@ -23,6 +23,7 @@ blocks enter a prefix index: each row keeps its own token ids (the pool keeps on
 them to the pool as its blocks fill up. ``cache.prepare(input_ids)`` before a new ``generate`` call
 attaches the cached prefix, and generate then feeds only the new tokens (it learns the cached length
 from ``get_seq_length``). The pool outlives calls; ``reset()`` frees the rows and keeps the prefix index.
+``crop()`` rolls rows back (assisted generation and prompt lookup drop rejected draft tokens with it).
 
 Calls: a ``generate`` call on a cache that still holds rows continues them, as with a DynamicCache (its
 prompt must extend every row: the previous output plus new tokens). Any other new batch (another batch
@@ -33,6 +34,7 @@ columns are not compared).
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +88,7 @@ class _PagedLayer(CacheLayerMixin):
     """Per-layer view for transformers' bookkeeping (is_sliding, lengths); the data lives in the KVPool."""
 
     is_compileable = False
+    is_croppable = True  # PagedCache.crop rolls back every layer at once (sliding layers keep all their tokens)
     is_sliding = False
 
     def __init__(self, cache: "PagedCache", layer_idx: int, is_sliding: bool):
@@ -153,6 +156,7 @@ class PagedCache(Cache):
         self._seq_ids = itertools.count()
         self._rows: list[_Row] = []  # one per batch row, in batch order
         self._num_columns = 0  # input columns seen per row (incl. padding): what generate calls the seq length
+        self._left_padded = True  # no row has a padding column after a token (crop() relies on it)
         self._pending_columns = 0
         self._prepared = False  # rows from prepare() that no forward has fed yet
         # True from the moment blocks enter the prefix index for tokens whose K/V no forward has completed yet
@@ -199,11 +203,84 @@ class PagedCache(Cache):
         self._free_rows(self._rows)
         self._rows = []
         self._num_columns = 0
+        self._left_padded = True
         self._prepared = False
         self._forget_unwritten_blocks()
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("PagedCache does not support crop() (assisted decoding); use DynamicCache for it")
+        """Keep the first ``max_length`` columns of every row and release the blocks past them (assisted decoding).
+
+        As ``DynamicCache.crop``: a negative ``max_length`` drops that many columns, and 0 drops none (transformers
+        calls ``crop(-0)`` when every draft token was accepted); a length at or beyond ``get_seq_length()`` changes
+        nothing, and dropping every column is ``reset()``. Each row keeps its real tokens within those columns: a
+        block cut inside that another row shares (num_return_sequences, beams, a prefix hit) is copied for this
+        row, an own block cut inside leaves the prefix index (its slots will be rewritten), released full blocks
+        stay cached for later prompts (their K/V match their tokens).
+
+        Args:
+            max_length: columns to keep (> 0), or minus the number of columns to drop (< 0).
+
+        Raises:
+            TypeError: ``max_length`` is not an int (or a 0-d integer tensor).
+            ValueError: the cache holds rows from ``prepare()`` that no forward fed yet, or a row's attention_mask
+                has a padding column after a token (only left padding can be cropped).
+            RuntimeError: called inside a forward.
+            MemoryError: copying the shared blocks the crop cuts needs more free blocks than the pool has
+                (nothing changed).
+        """
+        try:  # transformers 5.17's assisted generation passes a 0-d integer tensor
+            if isinstance(max_length, bool):
+                raise TypeError
+            max_length = operator.index(max_length)
+        except TypeError:
+            raise TypeError(
+                f"`max_length` must be an int (columns to keep, or < 0: columns to drop), got {max_length!r}"
+            ) from None
+        if self._ctx is not None:
+            raise RuntimeError("PagedCache.crop() was called inside a forward; crop between forwards")
+        requested = max_length
+        if max_length < 0:
+            max_length = max(0, self._num_columns + max_length)
+        elif max_length == 0:
+            return
+        if max_length >= self._num_columns:
+            return
+        if self._prepared:
+            raise ValueError(
+                "PagedCache.crop() after prepare(): no forward has fed the prepared prompts yet; call "
+                "prepare() with the prompt you want to keep instead"
+            )
+        if max_length == 0:
+            self.reset()
+            return
+        if not self._left_padded:
+            raise ValueError(
+                f"PagedCache.crop({requested}) needs every row's padding columns before its tokens (left padding), "
+                "but an attention_mask of this call has a padding column after a token; call reset() instead"
+            )
+        # Left padding: row b's real tokens are its last num_computed columns.
+        keep = [max(0, max_length - (self._num_columns - row.num_computed)) for row in self._rows]
+        to_truncate = [(row, n) for row, n in zip(self._rows, keep, strict=True) if 0 < n < len(row.token_ids)]
+        need = sum(self.pool.num_blocks_to_truncate(row.seq_id, n) for row, n in to_truncate)
+        if need > self.pool.num_free_blocks:
+            raise MemoryError(
+                f"PagedCache.crop({requested}) copies up to {need} shared blocks that it cuts, but the pool has "
+                f"{self.pool.num_free_blocks} free blocks of {self.pool.num_blocks}; nothing was cropped. Pass a "
+                "larger num_blocks= to PagedCache, or reset() the cache"
+            )
+        cow: list[tuple[int, int]] = []
+        for row, n in zip(self._rows, keep, strict=True):
+            if n >= len(row.token_ids):
+                continue
+            if n == 0:  # only padding is left in this row: no blocks, as a row whose prompt so far was padding
+                self.pool.free(row.seq_id)
+            else:
+                cow.extend(self.pool.truncate(row.seq_id, n))
+            del row.token_ids[n:]
+            row.num_computed = n
+            row.write_from = min(row.write_from, n)  # the row writes its next positions itself
+        self.kv.copy_blocks(cow)
+        self._num_columns = max_length
 
     # ---- hf_paged API ----------------------------------------------------------------------------
 
@@ -306,6 +383,9 @@ class PagedCache(Cache):
             self._start_rows(ids, mask, shape=shape, allow_empty=True)
         num_new = real.sum(axis=1)  # [batch_size] real new tokens per row
         num_computed = np.array([row.num_computed for row in self._rows], dtype=np.int64)
+        if mask is not None and self._left_padded:  # a padding column after a token of its row breaks left padding
+            seen = np.logical_or.accumulate(real, axis=1) | (num_computed > 0)[:, None]
+            self._left_padded = not (seen & ~real).any()
         cow: list[tuple[int, int]] = []
         for b, row in enumerate(self._rows):
             # The prompt's slots were reserved by _start_rows; later tokens get theirs here.
