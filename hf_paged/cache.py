@@ -157,6 +157,9 @@ class PagedCache(Cache):
         self._rows: list[_Row] = []  # one per batch row, in batch order
         self._num_columns = 0  # input columns seen per row (incl. padding): what generate calls the seq length
         self._left_padded = True  # no row has a padding column after a token (crop() relies on it)
+        # [batch_size, width] int32: the rows' block tables as the last forward planned them (zero-padded; width
+        # at least the longest table); None after anything that changes rows outside a forward (reset, crop, ...).
+        self._tables: np.ndarray | None = None
         self._pending_columns = 0
         self._prepared = False  # rows from prepare() that no forward has fed yet
         # True from the moment blocks enter the prefix index for tokens whose K/V no forward has completed yet
@@ -204,6 +207,7 @@ class PagedCache(Cache):
         self._rows = []
         self._num_columns = 0
         self._left_padded = True
+        self._tables = None
         self._prepared = False
         self._forget_unwritten_blocks()
 
@@ -281,6 +285,7 @@ class PagedCache(Cache):
             row.write_from = min(row.write_from, n)  # the row writes its next positions itself
         self.kv.copy_blocks(cow)
         self._num_columns = max_length
+        self._tables = None
 
     # ---- hf_paged API ----------------------------------------------------------------------------
 
@@ -360,6 +365,13 @@ class PagedCache(Cache):
         if self._prepared and batch_size > len(self._rows) and batch_size % len(self._rows) == 0:
             num_copies = batch_size // len(self._rows)
         self._check_forward(batch_size, query_len, mask, num_copies)
+        paged = getattr(self._model_config, "_attn_implementation", None) == "paged"
+        if query_len == 1 and paged and input_ids is not None and self._rows and not self._prepared:
+            # A decode step: only the new column of the mask crosses to the host, not the whole [batch, length].
+            if mask is None or bool(mask[:, -1:].to("cpu").all()):
+                ctx = self._begin_decode(input_ids, position_ids)
+                if ctx is not None:
+                    return ctx
         if mask is not None:
             mask = mask.to("cpu", torch.bool)
             mask = None if bool(mask.all()) else mask.numpy()  # [batch_size, num_columns + query_len]
@@ -405,8 +417,8 @@ class PagedCache(Cache):
             row.token_ids.extend(tokens)
             self.pool.cache_blocks(row.seq_id, row.token_ids, len(row.token_ids))
         self.kv.copy_blocks(cow)
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.stats.num_used_blocks)
-        block_tables = self._block_tables()
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_blocks - self.pool.num_free_blocks)
+        block_tables = self._tables = self._block_tables()
         write_from = np.array([row.write_from for row in self._rows], dtype=np.int64)
         slots = self._column_slots(block_tables, real, num_computed, write_from)  # [batch_size, query_len]
         seq_lens = num_computed + num_new
@@ -415,7 +427,6 @@ class PagedCache(Cache):
         cu_seqlens_q = np.zeros(batch_size + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu_seqlens_q[1:])
         token_idx = None if real.all() else np.flatnonzero(real)
-        paged = getattr(self._model_config, "_attn_implementation", None) == "paged"
         gather_idx = None if paged else self._gather_index(block_tables, mask, self._num_columns + query_len)
         device = self.kv.k_cache[0].device
         self._pending_columns = query_len
@@ -434,6 +445,79 @@ class PagedCache(Cache):
             owner=self,
         )
         return self._ctx
+
+    def _begin_decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> ForwardContext | None:
+        """The plan of a decode step in which every row appends one real token: the hot path of ``generate``.
+
+        Same result as the general plan, with less host work: one pool ``append`` and one list append per row (the
+        pool's fast path when the token fits the row's own partial last block), the block tables kept from the
+        previous forward (only rows that opened or copied a block are read again), slots and lengths in a few
+        vectorised numpy operations, and no copy of the whole attention mask to the host.
+
+        Returns:
+            None, with nothing changed, when a row is not ready for it (a row that has no token yet); the caller
+            then plans the forward the general way.
+        """
+        rows = self._rows
+        if self._tables is None or len(self._tables) != len(rows) or not all(row.token_ids for row in rows):
+            return None
+        # [batch_size] int64: each row's computed tokens = the position of its new token
+        positions = np.fromiter((row.num_computed for row in rows), dtype=np.int64, count=len(rows))
+        if position_ids is not None and tuple(position_ids.shape) in {(len(rows), 1), (1, 1)}:
+            # _check_positions for one real column per row: each row's position is its computed-token count.
+            wrong = np.flatnonzero(position_ids.to("cpu").numpy().reshape(-1) != positions)
+            if len(wrong):
+                self._check_positions(rows, position_ids, np.ones((len(rows), 1), dtype=bool))  # raises, naming it
+        self._index_unwritten = True  # until this forward completes: cache_blocks below indexes blocks it writes
+        token_ids = input_ids.to("cpu").reshape(-1).tolist()
+        bs = self.block_size
+        cow: list[tuple[int, int]] = []
+        changed: list[int] = []  # rows whose block table changed: a new block, or a copy of the last one
+        for b, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
+            pairs = self.pool.append(row.seq_id, 1)
+            if pairs is None:
+                self._raise_out_of_blocks(len(rows), 1)
+            if pairs or row.num_computed % bs == 0:
+                cow.extend(pairs)
+                changed.append(b)
+            row.token_ids.append(token)
+            row.num_computed += 1
+            if row.num_computed % bs == 0:  # the token fills its block: into the prefix index
+                self.pool.cache_blocks(row.seq_id, row.token_ids, row.num_computed)
+        self.kv.copy_blocks(cow)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_blocks - self.pool.num_free_blocks)
+        if changed:
+            self._refresh_tables(changed)
+        tables = self._tables
+        seq_idx = np.arange(len(rows))
+        slots = slot_mapping(tables, seq_idx, positions, bs)  # [batch_size]
+        seq_lens = positions + 1
+        device = self.kv.k_cache[0].device
+        self._pending_columns = 1
+        self._ctx = ForwardContext(
+            slot_mapping=to_device(slots, torch.int64, device),
+            block_tables=to_device(tables, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            cu_seqlens_q=to_device(np.arange(len(rows) + 1), torch.int32, device),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            batch_size=len(rows),
+            query_len=1,
+            paged=True,
+            owner=self,
+        )
+        return self._ctx
+
+    def _refresh_tables(self, changed: list[int]) -> None:
+        """Read the block tables of rows ``changed`` from the pool into the kept [batch_size, width] tables."""
+        tables = [self.pool.get_block_table(self._rows[b].seq_id) for b in changed]
+        width = max(len(t) for t in tables)
+        if width > self._tables.shape[1]:
+            grown = np.zeros((len(self._tables), width), dtype=np.int32)
+            grown[:, : self._tables.shape[1]] = self._tables
+            self._tables = grown
+        for b, table in zip(changed, tables, strict=True):
+            self._tables[b, : len(table)] = table
 
     def _check_forward(self, batch_size: int, query_len: int, mask: torch.Tensor | None, num_copies: int) -> None:
         """Name the caller mistakes a forward can carry before any state changes.
@@ -516,6 +600,7 @@ class PagedCache(Cache):
                 # The first copy writes the uncached prompt; the others only read it.
                 rows.append(_Row(seq_id, list(row.token_ids), row.num_computed, len(row.token_ids), row.extra_key))
         self._rows = rows
+        self._tables = None
 
     def _raise_stale(self, got: str):
         raise ValueError(
@@ -553,10 +638,20 @@ class PagedCache(Cache):
                 "PagedCache.update() was called outside a forward it planned. PagedCache plans each forward "
                 "through a hook on the model it was built with: pass it to that model's generate()/forward()"
             )
-        self._check_layer(key_states, layer_idx)
-        k_cache, v_cache = self.kv.k_cache[layer_idx], self.kv.v_cache[layer_idx]
-        ctx = ctx.on(k_cache.device)
-        batch_size, num_kv_heads, query_len, head_dim = key_states.shape
+        kv = self.kv
+        shape = key_states.shape
+        if (  # the checks of _check_layer, inline: this runs once per layer per forward
+            type(layer_idx) is not int
+            or not 0 <= layer_idx < kv.num_layers
+            or len(shape) != 4
+            or shape[1] != kv.num_kv_heads
+            or shape[3] != kv.head_dim
+        ):
+            self._check_layer(key_states, layer_idx)
+        k_cache, v_cache = kv.k_cache[layer_idx], kv.v_cache[layer_idx]
+        if ctx.slot_mapping.device != k_cache.device:  # device_map: this layer lives on another device
+            ctx = ctx.on(k_cache.device)
+        batch_size, num_kv_heads, query_len, head_dim = shape
         key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         write_kv(key, value, k_cache, v_cache, ctx.slot_mapping)
@@ -671,6 +766,7 @@ class PagedCache(Cache):
             first_of[(tuple(tokens), extra_key)] = row
             rows.append(row)
         self._rows = rows
+        self._tables = None
 
     def _allocate_row(self, row: "_Row", tokens: list[int]) -> bool:
         """Give a row without blocks those of its first ``tokens`` (a prefix hit is not written again).
@@ -706,6 +802,7 @@ class PagedCache(Cache):
             new_rows.append(_Row(seq_id, list(old.token_ids), old.num_computed, old.write_from, extra_key))
         self._free_rows(self._rows)
         self._rows = new_rows
+        self._tables = None
 
     def _raise_out_of_blocks(self, batch_size: int, length: int):
         need = batch_size * math.ceil((self._num_columns + length) / self.block_size)
