@@ -217,6 +217,11 @@ class BlockPool:
         _check_num_new_tokens(num_new_tokens)
         return self._num_blocks_to_append(self._get_seq(seq_id), num_new_tokens) <= len(self._free)
 
+    def num_blocks_to_append(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """Free blocks ``append(seq_id, num_new_tokens)`` would take: new blocks, plus one if it copies (CoW)."""
+        _check_num_new_tokens(num_new_tokens)
+        return self._num_blocks_to_append(self._get_seq(seq_id), num_new_tokens)
+
     # ---- mutators -----------------------------------------------------------------------------
 
     def allocate(
@@ -470,6 +475,25 @@ class BlockPool:
         self._num_table_entries -= len(seq.block_table)
         for block_id in reversed(seq.block_table):
             self._release(self._blocks[block_id])
+
+    def grow(self, num_new_blocks: int) -> None:
+        """Add ``num_new_blocks`` empty blocks (ids ``num_blocks ...``) at the head of the free list.
+
+        For a pool that starts small and grows as its sequences need blocks (the caller grows the device
+        tensors to match first). New blocks hold nothing, so they are allocated before any cached block is
+        evicted, lowest id first.
+
+        Raises:
+            ValueError: ``num_new_blocks`` is not a positive int.
+        """
+        if isinstance(num_new_blocks, bool) or not isinstance(num_new_blocks, int) or num_new_blocks <= 0:
+            raise ValueError(f"`num_new_blocks` must be a positive int, got {num_new_blocks!r}")
+        first = self.num_blocks
+        self._blocks.extend(_Block(i) for i in range(first, first + num_new_blocks))
+        self.num_blocks += num_new_blocks
+        for block_id in range(first + num_new_blocks - 1, first - 1, -1):
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Drop every hash from the index: cached-free blocks become plain free blocks.

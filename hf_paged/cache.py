@@ -1,6 +1,6 @@
 """PagedCache: a transformers ``Cache`` whose KV lives in the blocks of a preallocated pool.
 
-    cache = PagedCache(model, num_blocks=2048)                  # or memory_fraction=... of free memory
+    cache = PagedCache(model)                  # the pool grows with what the calls use; num_blocks=2048: fixed
     out = model.generate(**inputs, past_key_values=cache)
 
 Each batch row of ``generate`` is a sequence of the block pool (hf_paged.block_pool); all layers share
@@ -35,6 +35,7 @@ columns are not compared).
 import itertools
 import math
 import operator
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,10 +126,12 @@ class PagedCache(Cache):
 
     Args:
         model: a Hugging Face decoder-only model (standard or sliding-window attention layers).
-        num_blocks: blocks in the pool. Default: ``memory_fraction`` of the free memory of the
-            first layer's device.
+        num_blocks: blocks in the pool, allocated at once. Default (None): the pool starts empty and grows as
+            the rows need blocks (each forward reserves what it may write, plus 1/16 of the pool), up to
+            ``memory_fraction`` of the free memory of the first layer's device: its peak is what the calls used.
         block_size: tokens per block, a positive multiple of 8.
-        memory_fraction: share of free device memory for the pool when ``num_blocks`` is None.
+        memory_fraction: the most of the free device memory (measured here) a growing pool may take, when
+            ``num_blocks`` is None.
         enable_prefix_caching: index full blocks by content hash so later prompts reuse them.
 
     Raises:
@@ -144,14 +147,17 @@ class PagedCache(Cache):
         enable_prefix_caching: bool = True,
     ):
         info = ModelInfo.from_model(model)
-        num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction)
+        # A growing pool starts with one block (pools are never empty) and may grow to _max_num_blocks.
+        self._max_num_blocks = info.num_blocks_for(None, block_size, memory_fraction) if num_blocks is None else None
+        num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction) if num_blocks is not None else 1
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.kv = info.make_kv_pool(num_blocks, block_size)
         self.block_size = block_size
         self.kv_bytes_per_block = info.bytes_per_block(block_size)
         self._model_config = model.config
+        layer_cache = weakref.proxy(self)  # layers -> cache without a reference cycle: the pool goes with the cache
         super().__init__(
-            layers=[_PagedLayer(self, i, t == "sliding_attention") for i, t in enumerate(info.layer_types)]
+            layers=[_PagedLayer(layer_cache, i, t == "sliding_attention") for i, t in enumerate(info.layer_types)]
         )
         self._seq_ids = itertools.count()
         self._rows: list[_Row] = []  # one per batch row, in batch order
@@ -266,6 +272,7 @@ class PagedCache(Cache):
         keep = [max(0, max_length - (self._num_columns - row.num_computed)) for row in self._rows]
         to_truncate = [(row, n) for row, n in zip(self._rows, keep, strict=True) if 0 < n < len(row.token_ids)]
         need = sum(self.pool.num_blocks_to_truncate(row.seq_id, n) for row, n in to_truncate)
+        self._reserve(need)
         if need > self.pool.num_free_blocks:
             raise MemoryError(
                 f"PagedCache.crop({requested}) copies up to {need} shared blocks that it cuts, but the pool has "
@@ -398,6 +405,17 @@ class PagedCache(Cache):
         if mask is not None and self._left_padded:  # a padding column after a token of its row breaks left padding
             seen = np.logical_or.accumulate(real, axis=1) | (num_computed > 0)[:, None]
             self._left_padded = not (seen & ~real).any()
+        if self._max_num_blocks is not None:  # a growing pool: room for every row's new tokens (and copies) at once
+            need = 0
+            for b, row in enumerate(self._rows):
+                num_unseen = int(num_computed[b] + num_new[b]) - len(row.token_ids)
+                if num_unseen > 0:
+                    need += (
+                        self.pool.num_blocks_to_append(row.seq_id, num_unseen)
+                        if row.token_ids
+                        else -(-num_unseen // self.block_size)
+                    )
+            self._reserve(need)
         cow: list[tuple[int, int]] = []
         for b, row in enumerate(self._rows):
             # The prompt's slots were reserved by _start_rows; later tokens get theirs here.
@@ -471,10 +489,15 @@ class PagedCache(Cache):
         self._index_unwritten = True  # until this forward completes: cache_blocks below indexes blocks it writes
         token_ids = input_ids.to("cpu").reshape(-1).tolist()
         bs = self.block_size
+        if self._max_num_blocks is not None:  # a growing pool: a block for every row that opens one
+            self._reserve(int(np.count_nonzero(positions % bs == 0)))
         cow: list[tuple[int, int]] = []
         changed: list[int] = []  # rows whose block table changed: a new block, or a copy of the last one
         for b, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
             pairs = self.pool.append(row.seq_id, 1)
+            if pairs is None:  # a copy-on-write the reservation did not count (a shared partial block)
+                self._reserve(self.pool.num_blocks_to_append(row.seq_id, 1))
+                pairs = self.pool.append(row.seq_id, 1)
             if pairs is None:
                 self._raise_out_of_blocks(len(rows), 1)
             if pairs or row.num_computed % bs == 0:
@@ -737,6 +760,11 @@ class PagedCache(Cache):
         if input_ids is not None:
             shape = tuple(input_ids.shape[:2])
         batch_size, length = shape
+        if self._max_num_blocks is not None:  # a growing pool: room for every distinct prompt at once
+            num_tokens = mask.sum(axis=1) if mask is not None else np.full(batch_size, length)
+            distinct = {(tuple(input_ids[b][mask[b]] if mask is not None else input_ids[b]) if input_ids is not None
+                         else b): int(num_tokens[b]) for b in range(batch_size)}  # fmt: skip
+            self._reserve(sum(-(-n // self.block_size) for n in distinct.values()))
         first_of: dict[tuple, _Row] = {}
         rows: list[_Row] = []
         for b in range(batch_size):
@@ -804,11 +832,28 @@ class PagedCache(Cache):
         self._rows = new_rows
         self._tables = None
 
+    def _reserve(self, num_blocks: int) -> None:
+        """Grow a growing pool (``num_blocks=None``) until ``num_blocks`` blocks are free, as far as its cap allows.
+
+        Grows by the shortfall, and by at least 1/16 of the pool so that decode steps grow it rarely (every row
+        opening a block at once costs one growth per several block boundaries); never past the cap. A fixed pool,
+        or a cap reached, leaves it short: the allocation that follows then fails and names the numbers.
+        """
+        short = num_blocks - self.pool.num_free_blocks
+        if short <= 0 or self._max_num_blocks is None or self.pool.num_blocks >= self._max_num_blocks:
+            return
+        new_num_blocks = min(self._max_num_blocks, self.pool.num_blocks + max(short, -(-self.pool.num_blocks // 16)))
+        self.kv.grow(new_num_blocks)
+        self.pool.grow(new_num_blocks - self.pool.num_blocks)
+        if self.kv.k_cache[0].is_cuda:  # hand the old, smaller pools back: reserved memory stays near allocated
+            torch.cuda.empty_cache()
+
     def _raise_out_of_blocks(self, batch_size: int, length: int):
         need = batch_size * math.ceil((self._num_columns + length) / self.block_size)
+        grown = "" if self._max_num_blocks is None else f", grown to its cap of {self._max_num_blocks}"
         raise MemoryError(
             f"PagedCache is out of KV blocks: a batch of {batch_size} rows at {self._num_columns + length} tokens "
-            f"needs up to {need} blocks of {self.block_size} tokens, the pool has {self.pool.num_blocks} "
+            f"needs up to {need} blocks of {self.block_size} tokens, the pool has {self.pool.num_blocks}{grown} "
             f"({self.pool.num_free_blocks} free). Pass a larger num_blocks= (or memory_fraction=) to PagedCache"
         )
 

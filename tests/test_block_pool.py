@@ -608,6 +608,28 @@ def test_truncate_errors():
         pool.truncate("z", 1)
 
 
+def test_grow_adds_empty_blocks_before_the_cached_ones():
+    pool = BlockPool(2, BS)
+    pool.allocate("a", toks(0, 2 * BS))  # b0#, b1#
+    pool.free("a")  # head->b1#->b0#->tail
+    pool.grow(2)  # head->b2->b3->b1#->b0#->tail: new blocks go first, the cached ones keep their K/V longest
+    assert pool.num_blocks == 4 and pool.get_free_block_ids() == [2, 3, 1, 0]
+    assert pool.allocate("b", toks(50, 3)).block_table == [2]
+    assert pool.num_cached_prefix_tokens(toks(0, 2 * BS + 1)) == 2 * BS
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="`num_new_blocks` must be a positive int, got 0"):
+        pool.grow(0)
+
+
+def test_num_blocks_to_append_counts_the_copy():
+    pool = BlockPool(8, BS)
+    pool.allocate("a", toks(0, BS + 3))  # b0#, b1 (3 tokens)
+    assert pool.num_blocks_to_append("a", 5) == 0 and pool.num_blocks_to_append("a", 6) == 1
+    pool.fork("a", "b")
+    assert pool.num_blocks_to_append("b", 1) == 1  # the shared partial b1 is copied first
+    assert pool.num_blocks_to_append("b", BS) == 2
+
+
 # ---- randomized ------------------------------------------------------------------------------
 
 VOCAB = st.integers(0, 3)
