@@ -1,21 +1,40 @@
-"""model.generate with PagedCache + "paged" vs DynamicCache + "sdpa", on a random-weight model (GPU).
+"""model.generate per decode step and peak memory: PagedCache beside transformers' caches, over a grid (GPU).
 
-Llama-3.1-8B shape by default (32 layers, hidden 4096, 32/8 heads, intermediate 14336, vocab 128256),
-bf16, random weights (like `vllm bench --load-format dummy`), random prompt ids, EOS ignored.
+Random-weight bf16 models built from configs (``hf_paged.frontends.bench.SHAPES``: Qwen3-0.6B and Llama-3.1-8B
+shapes; like ``vllm bench --load-format dummy``), random prompt ids without padding, EOS ignored
+(``min_new_tokens``), seeded.
 
-- greedy: batch 32, prompt 512, 256 new tokens: wall time and peak memory;
-- beam search width 4: peak memory, and the KV memory at the end of generation.
+Grid: shapes x (batch x prompt) points x modes x systems.
+- points: 1x512, 8x1024, 32x512, 64x512;
+- modes: ``greedy``; ``beams4`` (``num_beams=4``); ``samples4`` (``do_sample=True, num_return_sequences=4``);
+- systems: ``dynamic`` = DynamicCache + sdpa (transformers' default); ``static`` = ``cache_implementation="static"``
+  + sdpa, which transformers compiles (``torch.compile``, CUDA graphs) for the decode steps; ``paged`` = PagedCache
+  + "paged" attention, eager, with its default pool (it grows with what the call uses). There is no compiled
+  PagedCache yet.
 
-The PagedCache pool is sized to what the workload needs (its high-water mark in a first run), as a
-server sizes its pool; both caches' peak memory is measured from the same baseline (weights loaded).
+Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles):
+- ms/step: (wall of a call with N new tokens - wall of a call with 1 new token) / (N - 1), i.e. the time of one
+  decode step with the prefill taken out; the table gives the median (min-max) over the repeats;
+- prefill ms: the wall of the call with 1 new token (median);
+- output tok/s: rows x N / wall of the N-token call (median);
+- peak memory: the most ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) rose above the
+  allocation at the call's start (the weights) during the N-token calls; the cache is built inside the call;
+- ratios to DynamicCache in the same cell, and for greedy the share of output tokens equal to DynamicCache's (bf16
+  near-ties in a random model may flip a few late tokens).
 
-Run: python benchmarks/generate.py [--quick] [--out results.md]
+Run: ``python benchmarks/generate.py [--quick] [--out results.md] [--shapes ...] [--modes ...] [--systems ...]``.
+``--quick``: Qwen3-0.6B shape, 1x512 and 32x512, greedy and beams4, 32 new tokens. ``--device cpu``: a smoke run of
+the whole path on a tiny model (no memory numbers; static is not compiled there).
 """
 
 import argparse
 import datetime
-import math
+import gc
+import inspect
+import statistics
+import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 import transformers
@@ -25,122 +44,236 @@ import hf_paged
 from hf_paged import PagedCache
 from hf_paged.frontends.bench import SHAPES, build_model
 
+POINTS = [(1, 512), (8, 1024), (32, 512), (64, 512)]
+MODES = {
+    "greedy": dict(do_sample=False),
+    "beams4": dict(do_sample=False, num_beams=4),
+    "samples4": dict(do_sample=True, num_return_sequences=4, top_k=50),
+}
+SYSTEMS = ("dynamic", "static", "paged")
 
-def run(model, make_cache, attn: str, prompts: torch.Tensor, new_tokens: int, **kwargs):
-    """Wall seconds, peak allocated and peak reserved bytes above the call's start, the output, the cache.
 
-    The cache is built inside the measured region, so a preallocated pool counts in full.
+@dataclass
+class Cell:
+    """One grid cell's measurements; lists hold one entry per repeat."""
+
+    shape: str
+    batch: int
+    prompt: int
+    mode: str
+    system: str
+    label: str
+    new_tokens: int
+    rows: int  # sequences returned: batch, or batch x num_return_sequences
+    step_ms: list[float] = field(default_factory=list)
+    prefill_ms: list[float] = field(default_factory=list)
+    total_s: list[float] = field(default_factory=list)
+    peak_allocated: int | None = None  # bytes above the call's start; None off CUDA
+    peak_reserved: int | None = None
+    same_tokens: float | None = None  # share of output tokens equal to DynamicCache's (greedy)
+    note: str = ""
+    error: str = ""
+
+
+def system_label(system: str, device: str) -> str:
+    if system == "dynamic":
+        return "DynamicCache + sdpa"
+    if system == "static":
+        return "StaticCache + sdpa, compiled" if device == "cuda" else "StaticCache + sdpa (eager: compile needs CUDA)"
+    return "PagedCache + paged, eager"
+
+
+def _cache_kwarg() -> str:
+    """generate() takes the cache as ``cache`` where models do (transformers 5.2x), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
+
+
+def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str, seed: int = 0):
+    """One generate call: (wall seconds, peak allocated and reserved bytes above its start or None, output, cache).
+
+    The cache is built inside the timed region, so a pool allocated up front counts in full.
     """
-    model.set_attn_implementation(attn)
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    cuda = prompts.is_cuda
+    model.set_attn_implementation("paged" if system == "paged" else "sdpa")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.manual_seed(seed)
+    kwargs = dict(MODES[mode], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     start = time.perf_counter()
-    cache = make_cache()
-    out = model.generate(
-        input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, past_key_values=cache, **kwargs,
-    )  # fmt: skip
-    torch.cuda.synchronize()
+    cache = None
+    if system == "static":
+        kwargs["cache_implementation"] = "static"
+    else:
+        cache = DynamicCache(config=model.config) if system == "dynamic" else PagedCache(model)
+        kwargs[_cache_kwarg()] = cache
+    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    if not cuda:
+        return elapsed, None, None, out, cache
     peak = torch.cuda.max_memory_allocated() - base
     reserved = torch.cuda.max_memory_reserved() - base_reserved
     return elapsed, peak, reserved, out, cache
 
 
-def paged_cache(model, num_blocks: int):
-    return lambda: PagedCache(model, num_blocks=num_blocks, block_size=16)
+def run_cell(model, cell: Cell, prompts: torch.Tensor, repeats: int, reference: torch.Tensor | None) -> torch.Tensor:
+    """Fill ``cell`` with ``repeats`` measurements (after a warm-up); returns the last output."""
+    generate_once(model, cell.system, prompts, cell.new_tokens, cell.mode)  # warm-up: JIT, compile, allocator
+    out = None
+    for _ in range(repeats):
+        prefill, *_ = generate_once(model, cell.system, prompts, 1, cell.mode)
+        total, peak, reserved, out, cache = generate_once(model, cell.system, prompts, cell.new_tokens, cell.mode)
+        cell.prefill_ms.append(prefill * 1e3)
+        cell.total_s.append(total)
+        cell.step_ms.append((total - prefill) / (cell.new_tokens - 1) * 1e3)
+        if peak is not None:
+            cell.peak_allocated = max(cell.peak_allocated or 0, peak)
+            cell.peak_reserved = max(cell.peak_reserved or 0, reserved)
+        if isinstance(cache, PagedCache):
+            cell.note = f"pool grew to {cache.pool.num_blocks} blocks ({cache.peak_used_blocks} used at peak)"
+        del cache
+    if reference is not None and cell.mode == "greedy" and out.shape == reference.shape:
+        cell.same_tokens = (out == reference).float().mean().item()
+    return out
 
 
-def dynamic_cache(model):
-    return lambda: DynamicCache(config=model.config)
+def _median_range(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def main():
+def _gib(num_bytes: int | None) -> str:
+    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.2f}"
+
+
+def format_table(cells: list[Cell], title: str) -> str:
+    """Markdown: one row per cell, with time and memory ratios to the DynamicCache cell of the same grid point."""
+    dynamic = {(c.shape, c.batch, c.prompt, c.mode): c for c in cells if c.system == "dynamic" and not c.error}
+    lines = [
+        title,
+        "",
+        "| model | batch x prompt | mode | system | ms/step median (min-max) | prefill ms | output tok/s "
+        "| peak alloc GiB | peak reserved GiB | time / dynamic | memory / dynamic | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        point = f"{c.batch} x {c.prompt}"
+        if c.error:
+            lines.append(f"| {c.shape} | {point} | {c.mode} | {c.label} | - | - | - | - | - | - | - | {c.error} |")
+            continue
+        ref = dynamic.get((c.shape, c.batch, c.prompt, c.mode))
+        step = statistics.median(c.step_ms)
+        time_ratio = f"{step / statistics.median(ref.step_ms):.2f}" if ref else "-"
+        memory_ratio = (
+            f"{c.peak_allocated / ref.peak_allocated:.2f}" if ref and c.peak_allocated and ref.peak_allocated else "-"
+        )
+        notes = [c.note] if c.note else []
+        if c.same_tokens is not None and c.system != "dynamic":
+            notes.append(f"{c.same_tokens:.1%} tokens equal to dynamic")
+        tok_s = c.rows * c.new_tokens / statistics.median(c.total_s)
+        lines.append(
+            f"| {c.shape} | {point} | {c.mode} | {c.label} | {_median_range(c.step_ms, '.2f')} | "
+            f"{statistics.median(c.prefill_ms):.1f} | {tok_s:.0f} | {_gib(c.peak_allocated)} | "
+            f"{_gib(c.peak_reserved)} | {time_ratio} | {memory_ratio} | {'; '.join(notes)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--beam-batch", type=int, default=8)
-    parser.add_argument("--beam-new-tokens", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="tiny model, short outputs")
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-8b"], choices=sorted(SHAPES))
+    parser.add_argument("--points", nargs="+", help="BATCHxPROMPT pairs (default: 1x512 8x1024 32x512 64x512)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="qwen3-0.6b; 1x512 and 32x512; greedy, beams4; 32 tokens")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run on a tiny model")
     parser.add_argument("--out", help="also append the markdown table to this file")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/generate.py needs a CUDA GPU")
+    args = parser.parse_args(argv)
+    points = args.points
     if args.quick:
-        args.shape, args.new_tokens, args.beam_new_tokens = "tiny", 32, 32
-    torch.manual_seed(0)
-    model = build_model(args.shape)
-    vocab = model.config.vocab_size
-    prompts = torch.randint(3, vocab, (args.batch, args.prompt), device="cuda")
-    beam_prompts = torch.randint(3, vocab, (args.beam_batch, args.prompt), device="cuda")
-    total = args.prompt + args.new_tokens
-    num_blocks = args.batch * math.ceil(total / 16) + args.batch
+        args.shapes, points, args.modes, args.new_tokens = ["qwen3-0.6b"], ["1x512", "32x512"], [
+            "greedy", "beams4"], 32  # fmt: skip
+    if args.device == "cpu":
+        args.shapes, points, args.new_tokens = ["tiny"], ["1x16", "2x16"], min(args.new_tokens, 4)
+    args.points = args.points or points or [f"{b}x{p}" for b, p in POINTS]
+    try:
+        args.points = [tuple(int(n) for n in p.lower().split("x")) for p in args.points]
+    except ValueError:
+        parser.error(f"--points must be BATCHxPROMPT pairs such as 8x1024, got {args.points}")
+    if any(len(p) != 2 or min(p) < 1 for p in args.points):
+        parser.error(f"--points must be BATCHxPROMPT pairs of positive ints, got {args.points}")
+    if args.new_tokens < 2 or args.repeats < 1:
+        parser.error(f"--new-tokens must be >= 2 and --repeats >= 1, got {args.new_tokens} and {args.repeats}")
+    return args
 
-    # Warm-up (CUDA context, Triton compilation, cuBLAS handles) on both paths.
-    run(model, dynamic_cache(model), "sdpa", prompts[:2, :64], 4)
-    run(model, paged_cache(model, 64), "paged", prompts[:2, :64], 4)
 
-    rows = []
-    t_dyn, m_dyn, r_dyn, out_dyn, _ = run(model, dynamic_cache(model), "sdpa", prompts, args.new_tokens)
-    t_pag, m_pag, r_pag, out_pag, _ = run(model, paged_cache(model, num_blocks), "paged", prompts, args.new_tokens)
-    same = (out_dyn == out_pag).float().mean().item()
-    tok = args.batch * args.new_tokens
-    kv_bytes = PagedCache(model, num_blocks=1).kv_bytes_per_block
-    rows.append(("greedy", "DynamicCache + sdpa", t_dyn, tok / t_dyn, m_dyn, r_dyn, ""))
-    rows.append(("greedy", "PagedCache + paged", t_pag, tok / t_pag, m_pag, r_pag,
-                 f"pool {num_blocks} blocks = {num_blocks * kv_bytes / 2**30:.2f} GiB, preallocated; "
-                 f"{same:.1%} tokens equal to DynamicCache (bf16, random weights: near-ties)"))  # fmt: skip
+def run_grid(args: argparse.Namespace) -> list[Cell]:
+    """Every cell of the grid, in order: shape, point, mode, then the systems (DynamicCache first)."""
+    cells: list[Cell] = []
+    for shape in args.shapes:
+        model = build_model(shape, device=args.device)
+        if args.device == "cpu":
+            model = model.float()
+        vocab = model.config.vocab_size
+        for batch, prompt in args.points:
+            prompts = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
+            prompts = prompts.to(args.device)
+            for mode in args.modes:
+                rows = batch * (4 if mode == "samples4" else 1)  # sequences returned (beams return the best)
+                reference = None
+                for system in sorted(args.systems, key=SYSTEMS.index):  # dynamic first: the reference
+                    label = system_label(system, args.device)
+                    cell = Cell(shape, batch, prompt, mode, system, label, args.new_tokens, rows)
+                    try:
+                        out = run_cell(model, cell, prompts, args.repeats, reference)
+                        if system == "dynamic":
+                            reference = out
+                    except torch.OutOfMemoryError:
+                        cell.error = "out of memory"
+                    except Exception as error:  # a grid of hours should report a failing cell, not stop
+                        cell.error = f"failed: {type(error).__name__}: {str(error)[:120]}"
+                    cells.append(cell)
+                    print(format_table([cell], "").splitlines()[-1], flush=True)
+                    gc.collect()
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+        del model
+    return cells
 
-    # Beam search: measure the paged high-water mark, then size the pool to it.
-    beam = dict(num_beams=4)
-    big_blocks = args.beam_batch * 4 * math.ceil((args.prompt + args.beam_new_tokens) / 16) + 64
-    *_, big = run(model, paged_cache(model, big_blocks), "paged", beam_prompts, args.beam_new_tokens, **beam)
-    peak_blocks = big.peak_used_blocks
-    end_report = big.memory_report()
-    del big
-    t_bd, m_bd, r_bd, out_bd, dyn_cache = run(model, dynamic_cache(model), "sdpa", beam_prompts, args.beam_new_tokens,
-                                              **beam)  # fmt: skip
-    dyn_kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in dyn_cache.layers)
-    del dyn_cache
-    t_bp, m_bp, r_bp, out_bp, _ = run(model, paged_cache(model, peak_blocks), "paged", beam_prompts,
-                                      args.beam_new_tokens, **beam)  # fmt: skip
-    paged_kv = end_report.used_bytes
-    beam_tok = args.beam_batch * args.beam_new_tokens
-    rows.append(("beam 4", "DynamicCache + sdpa", t_bd, beam_tok / t_bd, m_bd, r_bd,
-                 f"KV at end {dyn_kv / 2**30:.2f} GiB"))  # fmt: skip
-    rows.append(("beam 4", "PagedCache + paged", t_bp, beam_tok / t_bp, m_bp, r_bp,
-                 f"pool {peak_blocks} blocks = peak use ({peak_blocks * kv_bytes / 2**30:.2f} GiB); KV at end "
-                 f"{paged_kv / 2**30:.2f} GiB ({1 - paged_kv / dyn_kv:.0%} less); {end_report}"))  # fmt: skip
 
-    head = (
-        f"### generate: {args.shape}, bf16, random weights — {torch.cuda.get_device_name()}, "
-        f"{datetime.date.today()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"hf_paged {hf_paged.__version__}\n\n"
-        f"`python benchmarks/generate.py` — greedy: batch {args.batch}, prompt {args.prompt}, "
-        f"{args.new_tokens} new tokens; beam: batch {args.beam_batch} x 4 beams, prompt {args.prompt}, "
-        f"{args.beam_new_tokens} new tokens\n\n"
-        "| workload | cache + attention | time (s) | output tok/s | peak allocated above weights (GiB) "
-        "| peak reserved above start (GiB) | notes |\n"
-        "|---|---|---|---|---|---|---|\n"
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/generate.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    num_threads = torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # a smoke run: one thread does not wait on threads another process delays
+    try:
+        cells = run_grid(args)
+    finally:
+        torch.set_num_threads(num_threads)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    title = (
+        f"### generate: ms per decode step and peak memory — {device}, {datetime.date.today()}, torch "
+        f"{torch.__version__}, transformers {transformers.__version__}, hf_paged {hf_paged.__version__}\n\n"
+        f"{'bf16' if args.device == 'cuda' else 'fp32'} random weights, no padding, {args.new_tokens} new tokens "
+        f"(EOS ignored), median (min-max) of {args.repeats} runs; ms/step = (wall of N new tokens - wall of 1) / "
+        "(N - 1); peak memory above the weights. `python benchmarks/generate.py "
+        + " ".join(sys.argv[1:] if argv is None else argv)
+        + "`"
     )
-    table = head + "".join(
-        f"| {w} | {name} | {t:.2f} | {tps:.0f} | {m / 2**30:.2f} | {r / 2**30:.2f} | {note} |\n"
-        for w, name, t, tps, m, r, note in rows
-    )
-    table += (
-        f"\ngreedy: paged time / dynamic time = {t_pag / t_dyn:.3f}; peak memory ratio {m_pag / m_dyn:.3f}. "
-        f"beam: peak memory ratio {m_bp / m_bd:.3f}; beam outputs equal: "
-        f"{(out_bd == out_bp).float().mean().item():.1%} of tokens\n"
-    )
+    table = format_table(cells, title)
     print(table)
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

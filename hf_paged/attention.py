@@ -39,7 +39,7 @@ def paged_attention_forward(
     ctx = get_forward_context()
     if ctx is None or not ctx.paged:
         return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
-    if getattr(module, "sinks", None) is not None:
+    if _has_sinks(module):
         raise ValueError(
             f"attn_implementation='paged' does not support attention sinks ({type(module).__name__}.sinks); "
             "use attn_implementation='sdpa' or 'eager' with PagedCache for this model"
@@ -100,6 +100,13 @@ def paged_attention_forward(
         full.index_copy_(0, ctx.token_idx, out)
         out = full
     return out.view(batch_size, query_len, num_heads, head_dim), None
+
+
+def _has_sinks(module: torch.nn.Module) -> bool:
+    """Whether the attention module has sink logits (gpt-oss), without ``getattr``'s slow miss on a Module."""
+    if "sinks" in module._parameters or "sinks" in module._buffers:
+        return module._parameters.get("sinks", module._buffers.get("sinks")) is not None
+    return module.__dict__.get("sinks") is not None
 
 
 def _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs):

@@ -113,7 +113,7 @@ class BlockPool:
 
     A sequence's life: ``allocate`` (prompt) -> ``cache_blocks`` as its tokens are computed ->
     ``append`` (slots for new tokens) -> ``cache_blocks`` once their ids are known -> ... -> ``free``;
-    ``fork`` at any point.
+    ``fork`` and ``truncate`` (drop the last tokens) at any point.
 
     Invariants (``check_invariants`` verifies all of them; tests call it after every operation):
       - every block is either free (ref 0, on the free list exactly once) or referenced (ref > 0,
@@ -216,6 +216,11 @@ class BlockPool:
         """Whether ``append`` of ``num_new_tokens`` tokens (copy-on-write included) would succeed now."""
         _check_num_new_tokens(num_new_tokens)
         return self._num_blocks_to_append(self._get_seq(seq_id), num_new_tokens) <= len(self._free)
+
+    def num_blocks_to_append(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """Free blocks ``append(seq_id, num_new_tokens)`` would take: new blocks, plus one if it copies (CoW)."""
+        _check_num_new_tokens(num_new_tokens)
+        return self._num_blocks_to_append(self._get_seq(seq_id), num_new_tokens)
 
     # ---- mutators -----------------------------------------------------------------------------
 
@@ -385,22 +390,110 @@ class BlockPool:
         self._seqs[child_id] = child
         self._num_table_entries += len(child.block_table)
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[tuple[BlockId, BlockId]] | None:
+        """Keep only the first ``num_tokens`` tokens of a sequence (a rollback: rejected draft tokens, ``crop``).
+
+        The blocks past them are released as ``free`` releases them (last first). The new last block, when the cut
+        falls inside it, becomes writable again::
+
+            before   | b0# full | b1# full | b2 partial |      truncate to 12 tokens (block_size 8)
+            after    | b0# full | b1 4 tokens |            b2 released; b1 leaves the index
+
+        - shared (ref > 1, after ``fork`` or a prefix hit): the sequence gets a fresh copy of it (copy-on-write,
+          now rather than at the next ``append``, since a block's fill is one count for every sequence that
+          holds it); the other holders keep the block, its tokens and its hash;
+        - the sequence's own and in the prefix index: it leaves the index, since its slots past the cut will be
+          overwritten. Released full blocks keep their hash: their K/V still match their tokens.
+
+        The sequence's chain hashes past its last full block are dropped.
+
+        Args:
+            seq_id: an allocated sequence.
+            num_tokens: tokens to keep, in ``[1, num_tokens(seq_id)]`` (``free`` drops them all).
+
+        Returns:
+            ``[(src_block, dst_block)]`` to copy on the device before the next write (at most one pair; ``[]``
+            when the cut block is not shared), or None if that copy needs a free block and there is none
+            (nothing changed; see ``num_blocks_to_truncate``).
+
+        Raises:
+            ValueError: ``num_tokens`` is out of range, or ``seq_id`` is unknown.
+            TypeError: ``num_tokens`` is not an int.
+        """
+        seq = self._get_seq(seq_id)
+        _check_num_tokens_to_keep(seq_id, seq, num_tokens)
+        if num_tokens == seq.num_tokens:
+            return []
+        if self.num_blocks_to_truncate(seq_id, num_tokens) > len(self._free):
+            return None
+        bs = self.block_size
+        table = seq.block_table
+        num_keep = math.ceil(num_tokens / bs)
+        for block_id in reversed(table[num_keep:]):
+            self._release(self._blocks[block_id])
+        self._num_table_entries -= len(table) - num_keep
+        del table[num_keep:]
+        del seq.block_hashes[num_tokens // bs :]
+        seq.num_tokens = num_tokens
+        last = self._blocks[table[-1]]
+        fill = num_tokens - (num_keep - 1) * bs  # tokens the new last block keeps
+        if fill == last.num_tokens:  # the cut is at the block's end: nothing in it changes
+            return []
+        if last.ref_count > 1:
+            new = self._pop_free()
+            self._fill(new, fill)
+            last.ref_count -= 1  # stays > 0: another sequence still holds it
+            table[-1] = new.block_id
+            return [(last.block_id, new.block_id)]
+        self._num_used_slots -= last.num_tokens - fill
+        last.num_tokens = fill
+        if last.block_hash is not None:
+            del self._index[last.block_hash]
+            last.block_hash = last.cache_key = None
+        return []
+
+    def num_blocks_to_truncate(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Free blocks ``truncate(seq_id, num_tokens)`` takes: 1 when it copies a shared block it cuts, else 0.
+
+        A caller that truncates several sequences at once sums these to check all of them fit before any change
+        (conservative: blocks the truncations release are not counted).
+        """
+        seq = self._get_seq(seq_id)
+        _check_num_tokens_to_keep(seq_id, seq, num_tokens)
+        if num_tokens == seq.num_tokens:
+            return 0
+        num_keep = math.ceil(num_tokens / self.block_size)
+        last = self._blocks[seq.block_table[num_keep - 1]]
+        is_cut = num_tokens - (num_keep - 1) * self.block_size < last.num_tokens
+        # A shared block loses this sequence's reference only if it is dropped; one cut in the middle is copied.
+        return int(is_cut and last.ref_count > 1)
+
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks, last block first; see the module docstring for where they go."""
         seq = self._get_seq(seq_id)
         del self._seqs[seq_id]
         self._num_table_entries -= len(seq.block_table)
         for block_id in reversed(seq.block_table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count:
-                continue
-            self._num_used_slots -= block.num_tokens
-            self._free[block_id] = None  # tail
-            if block.block_hash is None:
-                self._free.move_to_end(block_id, last=False)  # head: reuse before evicting cached blocks
-            else:
-                self._num_cached_free += 1
+            self._release(self._blocks[block_id])
+
+    def grow(self, num_new_blocks: int) -> None:
+        """Add ``num_new_blocks`` empty blocks (ids ``num_blocks ...``) at the head of the free list.
+
+        For a pool that starts small and grows as its sequences need blocks (the caller grows the device
+        tensors to match first). New blocks hold nothing, so they are allocated before any cached block is
+        evicted, lowest id first.
+
+        Raises:
+            ValueError: ``num_new_blocks`` is not a positive int.
+        """
+        if isinstance(num_new_blocks, bool) or not isinstance(num_new_blocks, int) or num_new_blocks <= 0:
+            raise ValueError(f"`num_new_blocks` must be a positive int, got {num_new_blocks!r}")
+        first = self.num_blocks
+        self._blocks.extend(_Block(i) for i in range(first, first + num_new_blocks))
+        self.num_blocks += num_new_blocks
+        for block_id in range(first + num_new_blocks - 1, first - 1, -1):
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Drop every hash from the index: cached-free blocks become plain free blocks.
@@ -530,6 +623,18 @@ class BlockPool:
         block.num_tokens = 0
         return block
 
+    def _release(self, block: _Block) -> None:
+        """Ref -= 1; at 0 the block joins the free list: at the tail while it carries a hash, else at the head."""
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        self._num_used_slots -= block.num_tokens
+        self._free[block.block_id] = None  # tail
+        if block.block_hash is None:
+            self._free.move_to_end(block.block_id, last=False)  # head: reuse before evicting cached blocks
+        else:
+            self._num_cached_free += 1
+
     def _fill(self, block: _Block, num_tokens: int) -> int:
         block.num_tokens += num_tokens
         self._num_used_slots += num_tokens
@@ -580,6 +685,16 @@ def _check_num_new_tokens(num_new_tokens: int) -> None:
         raise TypeError(f"`num_new_tokens` must be an int (a token count), got {type(num_new_tokens).__name__}")
     if num_new_tokens < 0:
         raise ValueError(f"`num_new_tokens` must be >= 0, got {num_new_tokens}")
+
+
+def _check_num_tokens_to_keep(seq_id: Hashable, seq: _Seq, num_tokens: int) -> None:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(f"`num_tokens` must be an int (a token count), got {type(num_tokens).__name__}")
+    if not 1 <= num_tokens <= seq.num_tokens:
+        raise ValueError(
+            f"`num_tokens` must be in [1, {seq.num_tokens}] for seq {seq_id!r}, got {num_tokens} "
+            "(free() the sequence to drop every token)"
+        )
 
 
 def _check(condition: bool, message: str) -> None:

@@ -1,6 +1,6 @@
 """PagedCache: a transformers ``Cache`` whose KV lives in the blocks of a preallocated pool.
 
-    cache = PagedCache(model, num_blocks=2048)                  # or memory_fraction=... of free memory
+    cache = PagedCache(model)                  # the pool grows with what the calls use; num_blocks=2048: fixed
     out = model.generate(**inputs, past_key_values=cache)
 
 Each batch row of ``generate`` is a sequence of the block pool (hf_paged.block_pool); all layers share
@@ -23,6 +23,7 @@ blocks enter a prefix index: each row keeps its own token ids (the pool keeps on
 them to the pool as its blocks fill up. ``cache.prepare(input_ids)`` before a new ``generate`` call
 attaches the cached prefix, and generate then feeds only the new tokens (it learns the cached length
 from ``get_seq_length``). The pool outlives calls; ``reset()`` frees the rows and keeps the prefix index.
+``crop()`` rolls rows back (assisted generation and prompt lookup drop rejected draft tokens with it).
 
 Calls: a ``generate`` call on a cache that still holds rows continues them, as with a DynamicCache (its
 prompt must extend every row: the previous output plus new tokens). Any other new batch (another batch
@@ -33,6 +34,8 @@ columns are not compared).
 
 import itertools
 import math
+import operator
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +89,7 @@ class _PagedLayer(CacheLayerMixin):
     """Per-layer view for transformers' bookkeeping (is_sliding, lengths); the data lives in the KVPool."""
 
     is_compileable = False
+    is_croppable = True  # PagedCache.crop rolls back every layer at once (sliding layers keep all their tokens)
     is_sliding = False
 
     def __init__(self, cache: "PagedCache", layer_idx: int, is_sliding: bool):
@@ -122,10 +126,12 @@ class PagedCache(Cache):
 
     Args:
         model: a Hugging Face decoder-only model (standard or sliding-window attention layers).
-        num_blocks: blocks in the pool. Default: ``memory_fraction`` of the free memory of the
-            first layer's device.
+        num_blocks: blocks in the pool, allocated at once. Default (None): the pool starts empty and grows as
+            the rows need blocks (each forward reserves what it may write, plus 1/16 of the pool), up to
+            ``memory_fraction`` of the free memory of the first layer's device: its peak is what the calls used.
         block_size: tokens per block, a positive multiple of 8.
-        memory_fraction: share of free device memory for the pool when ``num_blocks`` is None.
+        memory_fraction: the most of the free device memory (measured here) a growing pool may take, when
+            ``num_blocks`` is None.
         enable_prefix_caching: index full blocks by content hash so later prompts reuse them.
 
     Raises:
@@ -141,18 +147,25 @@ class PagedCache(Cache):
         enable_prefix_caching: bool = True,
     ):
         info = ModelInfo.from_model(model)
-        num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction)
+        # A growing pool starts with one block (pools are never empty) and may grow to _max_num_blocks.
+        self._max_num_blocks = info.num_blocks_for(None, block_size, memory_fraction) if num_blocks is None else None
+        num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction) if num_blocks is not None else 1
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.kv = info.make_kv_pool(num_blocks, block_size)
         self.block_size = block_size
         self.kv_bytes_per_block = info.bytes_per_block(block_size)
         self._model_config = model.config
+        layer_cache = weakref.proxy(self)  # layers -> cache without a reference cycle: the pool goes with the cache
         super().__init__(
-            layers=[_PagedLayer(self, i, t == "sliding_attention") for i, t in enumerate(info.layer_types)]
+            layers=[_PagedLayer(layer_cache, i, t == "sliding_attention") for i, t in enumerate(info.layer_types)]
         )
         self._seq_ids = itertools.count()
         self._rows: list[_Row] = []  # one per batch row, in batch order
         self._num_columns = 0  # input columns seen per row (incl. padding): what generate calls the seq length
+        self._left_padded = True  # no row has a padding column after a token (crop() relies on it)
+        # [batch_size, width] int32: the rows' block tables as the last forward planned them (zero-padded; width
+        # at least the longest table); None after anything that changes rows outside a forward (reset, crop, ...).
+        self._tables: np.ndarray | None = None
         self._pending_columns = 0
         self._prepared = False  # rows from prepare() that no forward has fed yet
         # True from the moment blocks enter the prefix index for tokens whose K/V no forward has completed yet
@@ -199,11 +212,87 @@ class PagedCache(Cache):
         self._free_rows(self._rows)
         self._rows = []
         self._num_columns = 0
+        self._left_padded = True
+        self._tables = None
         self._prepared = False
         self._forget_unwritten_blocks()
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("PagedCache does not support crop() (assisted decoding); use DynamicCache for it")
+        """Keep the first ``max_length`` columns of every row and release the blocks past them (assisted decoding).
+
+        As ``DynamicCache.crop``: a negative ``max_length`` drops that many columns, and 0 drops none (transformers
+        calls ``crop(-0)`` when every draft token was accepted); a length at or beyond ``get_seq_length()`` changes
+        nothing, and dropping every column is ``reset()``. Each row keeps its real tokens within those columns: a
+        block cut inside that another row shares (num_return_sequences, beams, a prefix hit) is copied for this
+        row, an own block cut inside leaves the prefix index (its slots will be rewritten), released full blocks
+        stay cached for later prompts (their K/V match their tokens).
+
+        Args:
+            max_length: columns to keep (> 0), or minus the number of columns to drop (< 0).
+
+        Raises:
+            TypeError: ``max_length`` is not an int (or a 0-d integer tensor).
+            ValueError: the cache holds rows from ``prepare()`` that no forward fed yet, or a row's attention_mask
+                has a padding column after a token (only left padding can be cropped).
+            RuntimeError: called inside a forward.
+            MemoryError: copying the shared blocks the crop cuts needs more free blocks than the pool has
+                (nothing changed).
+        """
+        try:  # transformers 5.17's assisted generation passes a 0-d integer tensor
+            if isinstance(max_length, bool):
+                raise TypeError
+            max_length = operator.index(max_length)
+        except TypeError:
+            raise TypeError(
+                f"`max_length` must be an int (columns to keep, or < 0: columns to drop), got {max_length!r}"
+            ) from None
+        if self._ctx is not None:
+            raise RuntimeError("PagedCache.crop() was called inside a forward; crop between forwards")
+        requested = max_length
+        if max_length < 0:
+            max_length = max(0, self._num_columns + max_length)
+        elif max_length == 0:
+            return
+        if max_length >= self._num_columns:
+            return
+        if self._prepared:
+            raise ValueError(
+                "PagedCache.crop() after prepare(): no forward has fed the prepared prompts yet; call "
+                "prepare() with the prompt you want to keep instead"
+            )
+        if max_length == 0:
+            self.reset()
+            return
+        if not self._left_padded:
+            raise ValueError(
+                f"PagedCache.crop({requested}) needs every row's padding columns before its tokens (left padding), "
+                "but an attention_mask of this call has a padding column after a token; call reset() instead"
+            )
+        # Left padding: row b's real tokens are its last num_computed columns.
+        keep = [max(0, max_length - (self._num_columns - row.num_computed)) for row in self._rows]
+        to_truncate = [(row, n) for row, n in zip(self._rows, keep, strict=True) if 0 < n < len(row.token_ids)]
+        need = sum(self.pool.num_blocks_to_truncate(row.seq_id, n) for row, n in to_truncate)
+        self._reserve(need)
+        if need > self.pool.num_free_blocks:
+            raise MemoryError(
+                f"PagedCache.crop({requested}) copies up to {need} shared blocks that it cuts, but the pool has "
+                f"{self.pool.num_free_blocks} free blocks of {self.pool.num_blocks}; nothing was cropped. Pass a "
+                "larger num_blocks= to PagedCache, or reset() the cache"
+            )
+        cow: list[tuple[int, int]] = []
+        for row, n in zip(self._rows, keep, strict=True):
+            if n >= len(row.token_ids):
+                continue
+            if n == 0:  # only padding is left in this row: no blocks, as a row whose prompt so far was padding
+                self.pool.free(row.seq_id)
+            else:
+                cow.extend(self.pool.truncate(row.seq_id, n))
+            del row.token_ids[n:]
+            row.num_computed = n
+            row.write_from = min(row.write_from, n)  # the row writes its next positions itself
+        self.kv.copy_blocks(cow)
+        self._num_columns = max_length
+        self._tables = None
 
     # ---- hf_paged API ----------------------------------------------------------------------------
 
@@ -283,6 +372,13 @@ class PagedCache(Cache):
         if self._prepared and batch_size > len(self._rows) and batch_size % len(self._rows) == 0:
             num_copies = batch_size // len(self._rows)
         self._check_forward(batch_size, query_len, mask, num_copies)
+        paged = getattr(self._model_config, "_attn_implementation", None) == "paged"
+        if query_len == 1 and paged and input_ids is not None and self._rows and not self._prepared:
+            # A decode step: only the new column of the mask crosses to the host, not the whole [batch, length].
+            if mask is None or bool(mask[:, -1:].to("cpu").all()):
+                ctx = self._begin_decode(input_ids, position_ids)
+                if ctx is not None:
+                    return ctx
         if mask is not None:
             mask = mask.to("cpu", torch.bool)
             mask = None if bool(mask.all()) else mask.numpy()  # [batch_size, num_columns + query_len]
@@ -306,6 +402,20 @@ class PagedCache(Cache):
             self._start_rows(ids, mask, shape=shape, allow_empty=True)
         num_new = real.sum(axis=1)  # [batch_size] real new tokens per row
         num_computed = np.array([row.num_computed for row in self._rows], dtype=np.int64)
+        if mask is not None and self._left_padded:  # a padding column after a token of its row breaks left padding
+            seen = np.logical_or.accumulate(real, axis=1) | (num_computed > 0)[:, None]
+            self._left_padded = not (seen & ~real).any()
+        if self._max_num_blocks is not None:  # a growing pool: room for every row's new tokens (and copies) at once
+            need = 0
+            for b, row in enumerate(self._rows):
+                num_unseen = int(num_computed[b] + num_new[b]) - len(row.token_ids)
+                if num_unseen > 0:
+                    need += (
+                        self.pool.num_blocks_to_append(row.seq_id, num_unseen)
+                        if row.token_ids
+                        else -(-num_unseen // self.block_size)
+                    )
+            self._reserve(need)
         cow: list[tuple[int, int]] = []
         for b, row in enumerate(self._rows):
             # The prompt's slots were reserved by _start_rows; later tokens get theirs here.
@@ -325,8 +435,8 @@ class PagedCache(Cache):
             row.token_ids.extend(tokens)
             self.pool.cache_blocks(row.seq_id, row.token_ids, len(row.token_ids))
         self.kv.copy_blocks(cow)
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.stats.num_used_blocks)
-        block_tables = self._block_tables()
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_blocks - self.pool.num_free_blocks)
+        block_tables = self._tables = self._block_tables()
         write_from = np.array([row.write_from for row in self._rows], dtype=np.int64)
         slots = self._column_slots(block_tables, real, num_computed, write_from)  # [batch_size, query_len]
         seq_lens = num_computed + num_new
@@ -335,7 +445,6 @@ class PagedCache(Cache):
         cu_seqlens_q = np.zeros(batch_size + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu_seqlens_q[1:])
         token_idx = None if real.all() else np.flatnonzero(real)
-        paged = getattr(self._model_config, "_attn_implementation", None) == "paged"
         gather_idx = None if paged else self._gather_index(block_tables, mask, self._num_columns + query_len)
         device = self.kv.k_cache[0].device
         self._pending_columns = query_len
@@ -354,6 +463,84 @@ class PagedCache(Cache):
             owner=self,
         )
         return self._ctx
+
+    def _begin_decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> ForwardContext | None:
+        """The plan of a decode step in which every row appends one real token: the hot path of ``generate``.
+
+        Same result as the general plan, with less host work: one pool ``append`` and one list append per row (the
+        pool's fast path when the token fits the row's own partial last block), the block tables kept from the
+        previous forward (only rows that opened or copied a block are read again), slots and lengths in a few
+        vectorised numpy operations, and no copy of the whole attention mask to the host.
+
+        Returns:
+            None, with nothing changed, when a row is not ready for it (a row that has no token yet); the caller
+            then plans the forward the general way.
+        """
+        rows = self._rows
+        if self._tables is None or len(self._tables) != len(rows) or not all(row.token_ids for row in rows):
+            return None
+        # [batch_size] int64: each row's computed tokens = the position of its new token
+        positions = np.fromiter((row.num_computed for row in rows), dtype=np.int64, count=len(rows))
+        if position_ids is not None and tuple(position_ids.shape) in {(len(rows), 1), (1, 1)}:
+            # _check_positions for one real column per row: each row's position is its computed-token count.
+            wrong = np.flatnonzero(position_ids.to("cpu").numpy().reshape(-1) != positions)
+            if len(wrong):
+                self._check_positions(rows, position_ids, np.ones((len(rows), 1), dtype=bool))  # raises, naming it
+        self._index_unwritten = True  # until this forward completes: cache_blocks below indexes blocks it writes
+        token_ids = input_ids.to("cpu").reshape(-1).tolist()
+        bs = self.block_size
+        if self._max_num_blocks is not None:  # a growing pool: a block for every row that opens one
+            self._reserve(int(np.count_nonzero(positions % bs == 0)))
+        cow: list[tuple[int, int]] = []
+        changed: list[int] = []  # rows whose block table changed: a new block, or a copy of the last one
+        for b, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
+            pairs = self.pool.append(row.seq_id, 1)
+            if pairs is None:  # a copy-on-write the reservation did not count (a shared partial block)
+                self._reserve(self.pool.num_blocks_to_append(row.seq_id, 1))
+                pairs = self.pool.append(row.seq_id, 1)
+            if pairs is None:
+                self._raise_out_of_blocks(len(rows), 1)
+            if pairs or row.num_computed % bs == 0:
+                cow.extend(pairs)
+                changed.append(b)
+            row.token_ids.append(token)
+            row.num_computed += 1
+            if row.num_computed % bs == 0:  # the token fills its block: into the prefix index
+                self.pool.cache_blocks(row.seq_id, row.token_ids, row.num_computed)
+        self.kv.copy_blocks(cow)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_blocks - self.pool.num_free_blocks)
+        if changed:
+            self._refresh_tables(changed)
+        tables = self._tables
+        seq_idx = np.arange(len(rows))
+        slots = slot_mapping(tables, seq_idx, positions, bs)  # [batch_size]
+        seq_lens = positions + 1
+        device = self.kv.k_cache[0].device
+        self._pending_columns = 1
+        self._ctx = ForwardContext(
+            slot_mapping=to_device(slots, torch.int64, device),
+            block_tables=to_device(tables, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            cu_seqlens_q=to_device(np.arange(len(rows) + 1), torch.int32, device),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            batch_size=len(rows),
+            query_len=1,
+            paged=True,
+            owner=self,
+        )
+        return self._ctx
+
+    def _refresh_tables(self, changed: list[int]) -> None:
+        """Read the block tables of rows ``changed`` from the pool into the kept [batch_size, width] tables."""
+        tables = [self.pool.get_block_table(self._rows[b].seq_id) for b in changed]
+        width = max(len(t) for t in tables)
+        if width > self._tables.shape[1]:
+            grown = np.zeros((len(self._tables), width), dtype=np.int32)
+            grown[:, : self._tables.shape[1]] = self._tables
+            self._tables = grown
+        for b, table in zip(changed, tables, strict=True):
+            self._tables[b, : len(table)] = table
 
     def _check_forward(self, batch_size: int, query_len: int, mask: torch.Tensor | None, num_copies: int) -> None:
         """Name the caller mistakes a forward can carry before any state changes.
@@ -436,6 +623,7 @@ class PagedCache(Cache):
                 # The first copy writes the uncached prompt; the others only read it.
                 rows.append(_Row(seq_id, list(row.token_ids), row.num_computed, len(row.token_ids), row.extra_key))
         self._rows = rows
+        self._tables = None
 
     def _raise_stale(self, got: str):
         raise ValueError(
@@ -473,10 +661,20 @@ class PagedCache(Cache):
                 "PagedCache.update() was called outside a forward it planned. PagedCache plans each forward "
                 "through a hook on the model it was built with: pass it to that model's generate()/forward()"
             )
-        self._check_layer(key_states, layer_idx)
-        k_cache, v_cache = self.kv.k_cache[layer_idx], self.kv.v_cache[layer_idx]
-        ctx = ctx.on(k_cache.device)
-        batch_size, num_kv_heads, query_len, head_dim = key_states.shape
+        kv = self.kv
+        shape = key_states.shape
+        if (  # the checks of _check_layer, inline: this runs once per layer per forward
+            type(layer_idx) is not int
+            or not 0 <= layer_idx < kv.num_layers
+            or len(shape) != 4
+            or shape[1] != kv.num_kv_heads
+            or shape[3] != kv.head_dim
+        ):
+            self._check_layer(key_states, layer_idx)
+        k_cache, v_cache = kv.k_cache[layer_idx], kv.v_cache[layer_idx]
+        if ctx.slot_mapping.device != k_cache.device:  # device_map: this layer lives on another device
+            ctx = ctx.on(k_cache.device)
+        batch_size, num_kv_heads, query_len, head_dim = shape
         key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         write_kv(key, value, k_cache, v_cache, ctx.slot_mapping)
@@ -562,6 +760,11 @@ class PagedCache(Cache):
         if input_ids is not None:
             shape = tuple(input_ids.shape[:2])
         batch_size, length = shape
+        if self._max_num_blocks is not None:  # a growing pool: room for every distinct prompt at once
+            num_tokens = mask.sum(axis=1) if mask is not None else np.full(batch_size, length)
+            distinct = {(tuple(input_ids[b][mask[b]] if mask is not None else input_ids[b]) if input_ids is not None
+                         else b): int(num_tokens[b]) for b in range(batch_size)}  # fmt: skip
+            self._reserve(sum(-(-n // self.block_size) for n in distinct.values()))
         first_of: dict[tuple, _Row] = {}
         rows: list[_Row] = []
         for b in range(batch_size):
@@ -591,6 +794,7 @@ class PagedCache(Cache):
             first_of[(tuple(tokens), extra_key)] = row
             rows.append(row)
         self._rows = rows
+        self._tables = None
 
     def _allocate_row(self, row: "_Row", tokens: list[int]) -> bool:
         """Give a row without blocks those of its first ``tokens`` (a prefix hit is not written again).
@@ -626,12 +830,30 @@ class PagedCache(Cache):
             new_rows.append(_Row(seq_id, list(old.token_ids), old.num_computed, old.write_from, extra_key))
         self._free_rows(self._rows)
         self._rows = new_rows
+        self._tables = None
+
+    def _reserve(self, num_blocks: int) -> None:
+        """Grow a growing pool (``num_blocks=None``) until ``num_blocks`` blocks are free, as far as its cap allows.
+
+        Grows by the shortfall, and by at least 1/16 of the pool so that decode steps grow it rarely (every row
+        opening a block at once costs one growth per several block boundaries); never past the cap. A fixed pool,
+        or a cap reached, leaves it short: the allocation that follows then fails and names the numbers.
+        """
+        short = num_blocks - self.pool.num_free_blocks
+        if short <= 0 or self._max_num_blocks is None or self.pool.num_blocks >= self._max_num_blocks:
+            return
+        new_num_blocks = min(self._max_num_blocks, self.pool.num_blocks + max(short, -(-self.pool.num_blocks // 16)))
+        self.kv.grow(new_num_blocks)
+        self.pool.grow(new_num_blocks - self.pool.num_blocks)
+        if self.kv.k_cache[0].is_cuda:  # hand the old, smaller pools back: reserved memory stays near allocated
+            torch.cuda.empty_cache()
 
     def _raise_out_of_blocks(self, batch_size: int, length: int):
         need = batch_size * math.ceil((self._num_columns + length) / self.block_size)
+        grown = "" if self._max_num_blocks is None else f", grown to its cap of {self._max_num_blocks}"
         raise MemoryError(
             f"PagedCache is out of KV blocks: a batch of {batch_size} rows at {self._num_columns + length} tokens "
-            f"needs up to {need} blocks of {self.block_size} tokens, the pool has {self.pool.num_blocks} "
+            f"needs up to {need} blocks of {self.block_size} tokens, the pool has {self.pool.num_blocks}{grown} "
             f"({self.pool.num_free_blocks} free). Pass a larger num_blocks= (or memory_fraction=) to PagedCache"
         )
 

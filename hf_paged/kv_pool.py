@@ -48,6 +48,24 @@ class KVPool:
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
 
+    def grow(self, num_blocks: int) -> None:
+        """Enlarge every layer's pools to ``num_blocks`` blocks, keeping the blocks' contents; new blocks are zeros.
+
+        One layer at a time (new tensor, copy, drop the old one), so the extra memory while growing is one layer's
+        old pools, not the whole cache's. Block ids do not change: block tables stay valid.
+        """
+        if num_blocks <= self.num_blocks:
+            raise ValueError(f"`num_blocks` must exceed the current {self.num_blocks} to grow, got {num_blocks}")
+        old = self.num_blocks
+        for caches in (self.k_cache, self.v_cache):
+            for layer, cache in enumerate(caches):
+                grown = torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+                grown[:old].copy_(cache)
+                grown[old:].zero_()  # kernels load whole tiles of a block: keep unwritten slots finite
+                caches[layer] = grown
+                del cache
+        self.num_blocks = num_blocks
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of K and V for one block across all layers."""

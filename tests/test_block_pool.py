@@ -539,6 +539,97 @@ def test_fork_child_caches_its_own_blocks():
     pool.check_invariants()
 
 
+def test_truncate_releases_tail_and_unindexes_the_cut_block():
+    pool = BlockPool(8, BS)
+    tokens = toks(0, 3 * BS + 2)
+    pool.allocate("a", tokens)  # b0#, b1#, b2#, b3 (2 tokens)
+    assert [pool.get_block_hash(b) is not None for b in range(4)] == [True, True, True, False]
+    assert pool.num_blocks_to_truncate("a", BS + 4) == 0
+    assert pool.truncate("a", BS + 4) == []  # keep b0#, b1 cut to 4 tokens; b3 then b2# released
+    assert pool.get_block_table("a") == [0, 1] and pool.num_tokens("a") == BS + 4
+    assert pool.get_block_hash(1) is None  # its slots 4.. will be overwritten: out of the index
+    assert pool.get_block_hash(2) == chain_hashes(tokens, BS)[2]  # released whole: stays cached
+    assert pool._seqs["a"].block_hashes == chain_hashes(tokens, BS)[:1]
+    # head->b3->b4..b7->b2#->tail: b3 had no hash (head), b2# keeps its K/V for a later hit (tail)
+    assert pool.get_free_block_ids() == [3, 4, 5, 6, 7, 2]
+    assert pool.stats.num_used_slots == BS + 4
+    assert pool.num_cached_prefix_tokens(tokens) == BS  # b0# only: the chain breaks at the unindexed b1
+    assert pool.append("a", 1) == []  # writes into b1 again, no copy
+    pool.check_invariants()
+
+
+def test_truncate_at_block_boundary_keeps_the_full_block_indexed():
+    pool = BlockPool(4, BS)
+    pool.allocate("a", toks(0, 2 * BS + 1))  # b0#, b1#, b2 (1 token)
+    assert pool.truncate("a", 2 * BS) == []
+    assert pool.get_block_table("a") == [0, 1] and pool.get_block_hash(1) is not None
+    assert pool.truncate("a", 2 * BS) == []  # nothing to drop
+    pool.check_invariants()
+
+
+def test_truncate_copies_a_shared_block_it_cuts():
+    pool = BlockPool(8, BS)
+    tokens = toks(0, 2 * BS + 3)
+    pool.allocate("a", tokens)  # b0#, b1#, b2 (3 tokens)
+    pool.fork("a", "b")  # b0#(2), b1#(2), b2(2)
+    assert pool.num_blocks_to_truncate("b", BS + 2) == 1
+    # b keeps 10 tokens: b2 loses b's reference, b1 is cut inside: b gets its own copy b3
+    assert pool.truncate("b", BS + 2) == [(1, 3)]
+    assert pool.get_block_table("b") == [0, 3] and pool.get_block_table("a") == [0, 1, 2]
+    assert [pool.ref_count(b) for b in range(4)] == [2, 1, 1, 1]
+    assert pool.get_block_hash(1) == chain_hashes(tokens, BS)[1]  # a's block is untouched, still indexed
+    assert pool.append("b", 1) == []  # b writes its copy, never a's block
+    pool.check_invariants()
+
+
+def test_truncate_needs_a_free_block_for_the_copy():
+    pool = BlockPool(2, BS)
+    pool.allocate("a", toks(0, BS + 1))  # b0#, b1: the pool is full
+    pool.fork("a", "b")
+    before = snapshot(pool)
+    assert pool.num_blocks_to_truncate("b", 3) == 1
+    assert pool.truncate("b", 3) is None  # b1 is only dropped by b (still a's): no block for the copy of b0
+    assert snapshot(pool) == before
+    pool.free("a")
+    assert pool.truncate("b", 3) == []  # b0 is b's alone now: cut in place
+    pool.check_invariants()
+
+
+def test_truncate_errors():
+    pool = BlockPool(4, BS)
+    pool.allocate("a", toks(0, 5))
+    with pytest.raises(ValueError, match=r"`num_tokens` must be in \[1, 5\] for seq 'a', got 0 \(free\(\)"):
+        pool.truncate("a", 0)
+    with pytest.raises(ValueError, match=r"`num_tokens` must be in \[1, 5\] for seq 'a', got 6"):
+        pool.num_blocks_to_truncate("a", 6)
+    with pytest.raises(TypeError, match="`num_tokens` must be an int"):
+        pool.truncate("a", 2.0)
+    with pytest.raises(ValueError, match="unknown `seq_id` 'z'"):
+        pool.truncate("z", 1)
+
+
+def test_grow_adds_empty_blocks_before_the_cached_ones():
+    pool = BlockPool(2, BS)
+    pool.allocate("a", toks(0, 2 * BS))  # b0#, b1#
+    pool.free("a")  # head->b1#->b0#->tail
+    pool.grow(2)  # head->b2->b3->b1#->b0#->tail: new blocks go first, the cached ones keep their K/V longest
+    assert pool.num_blocks == 4 and pool.get_free_block_ids() == [2, 3, 1, 0]
+    assert pool.allocate("b", toks(50, 3)).block_table == [2]
+    assert pool.num_cached_prefix_tokens(toks(0, 2 * BS + 1)) == 2 * BS
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="`num_new_blocks` must be a positive int, got 0"):
+        pool.grow(0)
+
+
+def test_num_blocks_to_append_counts_the_copy():
+    pool = BlockPool(8, BS)
+    pool.allocate("a", toks(0, BS + 3))  # b0#, b1 (3 tokens)
+    assert pool.num_blocks_to_append("a", 5) == 0 and pool.num_blocks_to_append("a", 6) == 1
+    pool.fork("a", "b")
+    assert pool.num_blocks_to_append("b", 1) == 1  # the shared partial b1 is copied first
+    assert pool.num_blocks_to_append("b", BS) == 2
+
+
 # ---- randomized ------------------------------------------------------------------------------
 
 VOCAB = st.integers(0, 3)
@@ -707,6 +798,28 @@ class PoolMachine(RuleBasedStateMachine):
         num_tokens = min(cut, self.num_known[seq_id])
         event(f"cache_blocks: up to the known tokens {num_tokens == self.num_known[seq_id]}")
         self.pool.cache_blocks(seq_id, host, num_tokens)
+
+    @rule(seq_id=seqs, data=st.data())
+    def truncate(self, seq_id, data):
+        """Roll back the last tokens (rejected drafts): the kept ones must read back, shared blocks untouched."""
+        if seq_id not in self.shadow:
+            return
+        num_tokens = data.draw(st.integers(1, len(self.shadow[seq_id])))
+        need = self.pool.num_blocks_to_truncate(seq_id, num_tokens)
+        fits = need <= self.pool.num_free_blocks
+        before = snapshot(self.pool)
+        pairs = self.pool.truncate(seq_id, num_tokens)
+        assert fits == (pairs is not None)
+        if pairs is None:
+            event("truncate: out of blocks")
+            assert snapshot(self.pool) == before
+            return
+        event(f"truncate: copy-on-write {bool(pairs)}")
+        assert len(pairs) == need
+        for src, dst in pairs:
+            self.device[dst] = list(self.device[src])
+        del self.shadow[seq_id][num_tokens:]
+        self.num_known[seq_id] = min(self.num_known[seq_id], num_tokens)
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):

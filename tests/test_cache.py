@@ -239,3 +239,59 @@ def test_generate_on_cuda_matches_sdpa(dtype):
         )
         assert_cache_released(beam_cache)
     assert_cache_released(cache)
+
+
+def _record_contexts(cache: PagedCache) -> list:
+    """Wrap ``cache._begin_forward`` to keep the context it plans for each forward."""
+    contexts, begin = [], cache._begin_forward
+
+    def recording_begin(*args, **kwargs):
+        contexts.append(begin(*args, **kwargs))
+        return contexts[-1]
+
+    cache._begin_forward = recording_begin
+    return contexts
+
+
+def test_decode_fast_path_plans_what_the_general_plan_does(monkeypatch):
+    """The decode hot path (kept block tables, one append per row) and the general plan build the same contexts:
+    across block boundaries and the first decode step's copy-on-write of the shared prompt blocks."""
+    model = tiny_model("llama")
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, do_sample=True, num_return_sequences=2)
+    fields = ("slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "max_query_len", "max_seq_len")
+    decode = PagedCache._begin_decode
+    num_fast = []
+
+    def counting_decode(*args):
+        ctx = decode(*args)
+        num_fast.append(ctx is not None)
+        return ctx
+
+    monkeypatch.setattr(PagedCache, "_begin_decode", counting_decode)
+    runs = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(PagedCache, "_begin_decode", lambda *args: None)
+        cache = PagedCache(model, num_blocks=32, block_size=8)
+        contexts = _record_contexts(cache)
+        torch.manual_seed(5)
+        out = _generate(model, cache, **kwargs)
+        runs.append((out, [[getattr(ctx, f) for f in fields] for ctx in contexts]))
+        assert_cache_released(cache)
+    assert num_fast == [True] * 19  # every decode step of the first run took the hot path
+    (out_fast, fast_ctx), (out_general, general_ctx) = runs
+    assert torch.equal(out_fast, out_general) and len(fast_ctx) == len(general_ctx) == 20
+    for step, (a, b) in enumerate(zip(fast_ctx, general_ctx, strict=True)):
+        for name, x, y in zip(fields, a, b, strict=True):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (step, name, x, y)
+
+
+def test_sinks_are_found_as_parameter_or_attribute():
+    from hf_paged.attention import _has_sinks
+
+    module = torch.nn.Module()
+    assert not _has_sinks(module)
+    module.sinks = None
+    assert not _has_sinks(module)
+    module.sinks = torch.nn.Parameter(torch.zeros(4))
+    assert _has_sinks(module)

@@ -1,0 +1,149 @@
+"""Host time of a generate() decode step: PagedCache + "paged" beside DynamicCache + "sdpa", on the CPU.
+
+On a GPU, a small model's decode step is bound by the host: the GPU waits for Python to launch each kernel. This
+script measures that host time on the CPU (``time.process_time``, one torch thread) with a model of Qwen3-0.6B's
+depth (28 layers) and tiny widths, so the numbers are the per-step Python and dispatch cost, not arithmetic:
+
+- ``dynamic``: DynamicCache + sdpa (torch's CPU kernels; tiny shapes, so this is mostly dispatch);
+- ``paged``: PagedCache + "paged" with the kernels (``write_kv``, ``paged_attention``) replaced by no-ops, so the
+  number is hf_paged's host work per step (the plan of each forward and the per-layer glue) plus the model;
+- ``plan``: of that, the time in ``PagedCache._begin_forward`` (the per-forward plan: slots, tables, lengths).
+
+A step's host time runs from the start of one forward to the start of the next (the forward, then generate's
+sampling and input preparation), measured with ``time.process_time``; each run gives the median over its decode
+steps, and the table the minimum over ``--repeats`` runs and, in brackets, their median (on a shared machine other
+processes only ever add time, so the minimum is the steadier number). The CUDA launch cost of the kernels is not in
+these numbers.
+
+Run: python benchmarks/cache_host_time.py [--batch 1 64] [--prompt 512] [--new-tokens 32]
+"""
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+import hf_paged.attention as paged_attention_module
+import hf_paged.cache as cache_module
+from hf_paged import PagedCache
+
+
+def build_model(num_layers: int = 28) -> torch.nn.Module:
+    """Qwen3-0.6B's depth and head layout at tiny widths (host cost per layer, no arithmetic to speak of)."""
+    config = transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+def stub_kernels() -> None:
+    """Replace the paged kernels by no-ops: what is left of a step is host work."""
+
+    def write_kv(*args, **kwargs):
+        pass
+
+    def paged_attention(query, *args, out=None, **kwargs):
+        return torch.empty_like(query) if out is None else out
+
+    cache_module.write_kv = write_kv
+    paged_attention_module.write_kv = write_kv
+    paged_attention_module.paged_attention = paged_attention
+
+
+class PlanTimer:
+    """Accumulates the process time spent in PagedCache._begin_forward."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+        begin = cache_module.PagedCache._begin_forward
+
+        def timed(cache, *args, **kwargs):
+            start = time.process_time()
+            try:
+                return begin(cache, *args, **kwargs)
+            finally:
+                self.seconds += time.process_time() - start
+                self.calls += 1
+
+        cache_module.PagedCache._begin_forward = timed
+
+
+def decode_step_ms(model, make_cache, prompts: torch.Tensor, new_tokens: int, timer: PlanTimer | None = None):
+    """(host ms of each decode step, plan ms of each decode step) of one generate() call.
+
+    A step runs from one forward's start to the next one's (the forward, then generate's sampling and input
+    preparation); the first forward (the prefill) is left out.
+    """
+    marks, plans = [], []
+
+    def mark(module, args, kwargs):
+        marks.append(time.process_time())
+        plans.append(timer.seconds if timer else 0.0)
+
+    handle = model.register_forward_pre_hook(mark, with_kwargs=True)
+    try:
+        model.generate(
+            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, past_key_values=make_cache(),
+        )  # fmt: skip
+    finally:
+        handle.remove()
+    steps = [(b - a) * 1e3 for a, b in zip(marks[1:], marks[2:], strict=False)]
+    plan_steps = [(b - a) * 1e3 for a, b in zip(plans[1:], plans[2:], strict=False)]
+    return steps, plan_steps
+
+
+def step_ms(model, make_cache, prompts, new_tokens: int, repeats: int, timer: PlanTimer | None = None):
+    """Per run, the median host ms of a decode step and of its plan (empty without a timer)."""
+    decode_step_ms(model, make_cache, prompts, 3)  # warm-up
+    steps, plans = [], []
+    for _ in range(repeats):
+        run_steps, run_plans = decode_step_ms(model, make_cache, prompts, new_tokens, timer)
+        steps.append(statistics.median(run_steps))
+        plans.append(statistics.median(run_plans))
+    return steps, (plans if timer else [])
+
+
+def _fmt(values: list[float]) -> str:
+    return f"{min(values):.3f} ({statistics.median(values):.3f})"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=28)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    stub_kernels()
+    timer = PlanTimer()
+    model = build_model(args.layers)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.layers} layers, prompt "
+          f"{args.prompt}, {args.new_tokens} new tokens, {args.repeats} runs; host ms/step: min (median)")  # fmt: skip
+    print("| batch | DynamicCache + sdpa | PagedCache + paged (no-op kernels) | of which the plan (_begin_forward) |")
+    print("|---|---|---|---|")
+    for batch in args.batch:
+        prompts = torch.randint(3, 256, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
+        num_blocks = batch * ((args.prompt + args.new_tokens) // 16 + 2)
+        model.set_attn_implementation("sdpa")
+        dynamic, _ = step_ms(model, lambda: DynamicCache(config=model.config), prompts, args.new_tokens, args.repeats)
+        model.set_attn_implementation("paged")
+        paged, plan = step_ms(
+            model, functools.partial(PagedCache, model, num_blocks=num_blocks, block_size=16), prompts,
+            args.new_tokens, args.repeats, timer,
+        )  # fmt: skip
+        print(f"| {batch} | {_fmt(dynamic)} | {_fmt(paged)} | {_fmt(plan)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

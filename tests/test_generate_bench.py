@@ -1,0 +1,55 @@
+"""benchmarks/generate.py off the GPU: argument parsing, the markdown table, and a CPU smoke run of the whole path."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
+_spec = importlib.util.spec_from_file_location("generate_bench", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_grid_arguments():
+    args = bench.parse_args([])
+    assert args.shapes == ["qwen3-0.6b", "llama-8b"] and args.points == [(1, 512), (8, 1024), (32, 512), (64, 512)]
+    assert args.modes == ["greedy", "beams4", "samples4"] and args.systems == ["dynamic", "static", "paged"]
+    quick = bench.parse_args(["--quick"])
+    assert quick.shapes == ["qwen3-0.6b"] and quick.points == [(1, 512), (32, 512)] and quick.new_tokens == 32
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--points", "8by1024"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--new-tokens", "1"])
+
+
+def test_table_has_ratios_to_dynamic_and_failed_cells():
+    def cell(system, step_ms, peak, **kwargs):
+        c = bench.Cell("qwen3-0.6b", 8, 1024, "greedy", system, system, new_tokens=11, rows=8, **kwargs)
+        c.step_ms, c.prefill_ms, c.total_s, c.peak_allocated = step_ms, [50.0, 52.0, 51.0], [1.0, 1.2, 1.1], peak
+        return c
+
+    cells = [
+        cell("dynamic", [10.0, 12.0, 11.0], 2 * 2**30),
+        cell("paged", [8.0, 8.5, 9.0], 2**30, same_tokens=0.995, note="pool grew to 9 blocks"),
+        bench.Cell("qwen3-0.6b", 8, 1024, "greedy", "static", "static", 11, 8, error="out of memory"),
+    ]
+    table = bench.format_table(cells, "### title")
+    lines = table.splitlines()
+    assert lines[0] == "### title" and lines[2].startswith("| model | batch x prompt | mode | system | ms/step")
+    assert lines[4] == (
+        "| qwen3-0.6b | 8 x 1024 | greedy | dynamic | 11.00 (10.00-12.00) | 51.0 | 80 | 2.00 | n/a | 1.00 | 1.00 |  |"
+    )
+    assert lines[5] == (
+        "| qwen3-0.6b | 8 x 1024 | greedy | paged | 8.50 (8.00-9.00) | 51.0 | 80 | 1.00 | n/a | 0.77 | 0.50 | "
+        "pool grew to 9 blocks; 99.5% tokens equal to dynamic |"
+    )
+    assert lines[6].endswith("| out of memory |")
+
+
+def test_cpu_smoke_run_writes_the_table(tmp_path):
+    out = tmp_path / "results.md"
+    argv = ["--device", "cpu", "--points", "1x8", "--modes", "greedy", "--systems", "dynamic", "paged"]
+    assert bench.main([*argv, "--repeats", "1", "--new-tokens", "2", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2 and "PagedCache + paged, eager" in rows[1] and "100.0% tokens equal to dynamic" in rows[1]
