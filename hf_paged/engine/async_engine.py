@@ -92,7 +92,7 @@ class RequestStream:
         try:
             item = await self._record.queue.get()
         except BaseException:  # cancelled (a client disconnect, a timeout): the request is not needed anymore
-            self._abandon()
+            self.abort()
             raise
         if isinstance(item, StreamDelta):
             return item
@@ -104,16 +104,17 @@ class RequestStream:
 
     async def aclose(self) -> None:
         """Abort the request if it has not ended."""
-        self._abandon()
+        self.abort()
 
-    def _abandon(self) -> None:
+    def abort(self) -> None:
+        """Abort the request if it has not ended (the stream then ends); safe from any thread."""
         if not self._done:
             self._done = True
             self._engine._abort_quietly(self.request_id)
 
     def __del__(self):
         try:
-            self._abandon()
+            self.abort()
         except Exception:  # interpreter shutdown: nothing left to abort
             pass
 
