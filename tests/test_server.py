@@ -391,3 +391,48 @@ def test_overload_is_503_and_shutdown_ends_streams_in_flight(tokenizer):
         assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
         with pytest.raises(OSError):
             server.request("GET", "/health", headers={}, timeout=5)
+
+
+def test_the_command_serves_the_default_model_and_ends_on_sigterm(default_model_dir):
+    """``hf-paged serve`` as a user runs it: a stream in flight when SIGTERM arrives still ends properly, and the
+    process exits."""
+    import signal
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    command = [sys.executable, "-m", "hf_paged.frontends.cli", "serve", "--port", str(port), "--num-blocks", "64",
+               "--max-num-batched-tokens", "256", "--shutdown-timeout", "60"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        server = _Server(port, None, None)
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if server.request("GET", "/health", headers={}, timeout=5)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
+        body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.readline()
+        assert first.startswith(b"data: {")
+        proc.send_signal(signal.SIGTERM)
+        events = [first.decode().strip()[len("data: ") :]]
+        events += [line[len("data: ") :] for line in resp.read().decode().splitlines() if line]
+        conn.close()
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        # uvicorn re-raises the signal once it has shut down, so the exit status says "ended by SIGTERM"
+        assert proc.wait(TIMEOUT_S) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Application shutdown complete" in proc.stdout.read()
