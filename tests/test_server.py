@@ -436,3 +436,30 @@ def test_the_command_serves_the_default_model_and_ends_on_sigterm(default_model_
             proc.kill()
             proc.wait()
     assert "Application shutdown complete" in proc.stdout.read()
+
+
+def test_the_serving_benchmark_measures_a_few_requests(server, tmp_path):
+    """benchmarks/serve.py (vllm bench serve's method) against the test server: Poisson arrivals, streaming."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result_file = tmp_path / "result.json"
+    argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--api-key", KEY, "--num-prompts", "6",
+            "--random-input-len", "12", "--random-output-len", "5", "--request-rate", "40", "--ignore-eos",
+            "--goodput", "ttft:60000", "e2el:1", "--result-file", str(result_file)]  # fmt: skip
+    for endpoint in ("completions", "chat"):
+        assert bench.main([*argv, "--endpoint", endpoint]) == 0
+        result = json.loads(result_file.read_text())
+        assert (result["completed"], result["failed"], result["model"]) == (6, 0, MODEL)
+        assert result["total_output_tokens"] == 30  # ignore_eos: every request gives its 5 tokens
+        assert result["goodput"] == 0.0  # no request ends within 1 ms
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"]
+        assert result["p50_e2el_ms"] >= result["p50_ttft_ms"]
+    assert bench.main([*argv, "--goodput", "latency:5"]) == 2
+    assert bench.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft_ms": 500.0, "tpot_ms": 50.0}
+    server.wait_idle()
