@@ -196,6 +196,9 @@ def test_completions_and_chat_with_the_openai_client(server, offline, tokenizer)
     assert batch.choices[2].text == _greedy(offline, "Hello", 4).text
     ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
     assert ids.choices[0].text == _greedy(offline, [5, 6, 7], 4).text
+    nulls = {"temperature": None, "top_p": None, "n": None, "stop": None, "top_k": None, "ignore_eos": None}
+    status, body = server.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4} | nulls)
+    assert status == 200 and len(body["choices"]) == 1  # null means the default, as OpenAI takes it
     server.wait_idle()
 
 

@@ -25,6 +25,7 @@ so an AsyncEngine serves on rank 0 only; broadcasting its requests to the other 
 import asyncio
 import itertools
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class _Record:
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    arrival_time: float  # time.monotonic() at stream(): the request's metrics count the wait in the inbox
     request: Request | None = None  # the batcher's live request (engine thread only), once added
     cursors: dict[int, StreamCursor] = field(default_factory=dict)  # sequence index -> what was sent
 
@@ -190,7 +192,7 @@ class AsyncEngine:
         self.inputs.validate(token_ids, params)
         loop = asyncio.get_running_loop()
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
-        record = _Record(request_id, loop, asyncio.Queue())
+        record = _Record(request_id, loop, asyncio.Queue(), time.monotonic())
         with self._cond:
             self._check_serving()
             if request_id in self._live:
@@ -312,6 +314,7 @@ class AsyncEngine:
                 return
             record.request = batcher.requests[record.request_id]
             record.request.prompt = prompt_text
+            record.request.metrics.arrival_time = record.arrival_time
         elif kind == "abort":
             record = self._live.get(command[1])
             if record is not None and record.request is not None and not record.request.is_finished:

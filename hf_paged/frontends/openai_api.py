@@ -53,56 +53,68 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    # null is accepted wherever OpenAI accepts it, and means the default (some clients send every field).
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
+    temperature: float | None = None  # default 1.0
+    top_p: float | None = None  # default 1.0
+    n: int | None = None  # default 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None  # default 0.0
+    frequency_penalty: float | None = None  # default 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int = 0  # vLLM: -1 or 0 = off
-    min_p: float = 0.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    top_k: int | None = None  # vLLM: -1 or 0 = off
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool | None = None  # default True
+    include_stop_str_in_output: bool | None = None
+
+    @property
+    def width(self) -> int:
+        """``n``: choices per prompt."""
+        return 1 if self.n is None else self.n
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.stream)
 
     def check_supported(self) -> None:
         """Refuse what hf_paged would otherwise ignore."""
         if self.logit_bias:
             raise APIError(400, "`logit_bias` is not supported by hf_paged", param="logit_bias")
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and not self.streams:
             raise APIError(400, "`stream_options` is only allowed with `stream: true`", param="stream_options")
 
     def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams; a bad value raises ``APIError`` 400 naming the field."""
+        given = {name: value for name, value in self if value is not None}
+        top_k = given.get("top_k", 0)
         try:
             return SamplingParams(
-                n=self.n,
+                n=self.width,
                 max_new_tokens=max_new_tokens,
-                min_tokens=self.min_tokens,
-                temperature=self.temperature,
-                top_k=0 if self.top_k == -1 else self.top_k,
-                top_p=self.top_p,
-                min_p=self.min_p,
+                min_tokens=given.get("min_tokens", 0),
+                temperature=given.get("temperature", 1.0),
+                top_k=0 if top_k == -1 else top_k,
+                top_p=given.get("top_p", 1.0),
+                min_p=given.get("min_p", 0.0),
                 seed=self.seed,
-                repetition_penalty=self.repetition_penalty,
-                presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=given.get("repetition_penalty", 1.0),
+                presence_penalty=given.get("presence_penalty", 0.0),
+                frequency_penalty=given.get("frequency_penalty", 0.0),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 stop=() if self.stop is None else self.stop,
-                ignore_eos=self.ignore_eos,
+                ignore_eos=given.get("ignore_eos", False),
                 logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=given.get("skip_special_tokens", True),
+                include_stop_str_in_output=given.get("include_stop_str_in_output", False),
             )
         except (ValueError, TypeError) as err:
             raise bad_value(err) from None
@@ -114,7 +126,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -124,8 +136,8 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "`echo` is not supported by hf_paged", param="echo")
         if self.suffix:
             raise APIError(400, "`suffix` is not supported by hf_paged", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, f"`best_of` must equal `n` ({self.n}) or be omitted, got {self.best_of}",
+        if self.best_of is not None and self.best_of != self.width:
+            raise APIError(400, f"`best_of` must equal `n` ({self.width}) or be omitted, got {self.best_of}",
                            param="best_of")  # fmt: skip
 
     def prompts(self) -> list:
@@ -162,7 +174,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None

@@ -185,7 +185,7 @@ def create_app(
         """Token ids of a text, token ids or a chat; refuses prompts beyond ``max_prompt_tokens`` or the context."""
         try:
             _, token_ids = inputs.tokenize(prompt)
-        except (ValueError, TypeError) as err:
+        except Exception as err:  # ValueError/TypeError, or the chat template refusing the messages (jinja)
             raise APIError(400, str(err), param=param) from None
         limit = max_prompt_tokens if max_prompt_tokens is not None else max_model_len
         if limit is not None and len(token_ids) > limit:
@@ -245,23 +245,23 @@ def create_app(
     async def completions(request: Request):
         body: CompletionRequest = await read_body(request, CompletionRequest)
         prompts = [tokenize(p, "prompt") for p in body.prompts()]
-        params = [body.sampling_params(max_new_tokens(body.max_tokens, len(p), body.n), body.logprobs)
+        params = [body.sampling_params(max_new_tokens(body.max_tokens, len(p), body.width), body.logprobs)
                   for p in prompts]  # fmt: skip
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         fmt = Formatter("completion", model_name, engine.tokenizer, body.logprobs, include_usage)
         streams = submit(prompts, params, fmt.id)
-        return await answer(request, fmt, streams, body.n, [len(p) for p in prompts], body.stream)
+        return await answer(request, fmt, streams, body.width, [len(p) for p in prompts], body.streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
         token_ids = tokenize(body.chat(), "messages")
-        params = body.sampling_params(max_new_tokens(body.max_tokens_asked(), len(token_ids), body.n),
+        params = body.sampling_params(max_new_tokens(body.max_tokens_asked(), len(token_ids), body.width),
                                       body.num_logprobs())  # fmt: skip
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         fmt = Formatter("chat", model_name, engine.tokenizer, body.num_logprobs(), include_usage)
         streams = submit([token_ids], [params], fmt.id)
-        return await answer(request, fmt, streams, body.n, [len(token_ids)], body.stream)
+        return await answer(request, fmt, streams, body.width, [len(token_ids)], body.streams)
 
     @app.get("/v1/models")
     async def models(request: Request):
