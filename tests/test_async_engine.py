@@ -214,6 +214,8 @@ def test_a_dead_engine_thread_fails_every_waiter_and_every_later_call(monkeypatc
         results = await asyncio.gather(*waiters, return_exceptions=True)
         with pytest.raises(EngineDeadError, match="injected bug"):
             engine.stream([5, 6], SamplingParams())
+        with pytest.raises(EngineDeadError, match="injected bug"):
+            await engine.stats()
         await engine.shutdown()  # returns at once: the thread is gone
         return results
 

@@ -230,9 +230,9 @@ class AsyncEngine:
 
     async def stats(self) -> ServingStats:
         """Engine metrics and queue lengths, read on the engine thread between steps."""
-        self._check_serving()
         future = asyncio.get_running_loop().create_future()
         with self._cond:
+            self._check_serving()  # under the lock: nothing is queued behind "stop", which nobody would answer
             self._inbox.append(("stats", future))
             self._cond.notify()
         return await future
@@ -381,6 +381,9 @@ class AsyncEngine:
         for command in commands:
             if command[0] == "add":  # queued before shutdown() but never started
                 self._finish(command[1], RuntimeError("the AsyncEngine shut down before the request started"))
+            elif command[0] == "stats":
+                stopped = RuntimeError("the AsyncEngine shut down")
+                command[1].get_loop().call_soon_threadsafe(_set_exception, command[1], stopped)
         for record in list(self._live.values()):
             if record.request is not None and not record.request.is_finished:
                 batcher.abort(record.request_id)
@@ -397,10 +400,15 @@ class AsyncEngine:
         with self._cond:
             self._dead = err
             records, self._live = list(self._live.values()), {}
+            commands, self._inbox = self._inbox, []
         for record in records:
             dead = EngineDeadError(f"the engine thread died: {err!r}")
             dead.__cause__ = err
             _send(record.loop, [(record.queue, dead)])
+        for command in commands:  # stats() callers waiting for an answer
+            if command[0] == "stats":
+                dead = EngineDeadError(f"the engine thread died: {err!r}")
+                command[1].get_loop().call_soon_threadsafe(_set_exception, command[1], dead)
 
 
 def _whole(completion, request: Request) -> StreamDelta:
@@ -431,3 +439,8 @@ def _deliver(items: list) -> None:
 def _set_result(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, err: BaseException) -> None:
+    if not future.done():
+        future.set_exception(err)
