@@ -103,6 +103,17 @@ def _serving(tokenizer, **app_kwargs):
         assert not engine._thread.is_alive(), "the engine thread did not stop"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """As ``hf-paged serve`` does on the CPU: a core left for the event loop (and here, the clients)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def server(tokenizer):
     with _serving(tokenizer, api_key=KEY, max_queue=64, max_prompt_tokens=MAX_PROMPT_TOKENS,
