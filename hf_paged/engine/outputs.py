@@ -108,22 +108,25 @@ class Detokenizer:
         if self.tokenizer is None:
             return None
         params = request.params
-        out = seq.output_token_ids
-        state = self._state(seq, out, params.skip_special_tokens)
+        state = self._state(seq, params.skip_special_tokens)
         check = bool(params.stop) and seq.finish_reason in (None, "length")
         max_stop = max(len(s) for s in params.stop) if check else 0
+        # Output token i is token_ids[base + i]; no slice of the whole output: this runs for every token.
+        token_ids, base = seq.token_ids, seq.num_prompt_tokens
+        num_out = len(token_ids) - seq.num_inflight - base
         text = seq.text
         found = None
-        for end in range(seq.num_detokenized + 1, len(out) + 1):
+        for end in range(seq.num_detokenized + 1, num_out + 1):
             prev_len = len(text)
+            token_id = token_ids[base + end - 1]
             try:
-                chunk = state.step(out[end - 1])
+                chunk = state.step(token_id)
             except Exception as err:
                 if not (isinstance(state.stream, _RustStream) and _INVALID_PREFIX in str(err)):
                     raise
-                read = end - 1 - state.num_pending
-                state.stream = state.stream.as_offsets(out[:read], out[read : end - 1])
-                chunk = state.step(out[end - 1])
+                read = base + end - 1 - state.num_pending
+                state.stream = state.stream.as_offsets(token_ids[base:read], token_ids[read : base + end - 1])
+                chunk = state.step(token_id)
             if chunk is None:
                 continue
             text += chunk
@@ -136,15 +139,14 @@ class Detokenizer:
                         found = stop
                         break
                 if found is not None:
-                    if end < len(out):  # tokens sampled after the stop string (a check a failed step skipped)
-                        start = seq.num_prompt_tokens + end
-                        del seq.token_ids[start : len(seq.token_ids) - seq.num_inflight]
+                    if end < num_out:  # tokens sampled after the stop string (a check a failed step skipped)
+                        del token_ids[base + end : len(token_ids) - seq.num_inflight]
                         del seq.logprobs[end:]
                     break
         if found is None and seq.is_finished and state.num_pending:
-            text += self._flush(out, state.num_pending, params.skip_special_tokens)
+            text += self._flush(seq.output_token_ids, state.num_pending, params.skip_special_tokens)
             state.num_pending = 0
-        seq.text, seq.num_detokenized = text, len(seq.output_token_ids)
+        seq.text, seq.num_detokenized = text, len(token_ids) - seq.num_inflight - base
         return found
 
     def decode(self, request: Request, token_ids: list[int]) -> str | None:
@@ -153,7 +155,7 @@ class Detokenizer:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=request.params.skip_special_tokens)
 
-    def _state(self, seq: Sequence, out: list[int], skip_special_tokens: bool) -> "_TextStream":
+    def _state(self, seq: Sequence, skip_special_tokens: bool) -> "_TextStream":
         """``seq``'s decoder, rebuilt from its checked tokens if missing or out of step (a failed update)."""
         state = seq.detok_state
         if state is None or state.num_tokens != seq.num_detokenized:
@@ -164,7 +166,8 @@ class Detokenizer:
                 state = _TextStream(
                     _OffsetStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
                 )
-            for token_id in out[: seq.num_detokenized]:  # their text is in seq.text already
+            base = seq.num_prompt_tokens
+            for token_id in seq.token_ids[base : base + seq.num_detokenized]:  # their text is in seq.text already
                 state.step(token_id)
             seq.detok_state = state
         return state
