@@ -37,6 +37,20 @@ needs_triton = pytest.mark.skipif(
 )
 
 
+def has_serve_extra() -> bool:
+    """Whether the serve extra (fastapi, uvicorn, prometheus-client) and the test extra's openai client are here."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "prometheus_client", "openai"))
+
+
+needs_serve = pytest.mark.skipif(
+    not has_serve_extra(),
+    reason="needs the serve extra and openai (pip install -e '.[test,model,serve]'); runs in CI, whose .ci/run "
+    "installs them",
+)
+
+
 def needs_cuda(what: str) -> pytest.MarkDecorator:
     """Skip unless CUDA is available; ``what`` says what the test needs CUDA for."""
     return pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs CUDA: {what} (device machine)")

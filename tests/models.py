@@ -75,3 +75,29 @@ def char_tokenizer():
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
     return fast
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama's layout: BPE with byte fallback, "▁" for spaces, a decoder that
+    strips the leading space), trained in memory on a few sentences, so Chinese characters and emoji fall back to
+    one token per UTF-8 byte."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60,
+                                  show_progress=False)  # fmt: skip
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello streams!", "naïve café 你好 😀"]
+    tok.train_from_iterator(corpus * 20, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # byte tokens as ordinary vocabulary entries (not special: they must not be skipped)
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

@@ -185,3 +185,20 @@ def test_console_script(greedy_answer):
     )
     assert done.returncode == 2 and done.stdout == ""
     _one_error_line(done.stderr)
+
+
+def test_serve_help_lists_the_server_and_engine_flags(capsys):
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--api-key", "--max-queue", "--max-prompt-tokens", "--max-body-bytes",
+                 "--shutdown-timeout", "--num-blocks", "--max-num-seqs", "--preemption-mode"):  # fmt: skip
+        assert flag in out, flag
+    assert "127.0.0.1" in out
+
+
+def test_serve_without_the_serve_extra_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # `import fastapi` now fails as if it were not installed
+    monkeypatch.delitem(sys.modules, "hf_paged.frontends.serve", raising=False)
+    assert main(["serve", "--port", "1"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "needs the serve extra (fastapi is missing)" in line and "pip install 'hf_paged[serve]'" in line

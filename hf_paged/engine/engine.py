@@ -43,7 +43,7 @@ from hf_paged.engine.kv_manager import KVManager
 from hf_paged.engine.memory import MemoryProfile, profile_num_blocks
 from hf_paged.engine.metrics import EngineMetrics, MetricsRecorder
 from hf_paged.engine.model_runner import ModelRunner
-from hf_paged.engine.outputs import Detokenizer, StreamDelta, request_output
+from hf_paged.engine.outputs import Detokenizer, StreamCursor, StreamDelta, request_output
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestOutput
 from hf_paged.engine.request import Sequence as Seq
@@ -388,6 +388,8 @@ class ContinuousBatcher:
             if out.token_ids.is_cuda:
                 launched.event = torch.cuda.Event()
                 launched.event.record()
+            else:  # the tokens are on the host now, though a deferred step applies them after the next forward
+                launched.token_time = time.monotonic()
         if launched.deferred:
             self.scheduler.add_placeholders(launched.rows)
         return launched
@@ -398,6 +400,7 @@ class ContinuousBatcher:
         if launched.host is not None:
             if launched.event is not None:
                 launched.event.synchronize()
+                launched.token_time = time.monotonic()
             tokens, lps, top_lps, top_ids = (t.tolist() if t is not None else None for t in launched.host)
             sampled = []
             for row, (seq, request) in enumerate(zip(launched.rows, launched.requests, strict=True)):
@@ -407,7 +410,7 @@ class ContinuousBatcher:
                     logprob = lps[row]
                     top = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
                 sampled.append(SampledToken(seq, tokens[row], logprob, top))
-            applied = self.scheduler.update_from_output(sampled, launched.deferred)
+            applied = self.scheduler.update_from_output(sampled, launched.deferred, launched.token_time)
         self._metrics.num_generated_tokens += len(applied)
         for request, seq in applied:
             touched[request.request_id] = request
@@ -533,8 +536,9 @@ class ContinuousBatcher:
         """Yield what each step adds to one request; other requests progress too.
 
         Whichever call advances a step (another stream, ``step()``), every token of this request reaches this
-        generator, and its last delta carries the finish reason ("abort" if it was aborted). Closing the
-        generator early aborts the request.
+        generator, and its last delta carries the finish reason ("abort" if it was aborted). Text comes in whole
+        characters; with ``stop`` strings, the last ``max(len(s) for s in stop) - 1`` characters wait until the
+        request ends (a stop string is never partly sent). Closing the generator early aborts the request.
         """
         params = params if params is not None else SamplingParams()
         if params.n != 1 or params.beam_width != 1:
@@ -548,19 +552,13 @@ class ContinuousBatcher:
 
     def _stream(self, request: Request, owner: object) -> Iterator[StreamDelta]:
         seq = request.seqs[0]
-        sent_tokens, sent_text = 0, 0
+        cursor = StreamCursor()
         try:
             while True:
-                finished = request.is_finished  # before reading the tokens: the last delta holds all of them
-                tokens = seq.output_token_ids[sent_tokens:]
-                text = seq.text[sent_text:]
-                if tokens or finished:
-                    sent_tokens += len(tokens)
-                    sent_text += len(text)
-                    yield StreamDelta(
-                        text=text, token_ids=tokens, finish_reason=seq.finish_reason if finished else None
-                    )
-                if finished:
+                delta = cursor.next_delta(request, seq)
+                if delta is not None:
+                    yield delta
+                if cursor.done:
                     return
                 with self._enter():
                     self._keep_unclaimed(self._run_step())
@@ -618,6 +616,7 @@ class _Launched:
     token_ids: torch.Tensor | None = None  # [num_rows] int64 on the device: read by the next step's inputs
     host: list | None = None  # host copies of (token_ids, logprobs, top_logprobs, top_token_ids) (pinned on CUDA)
     event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+    token_time: float | None = None  # time.monotonic() when the tokens reached the host (first-token metrics)
 
 
 def _graphs_on(config: EngineConfig, info: ModelInfo) -> bool:

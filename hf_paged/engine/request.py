@@ -55,6 +55,7 @@ class Sequence:
         self.last_inflight = False
         self.num_hashed_blocks = 0  # leading full blocks the pool has hashed (kept by the KV manager)
         self.num_detokenized = 0  # output tokens whose text and stop strings were checked (outputs.Detokenizer)
+        self.detok_state = None  # the incremental decoder of outputs.Detokenizer (copied on fork)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -92,6 +93,8 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         child.text = self.text
+        if self.detok_state is not None:
+            child.detok_state = self.detok_state.fork()  # an independent stream from the same point
         return child
 
 

@@ -342,17 +342,22 @@ class Scheduler:
                 seq.num_output_tokens >= request.params.max_new_tokens or len(seq.token_ids) >= self.max_len
             )
 
-    def update_from_output(self, sampled: list[SampledToken], deferred: bool) -> list[tuple[Request, Sequence]]:
+    def update_from_output(
+        self, sampled: list[SampledToken], deferred: bool, token_time: float | None = None
+    ) -> list[tuple[Request, Sequence]]:
         """Apply a step's sampled tokens: fork a prompt's ``n`` samples, check stops and lengths, free what ended.
 
         Args:
             sampled: the rows in order; the rows of a prompt that forks into ``n`` samples are consecutive.
             deferred: the step's sequences hold placeholders for these tokens (async scheduling).
+            token_time: ``time.monotonic()`` when the tokens reached the host (default: now). A deferred step is
+                applied one forward after its tokens were sampled: the first-token time must not include it.
 
         Returns:
             (request, sequence) of every token applied, in row order (sequences it finished included).
         """
         applied = []
+        now = time.monotonic() if token_time is None else token_time
         j = 0
         while j < len(sampled):
             seq = sampled[j].seq
@@ -368,7 +373,7 @@ class Scheduler:
                     seq.num_inflight -= 1
                 else:
                     seq.token_ids.append(row.token_id)
-                self._check_stop(request, seq, row)
+                self._check_stop(request, seq, row, now)
                 applied.append((request, seq))
                 j += 1
                 continue
@@ -381,7 +386,7 @@ class Scheduler:
                     child.num_inflight -= 1
                 else:
                     child.token_ids.append(row.token_id)
-                self._check_stop(request, child, row)
+                self._check_stop(request, child, row, now)
                 applied.append((request, child))
             j += group
         return applied
@@ -398,7 +403,7 @@ class Scheduler:
         request.forked = True
         return children
 
-    def _check_stop(self, request: Request, seq: Sequence, row: SampledToken) -> None:
+    def _check_stop(self, request: Request, seq: Sequence, row: SampledToken, now: float) -> None:
         """Account for ``row.token_id``, just placed in ``seq``: logprobs, stop token, length."""
         params = request.params
         token = row.token_id
@@ -407,7 +412,7 @@ class Scheduler:
         if row.top_logprobs is not None:
             seq.logprobs.append(row.top_logprobs)
         if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = time.monotonic()
+            request.metrics.first_token_time = now
         num_out = seq.num_output_tokens - seq.num_inflight  # up to and including this token
         if token in self.eos_token_ids and not params.ignore_eos and num_out >= params.min_tokens:
             self.finish_seq(seq, "stop")

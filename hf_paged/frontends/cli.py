@@ -2,6 +2,7 @@
 
     hf-paged generate "What is the capital of France?"          # the embedded SmolLM2-135M-Instruct
     hf-paged generate --model ./my-model --file prompts.txt --temperature 0 --json
+    hf-paged serve --port 8000 --api-key "$KEY"                  # OpenAI-compatible server (hf_paged.frontends.serve)
     hf-paged bench ...                                           # the GPU benchmark suite (hf_paged.frontends.bench)
     hf-paged info                                                # versions, devices, kernel path, default model
 
@@ -57,7 +58,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hf-paged`` argument parser with its ``generate``, ``bench`` and ``info`` subcommands."""
+    """The ``hf-paged`` argument parser with its ``generate``, ``serve``, ``bench`` and ``info`` subcommands."""
     parser = _Parser(prog=PROG, description="PagedAttention for Hugging Face transformers.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
@@ -92,12 +93,47 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
-    engine = gen.add_argument_group("engine")
-    engine.add_argument(
-        "--num-blocks",
-        type=_positive_int,
-        help="KV blocks in the pool; default: what the prompts can need, at most --memory-fraction of free memory",
+    _add_engine_args(
+        gen, "KV blocks in the pool; default: what the prompts can need, at most --memory-fraction of free memory"
     )
+
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (needs the serve extra: pip install 'hf_paged[serve]')",
+        description="Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) "
+        "plus /health and /metrics (Prometheus). Default model: the embedded SmolLM2-135M-Instruct.",
+    )
+    serve.add_argument("model", nargs="?", metavar="MODEL",
+                       help="embedded default 'smollm2', a model folder, a .gguf file or a cached hub id")  # fmt: skip
+    serve.add_argument("--served-model-name", help="the `model` clients name; default: MODEL")
+    serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s (this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    serve.add_argument("--api-key", default=os.environ.get("HF_PAGED_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on every endpoint but /health; default: "
+                       "$HF_PAGED_API_KEY, else none")  # fmt: skip
+    serve.add_argument("--max-queue", type=_positive_int, default=256,
+                       help="most requests in flight; more are answered 503; default: %(default)s")  # fmt: skip
+    serve.add_argument("--max-prompt-tokens", type=_positive_int,
+                       help="longest prompt accepted (400 beyond); default: the model's context")  # fmt: skip
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
+                       help="largest request body accepted (413 beyond); default: %(default)s")  # fmt: skip
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds the requests in flight get on SIGTERM before they are aborted")  # fmt: skip
+    _add_engine_args(serve, "KV blocks in the pool; default: --memory-fraction of free memory (CPU: at most 2 GiB)")
+
+    commands.add_parser(
+        "bench",
+        help="GPU throughput benchmarks (hf_paged.frontends.bench; arguments pass through)",
+        add_help=False,  # `hf-paged bench --help` reaches the benchmark's own parser
+    )
+    commands.add_parser("info", help="versions, devices, kernel path and the default model")
+    return parser
+
+
+def _add_engine_args(command: argparse.ArgumentParser, num_blocks_help: str) -> None:
+    """The engine settings ``generate`` and ``serve`` share."""
+    engine = command.add_argument_group("engine")
+    engine.add_argument("--num-blocks", type=_positive_int, help=num_blocks_help)
     engine.add_argument(
         "--memory-fraction",
         type=float,
@@ -106,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block; default: 16")
     engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="default: %(default)s")
+    engine.add_argument("--max-num-seqs", type=_positive_int,
+                        help="most sequences in one step; default: min(256, --max-num-batched-tokens)")  # fmt: skip
     engine.add_argument("--no-prefix-caching", action="store_true", help="don't reuse blocks across prompts")
     engine.add_argument(
         "--preemption-mode",
@@ -115,14 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--device", help="default: cuda when available, else cpu")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-
-    commands.add_parser(
-        "bench",
-        help="GPU throughput benchmarks (hf_paged.frontends.bench; arguments pass through)",
-        add_help=False,  # `hf-paged bench --help` reaches the benchmark's own parser
-    )
-    commands.add_parser("info", help="versions, devices, kernel path and the default model")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "info":
             return _info()
+        if args.command == "serve":
+            return _serve(args)
         return _generate(args)
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, already printed)
         return exit_.code if isinstance(exit_.code, int) else 0
@@ -283,6 +315,7 @@ def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
         block_size=args.block_size,
         memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
     )
@@ -376,6 +409,43 @@ def _print_summary(s: dict) -> None:
         f"preemptions {s['preemptions']}",
         file=sys.stderr,
     )
+
+
+# ---- serve ---------------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from hf_paged.frontends import serve
+    except ModuleNotFoundError as err:
+        if err.name not in ("fastapi", "uvicorn", "prometheus_client", "starlette"):
+            raise
+        raise UsageError(f"`{PROG} serve` needs the serve extra ({err.name} is missing): "
+                         "pip install 'hf_paged[serve]'") from None  # fmt: skip
+    from hf_paged.engine.async_engine import AsyncEngine
+    from hf_paged.frontends.models import DEFAULT_MODEL
+
+    model, tokenizer = _load(args)
+    if next(model.parameters()).device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # The HTTP event loop needs a core of its own: with torch's intra-op threads on every core, each of a step's
+        # parallel regions waits for a thread the event loop has preempted (4.6x slower on 2 cores, 6 streams).
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+    # Built on the engine thread, which alone drives it from then on (CUDA graphs are captured there).
+    engine = AsyncEngine(lambda: _make_engine(model, tokenizer, args.num_blocks, args))
+    serve.run(
+        engine,
+        model_name=args.served_model_name or args.model or DEFAULT_MODEL,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    return 0
 
 
 # ---- info ----------------------------------------------------------------------------------------

@@ -1,0 +1,412 @@
+"""``hf-paged serve``: an OpenAI-compatible HTTP server over an AsyncEngine (FastAPI + uvicorn).
+
+    hf-paged serve                                  # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
+    hf-paged serve ./my-model --port 8080 --api-key "$KEY" --max-queue 128
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
+with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+
+Every request is checked before the engine sees it, and answered OpenAI-style
+(``{"error": {"message", "type", "param", "code"}}``):
+
+- 401: ``--api-key`` is set and the ``Authorization: Bearer`` header does not match (every endpoint but /health);
+- 400: a body that is not JSON or not the endpoint's shape, a sampling value out of range, a field hf_paged
+  does not support (``logit_bias``, ``echo``, ``tools``, ...), a prompt longer than ``--max-prompt-tokens`` or
+  whose prompt + ``max_tokens`` exceeds the model's context (``code: "context_length_exceeded"``, as OpenAI
+  answers), a request that could never fit the KV pool;
+- 404: a ``model`` other than the one served;
+- 413: a body over ``--max-body-bytes``;
+- 503: ``--max-queue`` requests are already in flight (``Retry-After: 1``), or the engine has stopped.
+
+A client that disconnects mid-request has its request aborted and its blocks freed. On SIGTERM uvicorn stops
+accepting connections, waits up to ``--shutdown-timeout`` seconds for the requests in flight, then the engine
+aborts what is left.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import ValidationError
+
+from hf_paged.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServingStats
+from hf_paged.engine.request import RequestOutput
+from hf_paged.frontends.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Formatter,
+    bad_value,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+# Buckets as vLLM's: time to first token, time per output token, end-to-end latency (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)  # fmt: skip
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class _EngineCollector:
+    """Engine gauges and counters for /metrics, from the snapshot the handler took just before."""
+
+    def __init__(self):
+        self.stats: ServingStats | None = None
+
+    def collect(self):
+        stats = self.stats
+        if stats is None:
+            return
+        m = stats.metrics
+        yield GaugeMetricFamily("hf_paged_num_requests_running", "Requests holding KV blocks", stats.num_running)
+        yield GaugeMetricFamily("hf_paged_num_requests_waiting", "Requests queued for admission", stats.num_waiting)
+        yield GaugeMetricFamily("hf_paged_kv_cache_usage_perc", "Share of KV blocks in use (0-1)",
+                                m.num_used_blocks / m.num_blocks if m.num_blocks else 0.0)  # fmt: skip
+        yield GaugeMetricFamily("hf_paged_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / looked"
+                                " up", m.prefix_hit_rate)  # fmt: skip
+        yield CounterMetricFamily("hf_paged_num_preemptions", "Preemptions since start", m.num_preemptions)
+        yield CounterMetricFamily("hf_paged_prompt_tokens", "Prompt tokens of accepted requests", m.num_prompt_tokens)
+        yield CounterMetricFamily("hf_paged_generation_tokens", "Generated tokens", m.num_generated_tokens)
+
+
+class _Metrics:
+    """The server's Prometheus registry (its own, so several apps can live in one process)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.engine = _EngineCollector()
+        self.registry.register(self.engine)
+        self.ttft = Histogram("hf_paged_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS,
+                              registry=self.registry)  # fmt: skip
+        self.tpot = Histogram("hf_paged_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)  # fmt: skip
+        self.e2e = Histogram("hf_paged_e2e_request_latency_seconds", "Arrival to last token", buckets=_E2E_BUCKETS,
+                             registry=self.registry)  # fmt: skip
+        self.finished = Counter("hf_paged_request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=self.registry)  # fmt: skip
+
+    def observe(self, output: RequestOutput | None) -> None:
+        if output is None or output.metrics is None:
+            return
+        m = output.metrics
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        tpot = m.time_per_output_token(max(len(c.token_ids) for c in output.outputs))
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        for c in output.outputs:
+            self.finished.labels(finished_reason=c.finish_reason or "unknown").inc()
+
+
+def create_app(
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    max_prompt_tokens: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` as ``model_name``; shutting the app down shuts the engine down.
+
+    Args:
+        engine: the AsyncEngine (its batcher needs a tokenizer: prompts are text and chats).
+        model_name: the ``model`` clients name; any other is a 404.
+        api_key: None = no authentication; else the Bearer token every endpoint but /health requires.
+        max_queue: most requests in flight; more are answered 503.
+        max_prompt_tokens: longest prompt accepted (None = the model's context).
+        max_body_bytes: largest request body accepted (413 beyond).
+    """
+    if engine.tokenizer is None:
+        raise ValueError("the server needs an engine with a tokenizer: ContinuousBatcher(model, tokenizer=...)")
+    inputs = engine.inputs
+    max_model_len = inputs.max_model_len
+    metrics = _Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="hf_paged", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        headers = {"Retry-After": "1"} if err.status == 503 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                           type="authentication_error", code="invalid_api_key")  # fmt: skip
+
+    async def read_body(request: Request, model_cls):
+        authorize(request)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            raise APIError(413, f"the request body has {size} bytes; this server accepts at most {max_body_bytes}",
+                           code="request_too_large")  # fmt: skip
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise APIError(413, f"the request body exceeds {max_body_bytes} bytes", code="request_too_large")
+        try:
+            parsed = model_cls.model_validate_json(bytes(body))
+        except ValidationError as err:
+            raise _invalid(err) from None
+        if parsed.model is not None and parsed.model != model_name:
+            raise APIError(404, f"the model {parsed.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        parsed.check_supported()
+        return parsed
+
+    def admit(num_requests: int) -> None:
+        if engine.num_unfinished + num_requests > max_queue:
+            raise APIError(503, f"the server is at its limit of {max_queue} requests in flight; retry later",
+                           type="server_error", code="overloaded")  # fmt: skip
+
+    def tokenize(prompt, param: str) -> list[int]:
+        """Token ids of a text, token ids or a chat; refuses prompts beyond ``max_prompt_tokens`` or the context."""
+        try:
+            _, token_ids = inputs.tokenize(prompt)
+        except Exception as err:  # ValueError/TypeError, or the chat template refusing the messages (jinja)
+            raise APIError(400, str(err), param=param) from None
+        limit = max_prompt_tokens if max_prompt_tokens is not None else max_model_len
+        if limit is not None and len(token_ids) > limit:
+            raise APIError(400, f"the prompt has {len(token_ids)} tokens; this server accepts at most {limit}",
+                           param=param, code="context_length_exceeded")  # fmt: skip
+        return token_ids
+
+    def max_new_tokens(asked: int | None, num_prompt_tokens: int, width: int) -> int:
+        """``max_tokens`` as asked, else as much as the context and the pool allow (chat's default)."""
+        room = (max_model_len or 1 << 30) - num_prompt_tokens
+        if asked is not None:
+            if asked > room:
+                raise APIError(400, f"`max_tokens` ({asked}) + the prompt ({num_prompt_tokens} tokens) exceed the "
+                               f"model's context of {max_model_len} tokens", param="max_tokens",
+                               code="context_length_exceeded")  # fmt: skip
+            return asked
+        bs, num_blocks = inputs.block_size, inputs.num_blocks
+        prompt_blocks = -(-num_prompt_tokens // bs)
+        fits = ((num_blocks - prompt_blocks) // width - 1) * bs  # as InputProcessor.validate counts, shared
+        if width > 1:
+            fits = min(fits, (num_blocks // width) * bs - num_prompt_tokens)
+        return max(1, min(room, fits))
+
+    def submit(prompts: list[list[int]], params, request_id: str) -> list[RequestStream]:
+        admit(len(prompts))
+        streams = []
+        try:
+            for i, token_ids in enumerate(prompts):
+                streams.append(engine.stream(token_ids, params[i], request_id=f"{request_id}-{i}"))
+        except (ValueError, TypeError) as err:
+            for stream in streams:
+                stream.abort()
+            raise bad_value(err) from None
+        except (EngineDeadError, RuntimeError) as err:
+            raise APIError(503, f"the engine is not serving: {err}", type="server_error") from None
+        return streams
+
+    async def answer(request: Request, fmt: Formatter, streams: list[RequestStream], n: int,
+                     num_prompt_tokens: list[int], stream: bool):  # fmt: skip
+        if stream:
+            return StreamingResponse(_sse(fmt, streams, n, num_prompt_tokens, metrics),
+                                     media_type="text/event-stream")  # fmt: skip
+        try:
+            outputs = await _unless_disconnected(request, _collect(streams))
+        except Exception as err:  # a failed step (the engine serves on)
+            raise APIError(500, f"generation failed: {err}", type="server_error") from None
+        if outputs is None:  # the client left: its requests were aborted
+            return Response(status_code=499)
+        for output in outputs:
+            metrics.observe(output)
+        choices = [(p * n + c.index, c) for p, out in enumerate(outputs) for c in out.outputs]
+        num_completion = sum(len(c.token_ids) for _, c in choices)
+        cached = sum(out.num_cached_tokens for out in outputs)
+        return JSONResponse(fmt.response(choices, usage(sum(num_prompt_tokens), num_completion, cached)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body: CompletionRequest = await read_body(request, CompletionRequest)
+        prompts = [tokenize(p, "prompt") for p in body.prompts()]
+        params = [body.sampling_params(max_new_tokens(body.max_tokens, len(p), body.width), body.logprobs)
+                  for p in prompts]  # fmt: skip
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        fmt = Formatter("completion", model_name, engine.tokenizer, body.logprobs, include_usage)
+        streams = submit(prompts, params, fmt.id)
+        return await answer(request, fmt, streams, body.width, [len(p) for p in prompts], body.streams)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+        token_ids = tokenize(body.chat(), "messages")
+        params = body.sampling_params(max_new_tokens(body.max_tokens_asked(), len(token_ids), body.width),
+                                      body.num_logprobs())  # fmt: skip
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        fmt = Formatter("chat", model_name, engine.tokenizer, body.num_logprobs(), include_usage)
+        streams = submit([token_ids], [params], fmt.id)
+        return await answer(request, fmt, streams, body.width, [len(token_ids)], body.streams)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "hf_paged",
+                "max_model_len": max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        try:
+            await engine.stats()
+        except (EngineDeadError, RuntimeError) as err:
+            raise APIError(503, f"the engine is not serving: {err}", type="server_error") from None
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        authorize(request)
+        try:
+            metrics.engine.stats = await engine.stats()
+        except (EngineDeadError, RuntimeError):
+            metrics.engine.stats = None
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _invalid(err: ValidationError) -> APIError:
+    """A pydantic error as a 400 naming the field (``messages.0.role``), without pydantic's union-member tags."""
+    errors = err.errors(include_url=False)
+    if errors[0]["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {errors[0]['msg']}")
+
+    def field(loc) -> str:
+        return ".".join(str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS)))
+
+    param = field(errors[0]["loc"]) or None
+    top = (param or "").split(".")[0]
+    reasons = list(dict.fromkeys(e["msg"] for e in errors if field(e["loc"]).split(".")[0] == top))  # a union: each
+    return APIError(400, f"invalid `{param}`: {'; or '.join(reasons)}" if param else reasons[0], param=param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "literal"}
+
+
+async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Run every stream to its end; their final outputs in order."""
+
+    async def one(stream: RequestStream) -> RequestOutput:
+        async for _ in stream:
+            pass
+        return stream.output
+
+    try:
+        return list(await asyncio.gather(*(one(s) for s in streams)))
+    finally:
+        for stream in streams:
+            await stream.aclose()  # a no-op for finished ones; aborts the rest (an error or a cancel)
+
+
+async def _unless_disconnected(request: Request, coro):
+    """``await coro``, cancelled (None returned) if the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if not task.cancelled() else None
+
+
+async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_tokens: list[int],
+               metrics: _Metrics) -> AsyncIterator[str]:  # fmt: skip
+    """Server-sent events of several streams (a batch of prompts), merged as their deltas come.
+
+    Starlette cancels this generator when the client disconnects: ``finally`` aborts what still runs.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(prompt_idx: int, stream: RequestStream):
+        try:
+            async for delta in stream:
+                queue.put_nowait((prompt_idx, delta))
+            queue.put_nowait((prompt_idx, None))
+        except Exception as err:
+            queue.put_nowait((prompt_idx, err))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    num_completion = 0
+    try:
+        remaining = len(streams)
+        while remaining:
+            prompt_idx, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                metrics.observe(streams[prompt_idx].output)
+                continue
+            if isinstance(item, Exception):  # a failed step: OpenAI streams end with an error event
+                error = item if isinstance(item, APIError) else APIError(500, str(item), type="server_error")
+                yield f"data: {json.dumps(error.body())}\n\n"
+                break
+            num_completion += len(item.token_ids)
+            chunk = fmt.chunk(prompt_idx * n + item.index, item)
+            if chunk is not None:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        else:
+            if fmt.include_usage:
+                cached = sum(s.output.num_cached_tokens for s in streams if s.output is not None)
+                yield f"data: {json.dumps(fmt.usage_chunk(usage(sum(num_prompt_tokens), num_completion, cached)))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+def run(
+    engine: AsyncEngine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    max_prompt_tokens: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    shutdown_timeout_s: float = 30.0,
+) -> None:
+    """Serve ``engine`` with uvicorn until SIGINT/SIGTERM (see ``create_app`` for the arguments).
+
+    On the signal uvicorn stops accepting connections and gives the requests in flight ``shutdown_timeout_s``
+    seconds; then the app's shutdown aborts what is left in the engine and stops its thread.
+    """
+    import uvicorn
+
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    app = create_app(engine, model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info")
+    uvicorn.Server(config).run()
