@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
     _add_engine_args(
-        gen, "KV blocks in the pool; default: what the prompts can need, at most --memory-fraction of free memory"
+        gen,
+        "KV blocks in the pool; default: what the prompts can need, at most --memory-fraction (0.5) of free memory",
+        compile_default="none",  # a few prompts do not pay for a compile
     )
 
     serve = commands.add_parser(
@@ -119,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body accepted (413 beyond); default: %(default)s")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds the requests in flight get on SIGTERM before they are aborted")  # fmt: skip
-    _add_engine_args(serve, "KV blocks in the pool; default: --memory-fraction of free memory (CPU: at most 2 GiB)")
+    _add_engine_args(serve, "KV blocks in the pool; default: sized from memory (see --gpu-memory-utilization)",
+                     compile_default="auto")  # fmt: skip
 
     commands.add_parser(
         "bench",
@@ -130,16 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_engine_args(command: argparse.ArgumentParser, num_blocks_help: str) -> None:
+_COMPILE = {"auto": None, "none": False, "layers": "layers", "full": "full"}  # --compile -> compile_model
+
+
+def _add_engine_args(command: argparse.ArgumentParser, num_blocks_help: str, compile_default: str) -> None:
     """The engine settings ``generate`` and ``serve`` share."""
     engine = command.add_argument_group("engine")
     engine.add_argument("--num-blocks", type=_positive_int, help=num_blocks_help)
     engine.add_argument(
         "--memory-fraction",
         type=float,
-        default=0.5,
-        help="most of the free device memory the pool may take; default: %(default)s",
+        help="the pool takes this share of free memory; default: on CUDA what --gpu-memory-utilization leaves after "
+        "a profiled step, on the CPU 0.5 of free RAM up to 2 GiB",
     )
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of the card for weights, activations and pool; default: %(default)s")  # fmt: skip
+    engine.add_argument("--compile", choices=tuple(_COMPILE), default=compile_default,
+                        help="torch.compile on CUDA: auto (each decoder layer, faster steps, ~10-25 s of start-up), "
+                             "none, layers, full; default: %(default)s")  # fmt: skip
     engine.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block; default: 16")
     engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="default: %(default)s")
     engine.add_argument("--max-num-seqs", type=_positive_int,
@@ -304,7 +315,7 @@ def _num_blocks(model, prompts: list[_Prompt], params, args: argparse.Namespace)
     width = max(params.n, params.beam_width)
     # As the engine's admission check: the prompt once, then each sequence's own blocks plus a copied partial one.
     need = sum(-(-len(p.token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1) for p in prompts)
-    return min(need, ModelInfo.from_model(model).num_blocks_for(None, bs, args.memory_fraction))
+    return min(need, ModelInfo.from_model(model).num_blocks_for(None, bs, args.memory_fraction or 0.5))
 
 
 def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
@@ -314,8 +325,10 @@ def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
         num_blocks=num_blocks,
         block_size=args.block_size,
         memory_fraction=args.memory_fraction,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        compile_model=_COMPILE[args.compile],
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
     )
