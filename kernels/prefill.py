@@ -25,14 +25,14 @@ scale is positive, else the exact update of the masked tiles (the fused one need
 K/V are read through the block table, except that with ``key=/value=`` a fresh prompt (no cached
 context) reads them from the contiguous new-token tensors instead.
 
-Grid: ``(num_tokens * GROUP // BLOCK_M + num_seqs, num_kv_heads)``, one flat axis of tile slots for the whole
-batch (as vLLM's unified attention). Sequence s owns the slots from ``first_slot(s) = (cu_seqlens_q[s] -
-cu_seqlens_q[0]) * GROUP // BLOCK_M + s`` up to ``first_slot(s + 1)``: at least ``cdiv(q_len * GROUP, BLOCK_M)``
-of them, since floor(a + b) - floor(a) >= ceil(b) - 1. A program finds its sequence by binary search over ``cu_seqlens_q`` and
-exits at once on a spare slot. The grid depends only on the tensor shapes, never on the lengths: one grid serves a
-batch of one long prompt or of many decode rows without idle programs in proportion to ``num_seqs * max_query_len``,
-and a CUDA graph captured with padded shapes (zero-length padding sequences, padding tokens of no sequence) replays
-it for any batch that fits.
+Grid: ``(num_tokens * GROUP // BLOCK_M + num_seqs, num_kv_heads)``, one flat axis of tile slots for the whole batch
+(as vLLM's unified attention). Sequence s owns the slots from ``first_slot(s) = (cu_seqlens_q[s] - cu_seqlens_q[0]) *
+GROUP // BLOCK_M + s`` up to ``first_slot(s + 1)``: at least ``cdiv(q_len * GROUP, BLOCK_M)`` of them, since floor(a +
+b) - floor(a) >= ceil(b) - 1. A program finds its sequence by binary search over ``cu_seqlens_q`` and exits at once on
+a spare slot. The grid depends only on the tensor shapes, never on the lengths: one grid serves a batch of one long
+prompt or of many decode rows without idle programs in proportion to ``num_seqs * max_query_len``, and a CUDA graph
+captured with padded shapes (zero-length padding sequences, padding tokens of no sequence) replays it for any batch
+that fits.
 """
 
 import os
