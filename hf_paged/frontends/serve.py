@@ -2,6 +2,10 @@
 
     hf-paged serve                                  # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     hf-paged serve ./my-model --port 8080 --api-key "$KEY" --max-queue 128
+    hf-paged serve ./my-model --data-parallel 2     # one engine process per GPU behind this server
+
+The engine is an AsyncEngine (one batcher on a thread of the server's process) or, with ``--data-parallel N``, a
+DataParallelEngine (N replica processes; the server tokenises, routes and forwards their deltas).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
 with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
@@ -37,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 
 from hf_paged.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServingStats
+from hf_paged.engine.data_parallel import DataParallelEngine
 from hf_paged.engine.request import RequestOutput
 from hf_paged.frontends.openai_api import (
     APIError,
@@ -111,7 +116,7 @@ class _Metrics:
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | DataParallelEngine,
     model_name: str,
     api_key: str | None = None,
     max_queue: int = 256,
@@ -121,7 +126,7 @@ def create_app(
     """The FastAPI app serving ``engine`` as ``model_name``; shutting the app down shuts the engine down.
 
     Args:
-        engine: the AsyncEngine (its batcher needs a tokenizer: prompts are text and chats).
+        engine: the AsyncEngine or DataParallelEngine (with a tokenizer: prompts are text and chats).
         model_name: the ``model`` clients name; any other is a 404.
         api_key: None = no authentication; else the Bearer token every endpoint but /health requires.
         max_queue: most requests in flight; more are answered 503.
@@ -388,7 +393,7 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
 
 
 def run(
-    engine: AsyncEngine,
+    engine: AsyncEngine | DataParallelEngine,
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 8000,
