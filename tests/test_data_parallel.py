@@ -268,7 +268,16 @@ def test_the_server_serves_the_replicas_with_the_openai_client(served, offline):
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
-    assert "hf_paged_kv_cache_usage_perc 0.0" in text and "hf_paged_num_requests_running 0.0" in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, s.labels.get("replica")): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}  # fmt: skip
+    assert samples[("hf_paged_kv_cache_usage_perc", None)] == 0.0
+    assert samples[("hf_paged_generation_tokens_total", None)] > 0
+    for idx in ("0", "1"):
+        assert samples[("hf_paged_replica_alive", idx)] == 1.0
+        assert samples[("hf_paged_replica_requests_routed_total", idx)] >= routed[int(idx)]
+        assert samples[("hf_paged_replica_num_requests_running", idx)] == 0.0
 
 
 def test_a_killed_replica_fails_its_requests_the_other_serves_on_and_shutdown_ends_the_rest(offline):

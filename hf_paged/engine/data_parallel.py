@@ -137,7 +137,7 @@ class DataParallelEngine:
         if device == "cuda" and num_replicas > len(gpus):
             raise ValueError(f"{num_replicas} data-parallel replicas need {num_replicas} GPUs, but {len(gpus)} "
                              f"are visible ({gpus}); lower the number of replicas")  # fmt: skip
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a RequestStream dropped (GC) inside a locked block aborts
         self._ids = itertools.count()
         self._tokens = itertools.count()  # stats() request tokens
         self._next = 0  # round-robin start among equally loaded replicas

@@ -82,6 +82,25 @@ class _EngineCollector:
         yield CounterMetricFamily("hf_paged_num_preemptions", "Preemptions since start", m.num_preemptions)
         yield CounterMetricFamily("hf_paged_prompt_tokens", "Prompt tokens of accepted requests", m.num_prompt_tokens)
         yield CounterMetricFamily("hf_paged_generation_tokens", "Generated tokens", m.num_generated_tokens)
+        replicas = getattr(stats, "replicas", None)  # a DataParallelEngine's: the balance between its replicas
+        if replicas is not None:
+            alive = GaugeMetricFamily("hf_paged_replica_alive", "1 while the data-parallel replica serves, 0 once it "
+                                      "has died", labels=["replica"])  # fmt: skip
+            routed = CounterMetricFamily("hf_paged_replica_requests_routed", "Requests sent to the replica",
+                                         labels=["replica"])  # fmt: skip
+            running = GaugeMetricFamily("hf_paged_replica_num_requests_running", "Requests holding KV blocks",
+                                        labels=["replica"])  # fmt: skip
+            usage = GaugeMetricFamily("hf_paged_replica_kv_cache_usage_perc", "Share of the replica's KV blocks in "
+                                      "use (0-1)", labels=["replica"])  # fmt: skip
+            for idx, replica in enumerate(replicas):
+                label = [str(idx)]
+                alive.add_metric(label, 0.0 if replica is None else 1.0)
+                routed.add_metric(label, stats.num_routed[idx])
+                if replica is not None:
+                    running.add_metric(label, replica.num_running)
+                    rm = replica.metrics
+                    usage.add_metric(label, rm.num_used_blocks / rm.num_blocks if rm.num_blocks else 0.0)
+            yield from (alive, routed, running, usage)
 
 
 class _Metrics:
