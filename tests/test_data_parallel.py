@@ -24,6 +24,7 @@ from helpers import needs_serve
 from models import tiny_batcher
 
 from hf_paged import SamplingParams
+from hf_paged.engine import data_parallel
 from hf_paged.engine.async_engine import EngineDeadError
 from hf_paged.engine.data_parallel import DataParallelEngine, ReplicaDeadError
 
@@ -140,6 +141,7 @@ def test_concurrent_streams_equal_the_offline_engine_and_spread_over_both_replic
         for c in out.outputs:
             assert (tokens[c.index], texts[c.index], reasons[c.index]) == (c.token_ids, c.text, "length")
     assert routed == [6, 6]  # submitted together: least-loaded alternates
+    assert engine.replica_gpus == [os.environ.get("CUDA_VISIBLE_DEVICES")] * 2  # device="cpu": inherited as is
     assert all(s.metrics.num_generated_tokens > 0 and s.metrics.num_used_blocks == 0 for s in stats.replicas)
     assert stats.metrics.num_generated_tokens == sum(s.metrics.num_generated_tokens for s in stats.replicas)
     assert stats.metrics.num_blocks == 2 * 96
@@ -280,12 +282,16 @@ def test_the_server_serves_the_replicas_with_the_openai_client(served, offline):
         assert samples[("hf_paged_replica_num_requests_running", idx)] == 0.0
 
 
-def test_a_killed_replica_fails_its_requests_the_other_serves_on_and_shutdown_ends_the_rest(offline):
+def test_a_killed_replica_fails_its_requests_the_other_serves_on_and_shutdown_ends_the_rest(offline, monkeypatch):
     prompts = _prompts(5, seed=7)
     long = SamplingParams(max_new_tokens=300, **GREEDY)
+    # As if this machine had GPUs 3 and 5 visible: each replica must start with one of them alone (the tiny model
+    # stays on the CPU whatever it sees).
+    monkeypatch.setattr(data_parallel, "_visible_gpus", lambda: ["3", "5"])
 
     async def main():
-        engine = _engine()
+        engine = DataParallelEngine(FACTORY, num_replicas=2, device="cuda", num_threads=1)
+        assert engine.replica_gpus == ["3", "5"]
         streams = [engine.stream(p, long) for p in prompts[:4]]
         for stream in streams:
             await stream.__anext__()  # every request is running

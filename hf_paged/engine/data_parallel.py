@@ -151,6 +151,7 @@ class DataParallelEngine:
         except BaseException:
             _stop_processes([r.process for r in self._replicas], [], 0.0)
             raise
+        self.replica_gpus: list[str | None] = [i["gpus"] for i in infos]  # CUDA_VISIBLE_DEVICES each replica saw
         # Every replica must accept what the front accepts: the smallest pool decides.
         tokenizer = infos[0]["tokenizer"]
         self.tokenizer = tokenizer

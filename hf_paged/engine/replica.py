@@ -38,7 +38,7 @@ def replica_main(idx: int, factory: Callable, commands: Connection, results: Con
     inputs = batcher.inputs
     info = {"tokenizer": batcher.tokenizer if idx == 0 else None, "vocab_size": inputs.vocab_size,
             "max_model_len": inputs.max_model_len, "num_blocks": inputs.num_blocks, "block_size": inputs.block_size,
-            "max_num_seqs": inputs.max_num_seqs}  # fmt: skip
+            "max_num_seqs": inputs.max_num_seqs, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
     try:
         results.send(("ready", info))
         _Replica(batcher, results).serve(commands)
