@@ -5,6 +5,7 @@ Public API (imported lazily, so ``import hf_paged.block_pool`` loads neither tor
 - ``PagedCache``: a transformers ``Cache`` whose KV lives in the blocks of a preallocated pool;
 - ``ContinuousBatcher`` / ``SamplingParams``: a continuous-batching engine over any HF causal LM;
 - ``AsyncEngine``: a ContinuousBatcher on its own thread, serving asyncio callers (the HTTP server's engine);
+- ``DataParallelEngine``: replica processes (one ContinuousBatcher per GPU) behind one asyncio front, as AsyncEngine;
 - ``attn_implementation="paged"``: the attention function that reads KV straight from the blocks;
 - ``BlockPool``: the pure-Python block allocator (ref counts, LRU free list, prefix hashing).
 
@@ -22,6 +23,7 @@ _LAZY = {
     "PagedCache": "hf_paged.cache",
     "ContinuousBatcher": "hf_paged.engine.engine",
     "AsyncEngine": "hf_paged.engine.async_engine",
+    "DataParallelEngine": "hf_paged.engine.data_parallel",
     "EngineConfig": "hf_paged.engine.config",
     "SamplingParams": "hf_paged.engine.params",
     "RequestOutput": "hf_paged.engine.request",

@@ -101,3 +101,15 @@ def metaspace_tokenizer():
         vocab.setdefault(f"<0x{b:02X}>", len(vocab))
     tok = Tokenizer.from_str(json.dumps(spec))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_batcher(seed: int = 0, **settings):
+    """A ContinuousBatcher over ``tiny_model("llama", seed=seed)`` on the CPU with ``char_tokenizer()``.
+
+    Module-level, so ``functools.partial(tiny_batcher, ...)`` pickles: the data-parallel tests' replica processes
+    (started with ``spawn``) build their engines with it, and the tests build the same engine offline.
+    """
+    from hf_paged import ContinuousBatcher
+
+    settings = dict(num_blocks=128, block_size=8, max_num_seqs=16, max_num_batched_tokens=128) | settings
+    return ContinuousBatcher(tiny_model("llama", seed=seed), char_tokenizer(), **settings)

@@ -337,18 +337,7 @@ class AsyncEngine:
                 continue  # failed or stopped meanwhile
             request = record.request
             items = batches[record.loop]  # [(queue, item)]
-            if request.is_beam_search:  # beams change every step: the hypotheses go out whole at the end
-                if request.is_finished:
-                    final = request_output(request, self.tokenizer is not None)
-                    items += [(record.queue, _whole(c, request)) for c in final.outputs]
-            else:
-                for idx, seq in enumerate(request.seqs):
-                    cursor = record.cursors.get(idx)
-                    if cursor is None:
-                        cursor = record.cursors[idx] = StreamCursor(idx)
-                    delta = cursor.next_delta(request, seq)
-                    if delta is not None:
-                        items.append((record.queue, delta))
+            items += [(record.queue, d) for d in request_deltas(request, record.cursors, self.tokenizer is not None)]
             if request.is_finished:
                 items.append((record.queue, _Done(request_output(request, self.tokenizer is not None))))
                 finished.append(record.request_id)
@@ -409,6 +398,26 @@ class AsyncEngine:
             if command[0] == "stats":
                 dead = EngineDeadError(f"the engine thread died: {err!r}")
                 command[1].get_loop().call_soon_threadsafe(_set_exception, command[1], dead)
+
+
+def request_deltas(request: Request, cursors: dict[int, StreamCursor], detokenize: bool) -> list[StreamDelta]:
+    """What a stream of ``request`` sends after a step: each sequence's new tokens and text since ``cursors``
+    (sequence index -> StreamCursor, filled in here). Beams change every step, so beam search sends each hypothesis
+    whole once the request has ended, and nothing before. Shared by AsyncEngine and the data-parallel replicas.
+    """
+    if request.is_beam_search:
+        if not request.is_finished:
+            return []
+        return [_whole(c, request) for c in request_output(request, detokenize).outputs]
+    deltas = []
+    for idx, seq in enumerate(request.seqs):
+        cursor = cursors.get(idx)
+        if cursor is None:
+            cursor = cursors[idx] = StreamCursor(idx)
+        delta = cursor.next_delta(request, seq)
+        if delta is not None:
+            deltas.append(delta)
+    return deltas
 
 
 def _whole(completion, request: Request) -> StreamDelta:

@@ -121,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body accepted (413 beyond); default: %(default)s")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds the requests in flight get on SIGTERM before they are aborted")  # fmt: skip
+    serve.add_argument(
+        "--data-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="N engine replicas, one process per GPU (replica i on GPU i), behind this one server; each request goes "
+        "to the least-loaded replica. Meant for N GPUs and a model that fits one; on the CPU the replicas share the "
+        "cores. Default: 1 (one engine in the server process)",
+    )
     _add_engine_args(serve, "KV blocks in the pool; default: sized from memory (see --gpu-memory-utilization)",
                      compile_default="auto")  # fmt: skip
 
@@ -438,15 +447,19 @@ def _serve(args: argparse.Namespace) -> int:
     from hf_paged.engine.async_engine import AsyncEngine
     from hf_paged.frontends.models import DEFAULT_MODEL
 
-    model, tokenizer = _load(args)
-    if next(model.parameters()).device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        import torch
+    if args.data_parallel > 1:
+        engine = _data_parallel_engine(args)
+    else:
+        model, tokenizer = _load(args)
+        if next(model.parameters()).device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            import torch
 
-        # The HTTP event loop needs a core of its own: with torch's intra-op threads on every core, each of a step's
-        # parallel regions waits for a thread the event loop has preempted (4.6x slower on 2 cores, 6 streams).
-        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
-    # Built on the engine thread, which alone drives it from then on (CUDA graphs are captured there).
-    engine = AsyncEngine(lambda: _make_engine(model, tokenizer, args.num_blocks, args))
+            # The HTTP event loop needs a core of its own: with torch's intra-op threads on every core, each of a
+            # step's parallel regions waits for a thread the event loop has preempted (4.6x slower on 2 cores,
+            # 6 streams).
+            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+        # Built on the engine thread, which alone drives it from then on (CUDA graphs are captured there).
+        engine = AsyncEngine(lambda: _make_engine(model, tokenizer, args.num_blocks, args))
     serve.run(
         engine,
         model_name=args.served_model_name or args.model or DEFAULT_MODEL,
@@ -459,6 +472,44 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     return 0
+
+
+def _data_parallel_engine(args: argparse.Namespace):
+    """``--data-parallel N``: N replica processes, each loading the model onto its own GPU (or the CPU)."""
+    import functools
+
+    import torch
+
+    from hf_paged.engine.data_parallel import DataParallelEngine
+    from hf_paged.frontends import models
+
+    n = args.data_parallel
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise UsageError(f"--device must be 'cuda' or 'cpu' with --data-parallel {n} (replica i uses GPU i), "
+                         f"got {device!r}")  # fmt: skip
+    if device == "cuda" and n > torch.cuda.device_count():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"--data-parallel {n} needs {n} GPUs, but {torch.cuda.device_count()} are visible"
+                         + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                         + f"; pass --data-parallel {torch.cuda.device_count()} or fewer")  # fmt: skip
+    # A GGUF model is converted here, once, rather than by every replica at the same time.
+    gguf = models.default_model_path() if args.model in (None, models.DEFAULT_MODEL) else args.model
+    if gguf.endswith(".gguf") and os.path.isfile(gguf) and not models.converted_dir(gguf, None).is_dir():
+        print(f"{PROG}: converting {os.path.basename(gguf)} to safetensors, once (~20 s)...", file=sys.stderr,
+              flush=True)  # fmt: skip
+        models.convert_gguf(gguf)
+    num_threads = None
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        num_threads = max(1, ((os.cpu_count() or 1) - 1) // n)  # a core left for the HTTP front, the rest shared
+    replica_args = argparse.Namespace(**{**vars(args), "device": device})
+    return DataParallelEngine(functools.partial(_replica_engine, replica_args), n, device, num_threads)
+
+
+def _replica_engine(args: argparse.Namespace):
+    """The engine of one ``--data-parallel`` replica, built in its process (a module-level function: it pickles)."""
+    model, tokenizer = _load(args)
+    return _make_engine(model, tokenizer, args.num_blocks, args)
 
 
 # ---- info ----------------------------------------------------------------------------------------

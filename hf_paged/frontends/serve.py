@@ -2,6 +2,10 @@
 
     hf-paged serve                                  # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     hf-paged serve ./my-model --port 8080 --api-key "$KEY" --max-queue 128
+    hf-paged serve ./my-model --data-parallel 2     # one engine process per GPU behind this server
+
+The engine is an AsyncEngine (one batcher on a thread of the server's process) or, with ``--data-parallel N``, a
+DataParallelEngine (N replica processes; the server tokenises, routes and forwards their deltas).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
 with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
@@ -37,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 
 from hf_paged.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServingStats
+from hf_paged.engine.data_parallel import DataParallelEngine
 from hf_paged.engine.request import RequestOutput
 from hf_paged.frontends.openai_api import (
     APIError,
@@ -77,6 +82,25 @@ class _EngineCollector:
         yield CounterMetricFamily("hf_paged_num_preemptions", "Preemptions since start", m.num_preemptions)
         yield CounterMetricFamily("hf_paged_prompt_tokens", "Prompt tokens of accepted requests", m.num_prompt_tokens)
         yield CounterMetricFamily("hf_paged_generation_tokens", "Generated tokens", m.num_generated_tokens)
+        replicas = getattr(stats, "replicas", None)  # a DataParallelEngine's: the balance between its replicas
+        if replicas is not None:
+            alive = GaugeMetricFamily("hf_paged_replica_alive", "1 while the data-parallel replica serves, 0 once it "
+                                      "has died", labels=["replica"])  # fmt: skip
+            routed = CounterMetricFamily("hf_paged_replica_requests_routed", "Requests sent to the replica",
+                                         labels=["replica"])  # fmt: skip
+            running = GaugeMetricFamily("hf_paged_replica_num_requests_running", "Requests holding KV blocks",
+                                        labels=["replica"])  # fmt: skip
+            usage = GaugeMetricFamily("hf_paged_replica_kv_cache_usage_perc", "Share of the replica's KV blocks in "
+                                      "use (0-1)", labels=["replica"])  # fmt: skip
+            for idx, replica in enumerate(replicas):
+                label = [str(idx)]
+                alive.add_metric(label, 0.0 if replica is None else 1.0)
+                routed.add_metric(label, stats.num_routed[idx])
+                if replica is not None:
+                    running.add_metric(label, replica.num_running)
+                    rm = replica.metrics
+                    usage.add_metric(label, rm.num_used_blocks / rm.num_blocks if rm.num_blocks else 0.0)
+            yield from (alive, routed, running, usage)
 
 
 class _Metrics:
@@ -111,7 +135,7 @@ class _Metrics:
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | DataParallelEngine,
     model_name: str,
     api_key: str | None = None,
     max_queue: int = 256,
@@ -121,7 +145,7 @@ def create_app(
     """The FastAPI app serving ``engine`` as ``model_name``; shutting the app down shuts the engine down.
 
     Args:
-        engine: the AsyncEngine (its batcher needs a tokenizer: prompts are text and chats).
+        engine: the AsyncEngine or DataParallelEngine (with a tokenizer: prompts are text and chats).
         model_name: the ``model`` clients name; any other is a 404.
         api_key: None = no authentication; else the Bearer token every endpoint but /health requires.
         max_queue: most requests in flight; more are answered 503.
@@ -388,7 +412,7 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
 
 
 def run(
-    engine: AsyncEngine,
+    engine: AsyncEngine | DataParallelEngine,
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 8000,
