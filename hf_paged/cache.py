@@ -128,7 +128,8 @@ class PagedCache(Cache):
         model: a Hugging Face decoder-only model (standard or sliding-window attention layers).
         num_blocks: blocks in the pool, allocated at once. Default (None): the pool starts empty and grows as
             the rows need blocks (each forward reserves what it may write, plus 1/16 of the pool), up to
-            ``memory_fraction`` of the free memory of the first layer's device: its peak is what the calls used.
+            ``memory_fraction`` of the free memory of the first layer's device: its size is the most a call used.
+            It never shrinks: its free blocks keep the prefix cache for later calls.
         block_size: tokens per block, a positive multiple of 8.
         memory_fraction: the most of the free device memory (measured here) a growing pool may take, when
             ``num_blocks`` is None.
