@@ -13,9 +13,12 @@ Grid: shapes x (batch x prompt) points x modes x systems.
   PagedCache yet.
 
 Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles):
-- ms/step: (wall of a call with N new tokens - wall of a call with 1 new token) / (N - 1), i.e. the time of one
-  decode step with the prefill taken out; the table gives the median (min-max) over the repeats;
-- prefill ms: the wall of the call with 1 new token (median);
+- ms/step: the median interval between two decode steps of a call, timed by a logits processor that generate runs
+  once per new token after the forward (each CUDA step ends in generate's host sync, so an interval is a step's
+  wall time; the processor runs outside compiled forwards too); the table gives the median (min-max) of the runs'
+  medians. (Subtracting a 1-token call's wall from an N-token call's gave misleading numbers: the prefill's run-to-
+  run variance swamps the difference.)
+- prefill ms: from the call to the first logits (median);
 - output tok/s: rows x N / wall of the N-token call (median);
 - peak memory: the most ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) rose above the
   allocation at the call's start (the weights) during the N-token calls; the cache is built inside the call;
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_paged
 from hf_paged import PagedCache
@@ -88,10 +91,26 @@ def _cache_kwarg() -> str:
     return "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
 
 
-def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str, seed: int = 0):
-    """One generate call: (wall seconds, peak allocated and reserved bytes above its start or None, output, cache).
+class StepTimer(LogitsProcessor):
+    """Records the host clock each time generate processes a step's logits (once per new token, after the forward).
 
-    The cache is built inside the timed region, so a pool allocated up front counts in full.
+    On CUDA each step ends in generate's host sync on the stopping criteria, so the interval between two calls is
+    one decode step's wall time; this works for compiled forwards too (the processor runs outside the model).
+    """
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str, seed: int = 0):
+    """One generate call: (wall s, prefill s, decode step ms, peak allocated and reserved bytes or None, out, cache).
+
+    The cache is built inside the timed region, so a pool allocated up front counts in full. The prefill runs from
+    the call to the first logits; the steps are the intervals between later logits.
     """
     cuda = prompts.is_cuda
     model.set_attn_implementation("paged" if system == "paged" else "sdpa")
@@ -100,7 +119,9 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
         torch.cuda.reset_peak_memory_stats()
         base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.manual_seed(seed)
+    timer = StepTimer()
     kwargs = dict(MODES[mode], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    kwargs["logits_processor"] = LogitsProcessorList([timer])
     start = time.perf_counter()
     cache = None
     if system == "static":
@@ -112,11 +133,13 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    steps = [(b - a) * 1e3 for a, b in zip(timer.times, timer.times[1:], strict=False)]
+    prefill = timer.times[0] - start
     if not cuda:
-        return elapsed, None, None, out, cache
+        return elapsed, prefill, steps, None, None, out, cache
     peak = torch.cuda.max_memory_allocated() - base
     reserved = torch.cuda.max_memory_reserved() - base_reserved
-    return elapsed, peak, reserved, out, cache
+    return elapsed, prefill, steps, peak, reserved, out, cache
 
 
 def run_cell(model, cell: Cell, prompts: torch.Tensor, repeats: int, reference: torch.Tensor | None) -> torch.Tensor:
@@ -124,11 +147,12 @@ def run_cell(model, cell: Cell, prompts: torch.Tensor, repeats: int, reference: 
     generate_once(model, cell.system, prompts, cell.new_tokens, cell.mode)  # warm-up: JIT, compile, allocator
     out = None
     for _ in range(repeats):
-        prefill, *_ = generate_once(model, cell.system, prompts, 1, cell.mode)
-        total, peak, reserved, out, cache = generate_once(model, cell.system, prompts, cell.new_tokens, cell.mode)
+        total, prefill, steps, peak, reserved, out, cache = generate_once(
+            model, cell.system, prompts, cell.new_tokens, cell.mode
+        )
         cell.prefill_ms.append(prefill * 1e3)
         cell.total_s.append(total)
-        cell.step_ms.append((total - prefill) / (cell.new_tokens - 1) * 1e3)
+        cell.step_ms.append(statistics.median(steps))
         if peak is not None:
             cell.peak_allocated = max(cell.peak_allocated or 0, peak)
             cell.peak_reserved = max(cell.peak_reserved or 0, reserved)
@@ -262,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         f"### generate: ms per decode step and peak memory — {device}, {datetime.date.today()}, torch "
         f"{torch.__version__}, transformers {transformers.__version__}, hf_paged {hf_paged.__version__}\n\n"
         f"{'bf16' if args.device == 'cuda' else 'fp32'} random weights, no padding, {args.new_tokens} new tokens "
-        f"(EOS ignored), median (min-max) of {args.repeats} runs; ms/step = (wall of N new tokens - wall of 1) / "
-        "(N - 1); peak memory above the weights. `python benchmarks/generate.py "
+        f"(EOS ignored), median (min-max) of {args.repeats} runs; ms/step = median interval between decode steps; "
+        "peak memory above the weights. `python benchmarks/generate.py "
         + " ".join(sys.argv[1:] if argv is None else argv)
         + "`"
     )

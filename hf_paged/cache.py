@@ -128,7 +128,8 @@ class PagedCache(Cache):
         model: a Hugging Face decoder-only model (standard or sliding-window attention layers).
         num_blocks: blocks in the pool, allocated at once. Default (None): the pool starts empty and grows as
             the rows need blocks (each forward reserves what it may write, plus 1/16 of the pool), up to
-            ``memory_fraction`` of the free memory of the first layer's device: its peak is what the calls used.
+            ``memory_fraction`` of the free memory of the first layer's device: its size is the most a call used.
+            It never shrinks: its free blocks keep the prefix cache for later calls.
         block_size: tokens per block, a positive multiple of 8.
         memory_fraction: the most of the free device memory (measured here) a growing pool may take, when
             ``num_blocks`` is None.
@@ -815,12 +816,23 @@ class PagedCache(Cache):
                 self.pool.free(row.seq_id)
 
     def _remap_rows(self, sources: list[int]) -> None:
-        """New row i continues old row sources[i] (fork, then free the old rows): no KV is copied."""
+        """New row i continues old row sources[i]: no KV is copied (beam search reorders rows every step).
+
+        The first new row that continues an old row takes it over as it is; each further one forks it; old rows
+        that no new row continues are freed. The kept block tables are reordered the same way (a fork's table is its
+        source's), so the next decode step still takes the hot path.
+        """
         if len(sources) and (min(sources) < 0 or max(sources) >= len(self._rows)):
             raise ValueError(f"row indices must be in [0, {len(self._rows)}), got {sources}")
+        old_rows = self._rows
+        taken = [False] * len(old_rows)
         new_rows = []
         for src in sources:
-            old = self._rows[src]
+            old = old_rows[src]
+            if not taken[src]:
+                taken[src] = True
+                new_rows.append(old)
+                continue
             seq_id = next(self._seq_ids)
             extra_key = old.extra_key
             if old.token_ids:
@@ -828,9 +840,10 @@ class PagedCache(Cache):
             elif extra_key is not None:  # an embeddings row not started yet: its copy gets a key of its own
                 extra_key = ("embeds", seq_id)
             new_rows.append(_Row(seq_id, list(old.token_ids), old.num_computed, old.write_from, extra_key))
-        self._free_rows(self._rows)
+        self._free_rows([row for row, is_taken in zip(old_rows, taken, strict=True) if not is_taken])
         self._rows = new_rows
-        self._tables = None
+        if self._tables is not None:
+            self._tables = self._tables[np.asarray(sources, dtype=np.int64)] if len(sources) else None
 
     def _reserve(self, num_blocks: int) -> None:
         """Grow a growing pool (``num_blocks=None``) until ``num_blocks`` blocks are free, as far as its cap allows.

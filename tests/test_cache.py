@@ -253,11 +253,13 @@ def _record_contexts(cache: PagedCache) -> list:
     return contexts
 
 
-def test_decode_fast_path_plans_what_the_general_plan_does(monkeypatch):
+@pytest.mark.parametrize("mode", ["samples", "beams"])
+def test_decode_fast_path_plans_what_the_general_plan_does(monkeypatch, mode):
     """The decode hot path (kept block tables, one append per row) and the general plan build the same contexts:
-    across block boundaries and the first decode step's copy-on-write of the shared prompt blocks."""
+    across block boundaries, copy-on-write of shared blocks, and beam search's reordered (forked) rows."""
     model = tiny_model("llama")
-    kwargs = dict(max_new_tokens=20, min_new_tokens=20, do_sample=True, num_return_sequences=2)
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20)
+    kwargs.update(dict(do_sample=True, num_return_sequences=2) if mode == "samples" else dict(num_beams=3))
     fields = ("slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "max_query_len", "max_seq_len")
     decode = PagedCache._begin_decode
     num_fast = []

@@ -13,6 +13,9 @@ the same call on a DynamicCache (fp32, CPU, same weights, attn "sdpa"). The oper
   prefix the pool has cached;
 - continuation: generate again on the same cache with the previous output plus new tokens (no reset), which a
   DynamicCache supports; the reference is one fresh call on the whole sequence;
+- ``crop``: roll the rows of a (padded) batch back to a random length, also into the prompt and its padding, and
+  continue them with new tokens (the reference: one fresh call on the whole sequence); or prompt lookup decoding
+  (batch 1), which crops rejected drafts inside generate();
 - reuse without ``reset()`` for a new batch (another batch size, or a fresh prompt), or generate() on other prompts
   than prepare() got: a ValueError naming what the cache holds and the fix, and nothing changed;
 - tiny pools (block_size 8, 6 blocks; 12 blocks of 16): 3 rows that overflow the pool in the prefill or in the
@@ -49,7 +52,10 @@ from hf_paged import PagedCache
 
 CACHE = cache_kwarg()
 PAD = 0  # pad_token_id of the tiny models; prompts use ids >= 3 (1 is bos, 2 is eos)
-OPS = ["greedy", "sample", "beams", "return_sequences", "chunked", "embeds", "prefix", "continue", "reuse", "overflow"]
+OPS = [
+    "greedy", "sample", "beams", "return_sequences", "chunked", "embeds", "prefix", "continue", "reuse", "overflow",
+    "crop",
+]  # fmt: skip
 STEPS = int(os.environ.get("HF_PAGED_FUZZ_STEPS", str(len(OPS))))
 SEED = int(os.environ.get("HF_PAGED_FUZZ_SEED", "0"))
 STALE = (
@@ -225,6 +231,39 @@ class _Fuzzer:
         mask = torch.cat([inputs["attention_mask"], torch.ones_like(out[:, inputs["input_ids"].shape[1] :]),
                           torch.ones_like(more)], dim=1)  # fmt: skip
         self._call({"input_ids": torch.cat([out, more], dim=1), "attention_mask": mask}, self._kwargs())
+
+    def _op_crop(self):
+        """crop() the rows to a random length and continue them; or assisted decoding by prompt lookup, whose rejected
+        drafts generate() crops."""
+        if self.rng.random() < 0.3:
+            prompt = _tokens(self.rng, self.rng.randint(4, 12))
+            prompt += prompt[: self.rng.randint(1, 4)]  # a repeated n-gram: prompt lookup drafts from it
+            self._call(_batch([prompt]), self._kwargs(prompt_lookup_num_tokens=self.rng.randint(1, 4)))
+            return
+        inputs, kwargs = _batch(self._prompts()), self._kwargs()
+        out = self._call(inputs, kwargs)
+        if out is None:
+            return
+        num_columns = self.cache.get_seq_length()
+        if num_columns < 2:
+            return
+        keep = self.rng.randint(1, num_columns - 1)
+        self.cache.crop(keep if self.rng.random() < 0.5 else keep - num_columns)  # 5.17's positive form, or < 0
+        assert self.cache.get_seq_length() == keep
+        self.cache.pool.check_invariants()
+        more = torch.tensor([_tokens(self.rng, self.rng.randint(1, 5))] * out.shape[0])
+        mask = torch.cat([inputs["attention_mask"], torch.ones_like(out[:, inputs["input_ids"].shape[1] :])], dim=1)
+        cont = {"input_ids": torch.cat([out[:, :keep], more], dim=1),
+                "attention_mask": torch.cat([mask[:, :keep], torch.ones_like(more)], dim=1)}  # fmt: skip
+        kwargs = self._kwargs()
+        try:
+            out = _generate(self.model, self.cache, cont, kwargs, 0)
+        except MemoryError:  # the tiny pools: the continuation may not fit where the first call did
+            self._count("memory_error")
+            return
+        # The reference computes the kept columns again (a sliding-window DynamicCache cannot crop past its window).
+        assert torch.equal(out, _generate(self.ref, DynamicCache(config=self.ref.config), cont, kwargs, 0))
+        self._count("cropped")
 
     def _op_overflow(self):
         """3 rows that fill the pool: the prompts (prefill) or their first decode step (append) must not fit."""
