@@ -36,7 +36,7 @@ from hf_paged.engine.outputs import StreamCursor, StreamDelta, request_output
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestOutput
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServingStats"]
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServingStats", "StreamingFront"]
 
 
 class EngineDeadError(RuntimeError):
@@ -121,7 +121,25 @@ class RequestStream:
             pass
 
 
-class AsyncEngine:
+class StreamingFront:
+    """What every asyncio front of hf_paged shares (AsyncEngine, DataParallelEngine): ``generate`` on top of the
+    front's ``stream``, and ``async with`` ending in its ``shutdown``."""
+
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+        """Run one request to the end; returns its RequestOutput (cancelling the call aborts the request)."""
+        stream = self.stream(prompt, params, request_id)
+        async for _ in stream:
+            pass
+        return stream.output
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+
+class AsyncEngine(StreamingFront):
     """A ContinuousBatcher owned by an engine thread, driven from asyncio.
 
     Args:
@@ -202,13 +220,6 @@ class AsyncEngine:
             self._cond.notify()
         return RequestStream(self, record)
 
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
-        """Run one request to the end; returns its RequestOutput (cancelling the call aborts the request)."""
-        stream = self.stream(prompt, params, request_id)
-        async for _ in stream:
-            pass
-        return stream.output
-
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; its stream ends with finish_reason "abort". Safe from any thread.
 
@@ -251,12 +262,6 @@ class AsyncEngine:
             self._inbox.append(("stop",))
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
-
-    async def __aenter__(self) -> "AsyncEngine":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown()
 
     def _check_serving(self) -> None:
         if self._dead is not None:

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from hf_paged.engine.async_engine import EngineDeadError, RequestStream, ServingStats
+from hf_paged.engine.async_engine import EngineDeadError, RequestStream, ServingStats, StreamingFront
 from hf_paged.engine.inputs import InputProcessor
 from hf_paged.engine.metrics import EngineMetrics
 from hf_paged.engine.outputs import StreamDelta
@@ -104,7 +104,7 @@ class _ReplicaHandle:
                 return
 
 
-class DataParallelEngine:
+class DataParallelEngine(StreamingFront):
     """Replica processes, each owning a ContinuousBatcher, driven from asyncio as one engine.
 
     Args:
@@ -233,13 +233,6 @@ class DataParallelEngine:
         replica.outbox.put(("add", request_id, token_ids, params, prompt_text, time.monotonic()))
         return RequestStream(self, record)
 
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
-        """Run one request to the end; returns its RequestOutput (cancelling the call aborts the request)."""
-        stream = self.stream(prompt, params, request_id)
-        async for _ in stream:
-            pass
-        return stream.output
-
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks on its replica; its stream ends with finish_reason "abort".
 
@@ -293,12 +286,6 @@ class DataParallelEngine:
             while self.num_unfinished and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         await asyncio.to_thread(self._join, _STOP_TIMEOUT_S)
-
-    async def __aenter__(self) -> "DataParallelEngine":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown()
 
     def _join(self, timeout_s: float) -> None:
         _stop_processes([r.process for r in self._replicas], [r.outbox for r in self._replicas], timeout_s)
