@@ -8,8 +8,10 @@ second that met every SLO given with ``--goodput``. Random prompts of ``--random
 token each; ``--prompt-ids`` sends exact token-id prompts instead, which hf_paged and vLLM accept) and
 ``--random-output-len`` tokens asked, both spread by ``--random-range-ratio``; fixed ``--seed``.
 
-It talks plain OpenAI API through the ``openai`` client, so it can target ``hf-paged serve``,
-``vllm serve`` or ``transformers serve --continuous-batching`` alike:
+It talks plain OpenAI API over HTTP/1.1 with a small asyncio client of its own (one connection per request,
+server-sent events parsed with ``json``): the ``openai`` client's per-chunk parsing costs ~0.1-0.2 ms, which at
+saturation made the client, not the server, the bottleneck (vLLM's benchmark uses aiohttp for the same reason).
+It can target ``hf-paged serve``, ``vllm serve`` or ``transformers serve --continuous-batching`` alike:
 
     hf-paged serve --port 8000 &
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 \\
@@ -28,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 _WORDS = (
@@ -85,35 +88,123 @@ async def _arrivals(num: int, request_rate: float, burstiness: float, seed: int)
             await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
 
 
-async def _one(client, endpoint: str, model: str, prompt, max_tokens: int, ignore_eos: bool) -> RequestResult:
+class _HTTP:
+    """Just enough HTTP/1.1 for this benchmark: a JSON POST whose answer streams server-sent events, and a GET."""
+
+    def __init__(self, base_url: str, api_key: str | None):
+        parsed = urllib.parse.urlsplit(base_url.rstrip("/"))
+        if parsed.scheme not in ("http", "https"):
+            raise ValueError(f"--base-url must be http:// or https://, got {base_url!r}")
+        self.ssl = parsed.scheme == "https"
+        self.host = parsed.hostname
+        self.port = parsed.port or (443 if self.ssl else 80)
+        self.prefix = parsed.path
+        self.headers = f"Host: {parsed.netloc}\r\nConnection: close\r\n"
+        if api_key:
+            self.headers += f"Authorization: Bearer {api_key}\r\n"
+
+    async def _open(self, method: str, path: str, body: bytes | None):
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl or None)
+        head = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self.headers}"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        writer.write(head.encode() + b"\r\n" + (body or b""))
+        status_line = await reader.readline()
+        parts = status_line.split(None, 2)
+        if len(parts) < 2:
+            writer.close()
+            raise ConnectionError(f"no HTTP answer from {self.host}:{self.port}")
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(parts[1]), headers, reader, writer
+
+    @staticmethod
+    async def _body(headers: dict, reader: asyncio.StreamReader):
+        """The response body's pieces as they arrive (chunked, sized or until the connection closes)."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    return
+                yield await reader.readexactly(size)
+                await reader.readexactly(2)
+        elif "content-length" in headers:
+            yield await reader.readexactly(int(headers["content-length"]))
+        else:
+            while piece := await reader.read(65536):
+                yield piece
+
+    async def get_json(self, path: str):
+        status, headers, reader, writer = await self._open("GET", path, None)
+        try:
+            body = b"".join([piece async for piece in self._body(headers, reader)])
+        finally:
+            writer.close()
+        if status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {status}: {body[:300]!r}")
+        return json.loads(body)
+
+    async def stream_events(self, path: str, payload: dict):
+        """POST ``payload``; yield each server-sent event's JSON until ``data: [DONE]``."""
+        status, headers, reader, writer = await self._open("POST", path, json.dumps(payload).encode())
+        try:
+            if status != 200:
+                body = b"".join([piece async for piece in self._body(headers, reader)])
+                raise RuntimeError(f"POST {path}: HTTP {status}: {body[:300]!r}")
+            buffer = b""
+            async for piece in self._body(headers, reader):
+                buffer += piece
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        yield json.loads(data)
+        finally:
+            writer.close()
+
+
+async def _one(client: _HTTP, endpoint: str, model: str, prompt, max_tokens: int, ignore_eos: bool,
+               timeout: float) -> RequestResult:  # fmt: skip
     result = RequestResult(num_prompt_words=len(prompt) if isinstance(prompt, list) else len(prompt.split()))
-    extra = {"ignore_eos": True} if ignore_eos else None
+    payload = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
+                   stream_options={"include_usage": True})  # fmt: skip
+    if ignore_eos:
+        payload["ignore_eos"] = True
+    if endpoint == "chat":
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        payload["messages"] = [{"role": "user", "content": text}]
+        path = "/v1/chat/completions"
+    else:
+        payload["prompt"] = prompt
+        path = "/v1/completions"
     start = time.perf_counter()
     last = None
     chunks, usage_tokens = 0, None
     try:
-        common = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
-                      stream_options={"include_usage": True}, extra_body=extra)  # fmt: skip
-        if endpoint == "chat":
-            text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": text}], **common)
-        else:
-            stream = await client.completions.create(prompt=prompt, **common)
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage_tokens = chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            choice = chunk.choices[0]
-            content = choice.delta.content if endpoint == "chat" else choice.text
-            if content:
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                chunks += 1
+        async with asyncio.timeout(timeout):
+            async for chunk in client.stream_events(path, payload):
+                if "error" in chunk and "choices" not in chunk:
+                    raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                choice = chunk["choices"][0]
+                content = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
+                if content:
+                    now = time.perf_counter()
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
         result.e2el = time.perf_counter() - start
         result.num_output_tokens = usage_tokens if usage_tokens is not None else chunks
         result.ok = last is not None
@@ -184,18 +275,15 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 
 
 async def benchmark(args: argparse.Namespace) -> dict:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
-                                max_retries=0, timeout=args.timeout)  # fmt: skip
-    model = args.model or (await client.models.list()).data[0].id
+    client = _HTTP(args.base_url, args.api_key)
+    model = args.model or (await client.get_json("/v1/models"))["data"][0]["id"]
     requests = make_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                              args.prompt_ids, args.seed)  # fmt: skip
     limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
 
     async def limited(prompt, max_tokens):
         async with limit:
-            return await _one(client, args.endpoint, model, prompt, max_tokens, args.ignore_eos)
+            return await _one(client, args.endpoint, model, prompt, max_tokens, args.ignore_eos, args.timeout)
 
     start = time.perf_counter()
     tasks = []
@@ -203,7 +291,6 @@ async def benchmark(args: argparse.Namespace) -> dict:
         tasks.append(asyncio.ensure_future(limited(*requests[i])))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
-    await client.close()
     summary = summarize(results, duration, args.percentiles, parse_goodput(args.goodput))
     rate = None if args.request_rate == math.inf else args.request_rate  # None = all at once (JSON has no inf)
     summary.update(model=model, endpoint=args.endpoint, num_prompts=args.num_prompts, request_rate=rate,

@@ -101,6 +101,31 @@ def test_n_samples_stream_independently_and_stop_strings_hold_back():
     assert stopped == free.text[:6]
 
 
+def test_a_slow_consumer_gets_merged_deltas_that_add_up_to_the_output():
+    """Deltas queued behind the one a consumer reads are joined (one SSE event instead of one per step): text,
+    token ids and log-probs concatenate in order, per sample, and the finish reason rides on the last."""
+    prompt = _prompts(1)[0]
+    params = SamplingParams(n=2, max_new_tokens=24, temperature=1.0, seed=3, logprobs=1, ignore_eos=True)
+    expected = _batcher().generate([prompt], params, use_tqdm=False)[0]
+
+    async def main():
+        async with AsyncEngine(_batcher()) as engine:
+            stream = engine.stream(prompt, params)
+            while engine.num_unfinished:  # let the engine finish before reading anything
+                await asyncio.sleep(0.01)
+            return [delta async for delta in stream]
+
+    deltas = _run(main())
+    assert len(deltas) < 2 * 24  # merged: not one delta per token
+    for c in expected.outputs:
+        mine = [d for d in deltas if d.index == c.index]
+        assert [t for d in mine for t in d.token_ids] == c.token_ids
+        assert "".join(d.text for d in mine) == c.text
+        assert [lp for d in mine for lp in d.logprobs] == [lp for lp in c.logprobs]
+        assert [d.finish_reason for d in mine][-1] == "length"
+        assert all(d.finish_reason is None for d in mine[:-1])
+
+
 @pytest.mark.parametrize("how", ["cancel", "break", "aclose"])
 def test_leaving_a_stream_aborts_it_and_frees_its_blocks(how):
     prompts = _prompts(2)

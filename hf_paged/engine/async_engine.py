@@ -23,6 +23,7 @@ so an AsyncEngine serves on rank 0 only; broadcasting its requests to the other 
 """
 
 import asyncio
+import collections
 import itertools
 import threading
 import time
@@ -84,6 +85,7 @@ class RequestStream:
         self.request_id = record.request_id
         self.output: RequestOutput | None = None
         self._done = False
+        self._held: collections.deque = collections.deque()  # items taken from the queue while merging, not returned
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -91,18 +93,45 @@ class RequestStream:
     async def __anext__(self) -> StreamDelta:
         if self._done:
             raise StopAsyncIteration
-        try:
-            item = await self._record.queue.get()
-        except BaseException:  # cancelled (a client disconnect, a timeout): the request is not needed anymore
-            self.abort()
-            raise
-        if isinstance(item, StreamDelta):
-            return item
+        if self._held:  # what the last merge took from the queue (deltas already merged), in order
+            item = self._held.popleft()
+            if isinstance(item, StreamDelta):
+                return item
+        else:
+            try:
+                item = await self._record.queue.get()
+            except BaseException:  # cancelled (a client disconnect, a timeout): the request is not needed anymore
+                self.abort()
+                raise
+            if isinstance(item, StreamDelta):
+                return self._merge_queued(item)
         self._done = True
         if isinstance(item, _Done):
             self.output = item.output
             raise StopAsyncIteration
         raise item
+
+    def _merge_queued(self, delta: StreamDelta) -> StreamDelta:
+        """``delta`` joined with the deltas of the same sequence already queued behind it.
+
+        A consumer slower than the engine (an HTTP front writing one SSE event per delta, at saturation) then
+        sends one event per pass instead of one per step: the events it writes per second stay what it can
+        afford while the tokens keep the engine's pace (vLLM's output collector merges the same way). The other
+        samples' (``n > 1``) queued deltas are joined per sample and returned next, each sample in order.
+        """
+        queue = self._record.queue
+        if queue.empty():
+            return delta
+        parts = {delta.index: [delta]}
+        while not queue.empty():
+            item = queue.get_nowait()
+            if not isinstance(item, StreamDelta):
+                self._held.append(item)
+                break
+            parts.setdefault(item.index, []).append(item)
+        merged = [_joined(p) for p in parts.values()]
+        self._held.extendleft(reversed(merged[1:]))  # before the item that ended the run, if any
+        return merged[0]
 
     async def aclose(self) -> None:
         """Abort the request if it has not ended."""
@@ -302,11 +331,11 @@ class AsyncEngine(StreamingFront):
             if not batcher.has_unfinished_requests():
                 continue
             try:
-                outputs = batcher.step()
+                requests = batcher.step_requests()
             except Exception as err:  # the batcher has recovered; its requests in flight fail with the error
                 self._fail_all(batcher, err)
                 continue
-            self._publish(outputs)
+            self._publish(requests)
 
     def _apply(self, batcher: ContinuousBatcher, command: tuple) -> None:
         kind = command[0]
@@ -332,12 +361,12 @@ class AsyncEngine(StreamingFront):
         else:
             raise RuntimeError(f"bug in hf_paged: unknown AsyncEngine command {kind!r}")
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, requests: list[Request]) -> None:
         """Queue each progressed request's deltas (and final output) to its event loop: one call per loop."""
         batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         finished = []
-        for out in outputs:
-            record = self._live.get(out.request_id)
+        for progressed in requests:
+            record = self._live.get(progressed.request_id)
             if record is None or record.request is None:
                 continue  # failed or stopped meanwhile
             request = record.request
@@ -383,7 +412,7 @@ class AsyncEngine(StreamingFront):
                 batcher.abort(record.request_id)
         while batcher.has_unfinished_requests():
             try:
-                self._publish(batcher.step())
+                self._publish(batcher.step_requests())
             except Exception as err:
                 self._fail_all(batcher, err)
                 break
@@ -423,6 +452,24 @@ def request_deltas(request: Request, cursors: dict[int, StreamCursor], detokeniz
         if delta is not None:
             deltas.append(delta)
     return deltas
+
+
+def _joined(deltas: list[StreamDelta]) -> StreamDelta:
+    """Consecutive deltas of one sequence as one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    last = deltas[-1]
+    return StreamDelta(
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        finish_reason=last.finish_reason,
+        index=deltas[0].index,
+        logprobs=logprobs,
+        stop_reason=last.stop_reason,
+    )
 
 
 def _whole(completion, request: Request) -> StreamDelta:

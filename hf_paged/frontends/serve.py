@@ -28,6 +28,7 @@ aborts what is left.
 """
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -158,9 +159,12 @@ def create_app(
     max_model_len = inputs.max_model_len
     metrics = _Metrics()
 
+    tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_paged-tokenizer")
+
     @asynccontextmanager
     async def lifespan(app):
         yield
+        tokenizer_thread.shutdown(wait=False)
         await engine.shutdown()
 
     app = FastAPI(title="hf_paged", lifespan=lifespan)
@@ -205,10 +209,19 @@ def create_app(
             raise APIError(503, f"the server is at its limit of {max_queue} requests in flight; retry later",
                            type="server_error", code="overloaded")  # fmt: skip
 
-    def tokenize(prompt, param: str) -> list[int]:
-        """Token ids of a text, token ids or a chat; refuses prompts beyond ``max_prompt_tokens`` or the context."""
+    async def tokenize(prompt, param: str) -> list[int]:
+        """Token ids of a text, token ids or a chat; refuses prompts beyond ``max_prompt_tokens`` or the context.
+
+        Text and chats are tokenised on the tokenizer's own thread: the Rust tokenizer releases the GIL, so the event
+        loop streams the other requests meanwhile (480 chats arriving at once cost ~1 s of loop time otherwise). One
+        thread: a fast tokenizer's call mutates its padding/truncation state and fails ("Already borrowed") when two
+        threads call it at once."""
         try:
-            _, token_ids = inputs.tokenize(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                _, token_ids = inputs.tokenize(prompt)
+            else:
+                loop = asyncio.get_running_loop()
+                _, token_ids = await loop.run_in_executor(tokenizer_thread, inputs.tokenize, prompt)
         except Exception as err:  # ValueError/TypeError, or the chat template refusing the messages (jinja)
             raise APIError(400, str(err), param=param) from None
         limit = max_prompt_tokens if max_prompt_tokens is not None else max_model_len
@@ -268,7 +281,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = await read_body(request, CompletionRequest)
-        prompts = [tokenize(p, "prompt") for p in body.prompts()]
+        prompts = [await tokenize(p, "prompt") for p in body.prompts()]
         params = [body.sampling_params(max_new_tokens(body.max_tokens, len(p), body.width), body.logprobs)
                   for p in prompts]  # fmt: skip
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -279,7 +292,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
-        token_ids = tokenize(body.chat(), "messages")
+        token_ids = await tokenize(body.chat(), "messages")
         params = body.sampling_params(max_new_tokens(body.max_tokens_asked(), len(token_ids), body.width),
                                       body.num_logprobs())  # fmt: skip
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -371,24 +384,11 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
 
     Starlette cancels this generator when the client disconnects: ``finally`` aborts what still runs.
     """
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(prompt_idx: int, stream: RequestStream):
-        try:
-            async for delta in stream:
-                queue.put_nowait((prompt_idx, delta))
-            queue.put_nowait((prompt_idx, None))
-        except Exception as err:
-            queue.put_nowait((prompt_idx, err))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks: list[asyncio.Future] = []
     num_completion = 0
     try:
-        remaining = len(streams)
-        while remaining:
-            prompt_idx, item = await queue.get()
+        async for prompt_idx, item in _merged(streams, tasks):
             if item is None:
-                remaining -= 1
                 metrics.observe(streams[prompt_idx].output)
                 continue
             if isinstance(item, Exception):  # a failed step: OpenAI streams end with an error event
@@ -399,7 +399,7 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
             chunk = fmt.chunk(prompt_idx * n + item.index, item)
             if chunk is not None:
                 yield f"data: {json.dumps(chunk)}\n\n"
-        else:
+        else:  # every stream ended
             if fmt.include_usage:
                 cached = sum(s.output.num_cached_tokens for s in streams if s.output is not None)
                 yield f"data: {json.dumps(fmt.usage_chunk(usage(sum(num_prompt_tokens), num_completion, cached)))}\n\n"
@@ -409,6 +409,38 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
             task.cancel()
         for stream in streams:
             await stream.aclose()
+
+
+async def _merged(streams: list[RequestStream], tasks: list[asyncio.Future]):
+    """``(prompt index, delta)`` of every stream as they come, ``(index, None)`` when one ends, ``(index, error)``
+    when one fails. One stream (the common request) is read directly; several through a task each, whose futures
+    go to ``tasks`` for the caller to cancel."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        except Exception as err:
+            yield 0, err
+            return
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(prompt_idx: int, stream: RequestStream):
+        try:
+            async for delta in stream:
+                queue.put_nowait((prompt_idx, delta))
+            queue.put_nowait((prompt_idx, None))
+        except Exception as err:
+            queue.put_nowait((prompt_idx, err))
+
+    tasks += [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    while remaining:
+        prompt_idx, item = await queue.get()
+        if item is None or isinstance(item, Exception):
+            remaining -= 1
+        yield prompt_idx, item
 
 
 def run(
