@@ -80,10 +80,11 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s")
 
 
-def _server_command(system: str, model_dir: str, port: int, device: str) -> list[str]:
+def _server_command(system: str, model_dir: str, port: int, device: str, extra: str = "") -> list[str]:
     if system == "hf_paged":
         return [sys.executable, "-m", "hf_paged.frontends.cli", "serve", model_dir, "--port", str(port),
-                "--served-model-name", "model", "--max-queue", "100000", "--device", device]  # fmt: skip
+                "--served-model-name", "model", "--max-queue", "100000", "--device", device,
+                *extra.split()]  # fmt: skip
     return ["transformers", "serve", "--continuous-batching", "--port", str(port), "--device", device,
             "--dtype", "bfloat16" if device == "cuda" else "float32", model_dir]  # fmt: skip
 
@@ -94,7 +95,9 @@ def run_server(system: str, model_dir: str, port: int, rates: list[float], args,
     with open(log_path, "w") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(
-            _server_command(system, model_dir, port, args.device), stdout=log, stderr=subprocess.STDOUT
+            _server_command(system, model_dir, port, args.device, args.hf_paged_args if system == "hf_paged" else ""),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             _wait_healthy(port, proc, args.startup_timeout)
@@ -111,7 +114,8 @@ def run_server(system: str, model_dir: str, port: int, rates: list[float], args,
                 import asyncio
 
                 summary = asyncio.run(serve_bench.benchmark(bench_args))
-                summary.update(system=system, rate=rate, startup_s=startup)
+                label = f"{system} {args.hf_paged_args}".strip() if system == "hf_paged" else system
+                summary.update(system=label, rate=rate, startup_s=startup)
                 print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}), flush=True)
                 results.append(summary)
         finally:
@@ -198,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument(
+        "--hf-paged-args", default="", help="extra `hf-paged serve` arguments, e.g. '--engine-process off'"
+    )
     parser.add_argument("--out", help="also append the markdown table to this file")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (tiny shape)")
     args = parser.parse_args(argv)

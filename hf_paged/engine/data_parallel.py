@@ -351,7 +351,9 @@ class DataParallelEngine(StreamingFront):
                 record = replica.live.get(request_id)
                 if record is None:
                     continue  # failed or stopped meanwhile
-                if not isinstance(item, StreamDelta):  # the final output or an error: the stream's last item
+                if type(item) is tuple:  # a delta (replica._as_tuple)
+                    item = StreamDelta(*item)
+                else:  # the final output or an error: the stream's last item
                     del replica.live[request_id]
                 batches.setdefault(record.loop, []).append((record.queue, item, request_id))
         for loop, batch in batches.items():

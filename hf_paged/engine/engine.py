@@ -271,6 +271,13 @@ class ContinuousBatcher:
         It reports the requests queued with ``add_request`` (those of a running ``generate()`` or ``stream()``
         go to that call). A finished request's output is returned once, then the engine forgets the request.
         """
+        return [request_output(r, self.tokenizer is not None) for r in self.step_requests()]
+
+    def step_requests(self) -> list[Request]:
+        """``step()`` for fronts that stream from the live requests (AsyncEngine, the data-parallel replicas):
+        the same forward and bookkeeping, returning the ``Request`` objects themselves instead of a snapshot of
+        each (a snapshot copies every output list: ~10 us per request per step, 2.5 ms a step at 256 requests).
+        Read them on this thread, between steps."""
         with self._enter():
             touched = self._run_step()
             touched.update(self._unclaimed)
@@ -280,7 +287,7 @@ class ContinuousBatcher:
             for request in mine:
                 if request.is_finished:
                     self.requests.pop(request.request_id, None)
-            return [request_output(r, self.tokenizer is not None) for r in mine]
+            return mine
 
     def _run_step(self) -> dict[str, Request]:
         """One forward, as a transaction; returns the requests that progressed, finished or were aborted.

@@ -54,7 +54,8 @@ class StreamCursor:
         if self.done:
             return None
         finished = seq.is_finished  # read first: a sequence that has ended has all its tokens and text
-        tokens = seq.output_token_ids[self.num_tokens :]
+        # The new known tokens, sliced from token_ids directly (output_token_ids copies the whole output).
+        tokens = seq.token_ids[seq.num_prompt_tokens + self.num_tokens : len(seq.token_ids) - seq.num_inflight]
         end = len(seq.text)
         if not finished and request.params.stop:
             end -= max(len(s) for s in request.params.stop) - 1

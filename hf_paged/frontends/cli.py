@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         "to the least-loaded replica. Meant for N GPUs and a model that fits one; on the CPU the replicas share the "
         "cores. Default: 1 (one engine in the server process)",
     )
+    serve.add_argument(
+        "--engine-process",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the engine in a process of its own, the server process keeping HTTP, tokenisation and SSE (as "
+        "vLLM does; they share no GIL): 'auto' = on with CUDA, off on the CPU; --data-parallel N > 1 always does",
+    )
     _add_engine_args(serve, "KV blocks in the pool; default: sized from memory (see --gpu-memory-utilization)",
                      compile_default="auto")  # fmt: skip
 
@@ -447,7 +454,7 @@ def _serve(args: argparse.Namespace) -> int:
     from hf_paged.engine.async_engine import AsyncEngine
     from hf_paged.frontends.models import DEFAULT_MODEL
 
-    if args.data_parallel > 1:
+    if args.data_parallel > 1 or _engine_process(args):
         engine = _data_parallel_engine(args)
     else:
         model, tokenizer = _load(args)
@@ -472,6 +479,16 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     return 0
+
+
+def _engine_process(args: argparse.Namespace) -> bool:
+    if args.engine_process != "auto":
+        return args.engine_process == "on"
+    if args.device is not None:
+        return args.device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _data_parallel_engine(args: argparse.Namespace):

@@ -8,6 +8,7 @@ with a 400 that names them, never silently dropped. Every value check lives in `
 is passed on with the OpenAI name of the field. No FastAPI import here: the server (``serve.py``) does HTTP.
 """
 
+import itertools
 import re
 import time
 import uuid
@@ -210,8 +211,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise
 
 
+_ID_STEM = uuid.uuid4().hex[:16]  # one random draw per process; a counter after it (os.urandom can be slow)
+_ID_COUNTER = itertools.count()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A response id unique across servers and restarts (random stem) and within one (counter)."""
+    return f"{prefix}-{_ID_STEM}{next(_ID_COUNTER):08x}"
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
