@@ -1257,7 +1257,9 @@ def _plan_forward(module, cache: "PagedCache", args, kwargs) -> None:
 
 def _post_forward(module, args, kwargs, output):
     cache = _find_cache(args, kwargs)
-    if cache is not None and cache._planned:  # traceable: the step's bookkeeping was done when it was planned
+    if cache is None:  # another cache (e.g. a compiled StaticCache forward of the same model): nothing to do
+        return None
+    if cache._planned:  # traceable: the step's bookkeeping was done when it was planned
         cache._planned = False
         cache._planned_failed = output is None  # torch passes no output when the forward raised
         return None
@@ -1266,11 +1268,10 @@ def _post_forward(module, args, kwargs, output):
 
 
 @torch.compiler.disable
-def _end_hooked_forward(module, cache: "PagedCache | None", output) -> None:
+def _end_hooked_forward(module, cache: "PagedCache", output) -> None:
     token = getattr(module, "_hf_paged_token", None)
     if token is None:
         return
     module._hf_paged_token = None
     reset_forward_context(token)
-    if cache is not None:
-        cache._end_forward(completed=output is not None)  # torch passes no output when the forward raised
+    cache._end_forward(completed=output is not None)  # torch passes no output when the forward raised
