@@ -2,6 +2,7 @@
 
     cache = PagedCache(model)                  # the pool grows with what the calls use; num_blocks=2048: fixed
     out = model.generate(**inputs, past_key_values=cache)
+    cache = PagedCache(model, max_cache_len=prompt_len + max_new_tokens)  # compileable: generate compiles decode
 
 Each batch row of ``generate`` is a sequence of the block pool (hf_paged.block_pool); all layers share
 its block table. A forward hook on the model's decoder plans every forward before it runs:
@@ -24,6 +25,23 @@ them to the pool as its blocks fill up. ``cache.prepare(input_ids)`` before a ne
 attaches the cached prefix, and generate then feeds only the new tokens (it learns the cached length
 from ``get_seq_length``). The pool outlives calls; ``reset()`` frees the rows and keeps the prefix index.
 ``crop()`` rolls rows back (assisted generation and prompt lookup drop rejected draft tokens with it).
+
+Compiled generate (``max_cache_len`` given, "paged" attention, one device: ``is_compileable`` is True): transformers
+then compiles the model's call for its decode steps (CUDA graphs on CUDA), as for StaticCache. Before each forward,
+generate's eager input preparation calls the model's ``create_masks_for_generate``, which PagedCache replaces (for
+itself only) with ``_plan_ahead``: a decode step is planned there in full (blocks, copy-on-write copies, slots,
+lengths and block tables copied without a sync into static device buffers of fixed shape [batch], [batch,
+ceil(max_cache_len / block_size)]) and gets a 4D marker mask, so transformers builds no mask inside the forward.
+The forward then runs no host code: the decoder hook copies the step's token ids to a device buffer and hands the
+static context to the attention function as a forward kwarg, ``update`` writes at the static slots, and the
+attention calls ``paged_decode`` (a custom op over the Triton kernel on CUDA, a static-shape reference elsewhere).
+The token ids come back to the host at the next host call (the next plan, ``reset``, ``crop``, a beam reorder),
+when the blocks they filled enter the prefix index. The pool tensors must keep their address between compiled
+steps: a growing pool is sized once, at the prefill, for every row's real tokens up to max_cache_len columns (left
+padding takes no slot), and a planned step never grows it. Modes: greedy, sampling and ``num_return_sequences``
+compile; transformers runs beam search and assisted generation (crop) eagerly, beam steps through the same planned
+path; any forward not planned ahead (prefills, verification forwards, chunked prefill) is planned by the hook as
+without max_cache_len (eager; inside a compiled call, behind graph breaks).
 
 Calls: a ``generate`` call on a cache that still holds rows continues them, as with a DynamicCache (its
 prompt must extend every row: the previous output plus new tokens). Any other new batch (another batch
