@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
 
 from hf_paged import PagedCache
-from hf_paged.kernels import paged_attention_ref, paged_decode, paged_decode_ref
+from hf_paged.kernels import paged_attention_ref, paged_decode_ref
 
 CACHE = cache_kwarg()
 IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 9, 11, 12, 13]])  # row 0 left-padded
@@ -174,10 +174,12 @@ def test_custom_ops_trace_whole_and_match_the_reference():
     """The Triton launchers as custom ops (what paged_decode/write_kv call on CUDA): fullgraph-traceable, functional
     K/V mutation, same result as the references (here interpreted on the CPU)."""
     torch.manual_seed(0)
-    k_cache, v_cache = torch.randn(2, 6, 16, 2, 16).unbind(0)
-    query, new = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
-    tables = torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32)
-    seq_lens, slots = torch.tensor([40, 17], dtype=torch.int32), torch.tensor([39, 4 * 16])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    k_cache, v_cache = torch.randn(2, 6, 16, 2, 16, device=device).unbind(0)
+    query, new = torch.randn(2, 4, 16, device=device), torch.randn(2, 2, 16, device=device)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([40, 17], dtype=torch.int32, device=device)
+    slots = torch.tensor([39, 4 * 16], device=device)
 
     def step(k, v):
         torch.ops.hf_paged.write_kv(new, new, k, v, slots)
@@ -187,5 +189,5 @@ def test_custom_ops_trace_whole_and_match_the_reference():
     out = torch.compile(step, backend="aot_eager", fullgraph=True)(k_cache, v_cache)
     k_ref.view(-1, 2, 16)[slots], v_ref.view(-1, 2, 16)[slots] = new, new
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    expected = paged_decode(query, k_ref, v_ref, tables, seq_lens, 0.25, 64)
+    expected = paged_decode_ref(query, k_ref, v_ref, tables, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
