@@ -9,8 +9,9 @@ Grid: shapes x (batch x prompt) points x modes x systems.
 - modes: ``greedy``; ``beams4`` (``num_beams=4``); ``samples4`` (``do_sample=True, num_return_sequences=4``);
 - systems: ``dynamic`` = DynamicCache + sdpa (transformers' default); ``static`` = ``cache_implementation="static"``
   + sdpa, which transformers compiles (``torch.compile``, CUDA graphs) for the decode steps; ``paged`` = PagedCache
-  + "paged" attention, eager, with its default pool (it grows with what the call uses). There is no compiled
-  PagedCache yet.
+  + "paged" attention, eager, with its default pool (it grows with what the call uses); ``paged-compiled`` =
+  ``PagedCache(model, max_cache_len=prompt + new tokens)``, which transformers compiles as it does StaticCache (its
+  pool is sized at the prefill for every row to reach max_cache_len; beam search runs eagerly in transformers).
 
 Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles):
 - ms/step: the median interval between two decode steps of a call, timed by a logits processor that generate runs
@@ -53,7 +54,7 @@ MODES = {
     "beams4": dict(do_sample=False, num_beams=4),
     "samples4": dict(do_sample=True, num_return_sequences=4, top_k=50),
 }
-SYSTEMS = ("dynamic", "static", "paged")
+SYSTEMS = ("dynamic", "static", "paged", "paged-compiled")
 
 
 @dataclass
@@ -83,6 +84,12 @@ def system_label(system: str, device: str) -> str:
         return "DynamicCache + sdpa"
     if system == "static":
         return "StaticCache + sdpa, compiled" if device == "cuda" else "StaticCache + sdpa (eager: compile needs CUDA)"
+    if system == "paged-compiled":
+        return (
+            "PagedCache(max_cache_len) + paged, compiled"
+            if device == "cuda"
+            else "PagedCache(max_cache_len) + paged (planned steps, eager: compile needs CUDA)"
+        )
     return "PagedCache + paged, eager"
 
 
@@ -113,7 +120,7 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
     the call to the first logits; the steps are the intervals between later logits.
     """
     cuda = prompts.is_cuda
-    model.set_attn_implementation("paged" if system == "paged" else "sdpa")
+    model.set_attn_implementation("paged" if system.startswith("paged") else "sdpa")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -127,7 +134,12 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
     if system == "static":
         kwargs["cache_implementation"] = "static"
     else:
-        cache = DynamicCache(config=model.config) if system == "dynamic" else PagedCache(model)
+        if system == "dynamic":
+            cache = DynamicCache(config=model.config)
+        elif system == "paged-compiled":
+            cache = PagedCache(model, max_cache_len=prompts.shape[1] + new_tokens)
+        else:
+            cache = PagedCache(model)
         kwargs[_cache_kwarg()] = cache
     out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), **kwargs)
     if cuda:

@@ -8,17 +8,23 @@
   model is used with a DynamicCache, or without cache) it falls back to torch SDPA on the given K/V.
 - mask function "paged" (``AttentionMaskInterface``): no mask inside a paged forward (the kernels
   take lengths, not masks); the SDPA boolean mask otherwise, for the fallback.
+
+A decode step that ``PagedCache`` planned ahead (its compiled ``generate`` path, see hf_paged.cache) hands its
+static context over as the forward kwarg ``PLANNED_CONTEXT_KWARG``; transformers passes forward kwargs down to the
+attention function. That path traces under torch.compile (one ``paged_decode`` call); every other path reads the
+context variable and stays eager under torch.compile (a graph break, as the engine's compiled layers expect).
 """
 
 import torch
 
-from hf_paged.context import get_forward_context
-from hf_paged.kernels import paged_attention, write_kv
+from hf_paged.context import ForwardContext, get_forward_context
+from hf_paged.kernels import paged_attention, paged_decode, write_kv
 
 ATTN_NAME = "paged"
+# The forward kwarg that carries a planned decode step's static ForwardContext (set by PagedCache's decoder hook).
+PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
 
 
-@torch.compiler.disable  # reads the forward context and launches Triton kernels: stays eager under torch.compile
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [batch_size, num_heads, query_len, head_dim]
@@ -36,9 +42,38 @@ def paged_attention_forward(
     Returns:
         (out, None): out is [batch_size, query_len, num_heads, head_dim], as transformers expects.
     """
-    ctx = get_forward_context()
-    if ctx is None or not ctx.paged:
-        return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
+    planned = kwargs.get(PLANNED_CONTEXT_KWARG)
+    if planned is not None:
+        return _planned_decode_attention(planned, module, query, key, value, dropout, scaling, sliding_window, softcap)
+    return _context_attention(
+        module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
+    )
+
+
+def _planned_decode_attention(
+    ctx: ForwardContext, module, query, key, value, dropout, scaling, sliding_window, softcap
+) -> tuple[torch.Tensor, None]:
+    """A planned decode step: ``key``/``value`` are the pools, already written; one ``paged_decode`` over the
+    static block tables and lengths. Traceable: no host sync, nothing read from tensors on the host."""
+    _check_paged_module(module, dropout)
+    batch_size, num_heads, query_len, head_dim = query.shape
+    if query_len != 1:
+        raise RuntimeError(f"bug in hf_paged: a planned decode step got {query_len} query columns, expected 1")
+    out = paged_decode(
+        query.reshape(batch_size, num_heads, head_dim),
+        key,
+        value,
+        ctx.block_tables,
+        ctx.seq_lens,
+        scaling if scaling is not None else head_dim**-0.5,
+        ctx.max_seq_len,
+        sliding_window=sliding_window or None,
+        soft_cap=softcap or None,
+    )  # [batch_size, num_heads, head_dim]
+    return out.view(batch_size, 1, num_heads, head_dim), None
+
+
+def _check_paged_module(module: torch.nn.Module, dropout: float) -> None:
     if _has_sinks(module):
         raise ValueError(
             f"attn_implementation='paged' does not support attention sinks ({type(module).__name__}.sinks); "
@@ -46,6 +81,17 @@ def paged_attention_forward(
         )
     if dropout and module.training:
         raise ValueError(f"attn_implementation='paged' is inference-only; got dropout={dropout} in training mode")
+
+
+@torch.compiler.disable  # reads the forward context and launches Triton kernels: stays eager under torch.compile
+def _context_attention(
+    module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Every forward but a planned decode step: the step metadata comes from the forward context."""
+    ctx = get_forward_context()
+    if ctx is None or not ctx.paged:
+        return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
+    _check_paged_module(module, dropout)
     batch_size, num_heads, query_len, head_dim = query.shape
     ctx = ctx.on(query.device)
     new_key = new_value = None  # the new tokens' K/V [num_tokens, num_kv_heads, head_dim] (engine path)

@@ -2,6 +2,7 @@
 
     cache = PagedCache(model)                  # the pool grows with what the calls use; num_blocks=2048: fixed
     out = model.generate(**inputs, past_key_values=cache)
+    cache = PagedCache(model, max_cache_len=prompt_len + max_new_tokens)  # compileable: generate compiles decode
 
 Each batch row of ``generate`` is a sequence of the block pool (hf_paged.block_pool); all layers share
 its block table. A forward hook on the model's decoder plans every forward before it runs:
@@ -25,6 +26,23 @@ attaches the cached prefix, and generate then feeds only the new tokens (it lear
 from ``get_seq_length``). The pool outlives calls; ``reset()`` frees the rows and keeps the prefix index.
 ``crop()`` rolls rows back (assisted generation and prompt lookup drop rejected draft tokens with it).
 
+Compiled generate (``max_cache_len`` given, "paged" attention, one device: ``is_compileable`` is True): transformers
+then compiles the model's call for its decode steps (CUDA graphs on CUDA), as for StaticCache. Before each forward,
+generate's eager input preparation calls the model's ``create_masks_for_generate``, which PagedCache replaces (for
+itself only) with ``_plan_ahead``: a decode step is planned there in full (blocks, copy-on-write copies, slots,
+lengths and block tables copied without a sync into static device buffers of fixed shape [batch], [batch,
+ceil(max_cache_len / block_size)]) and gets a 4D marker mask, so transformers builds no mask inside the forward.
+The forward then runs no host code: the decoder hook copies the step's token ids to a device buffer and hands the
+static context to the attention function as a forward kwarg, ``update`` writes at the static slots, and the
+attention calls ``paged_decode`` (a custom op over the Triton kernel on CUDA, a static-shape reference elsewhere).
+The token ids come back to the host at the next host call (the next plan, ``reset``, ``crop``, a beam reorder),
+when the blocks they filled enter the prefix index. The pool tensors must keep their address between compiled
+steps: a growing pool is sized once, at the prefill, for every row's real tokens up to max_cache_len columns (left
+padding takes no slot), and a planned step never grows it. Modes: greedy, sampling and ``num_return_sequences``
+compile; transformers runs beam search and assisted generation (crop) eagerly, beam steps through the same planned
+path; any forward not planned ahead (prefills, verification forwards, chunked prefill) is planned by the hook as
+without max_cache_len (eager; inside a compiled call, behind graph breaks).
+
 Calls: a ``generate`` call on a cache that still holds rows continues them, as with a DynamicCache (its
 prompt must extend every row: the previous output plus new tokens). Any other new batch (another batch
 size, or a fresh prompt that does not extend them) raises ValueError: call ``reset()`` or ``prepare()``
@@ -32,6 +50,7 @@ between calls. A prompt that is longer than the columns held is taken as an exte
 columns are not compared).
 """
 
+import functools
 import itertools
 import math
 import operator
@@ -42,6 +61,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_paged.attention import PLANNED_CONTEXT_KWARG
 from hf_paged.block_pool import BlockPool
 from hf_paged.context import ForwardContext, get_forward_context, reset_forward_context, set_forward_context
 from hf_paged.kernels import write_kv
@@ -50,6 +70,7 @@ from hf_paged.planner import slot_mapping
 from hf_paged.transfer import to_device
 
 _DEFAULT_MEMORY_FRACTION = 0.3
+_PLACEHOLDER_ID = -1  # a planned step's token id until the forward has run (the pool rejects hashing it)
 
 
 @dataclass
@@ -134,6 +155,11 @@ class PagedCache(Cache):
         memory_fraction: the most of the free device memory (measured here) a growing pool may take, when
             ``num_blocks`` is None.
         enable_prefix_caching: index full blocks by content hash so later prompts reuse them.
+        max_cache_len: the most columns (prompt, its padding and new tokens, over every call the rows continue)
+            a row may reach, as StaticCache's. Given, the cache is compileable (with ``attn_implementation="paged"``
+            on one device): ``generate`` compiles its decode steps, each planned ahead into static buffers, and a
+            growing pool is sized at each prefill for every row to reach it (see the module docstring). None
+            (default): not compileable; the pool grows as the rows need blocks.
 
     Raises:
         ValueError: the model is not a decoder-only model of attention layers, or an argument is out of range.
@@ -146,7 +172,12 @@ class PagedCache(Cache):
         block_size: int = 16,
         memory_fraction: float = _DEFAULT_MEMORY_FRACTION,
         enable_prefix_caching: bool = True,
+        max_cache_len: int | None = None,
     ):
+        if max_cache_len is not None and (
+            isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1
+        ):
+            raise ValueError(f"`max_cache_len` must be a positive int or None, got {max_cache_len!r}")
         info = ModelInfo.from_model(model)
         # A growing pool starts with one block (pools are never empty) and may grow to _max_num_blocks.
         self._max_num_blocks = info.num_blocks_for(None, block_size, memory_fraction) if num_blocks is None else None
@@ -174,22 +205,43 @@ class PagedCache(Cache):
         self._index_unwritten = False
         self._ctx: ForwardContext | None = None
         self.peak_used_blocks = 0  # high-water mark of blocks in use, to size a pool for a workload
+        # Decode steps planned ahead (compileable mode, see the module docstring).
+        self._max_cache_len = max_cache_len
+        self._static: _StaticStep | None = None  # device buffers of planned steps, kept across steps and calls
+        self._planned = False  # a step is planned and its forward has not run yet
+        self._planned_failed = False  # the last planned step's forward raised
+        self._ids_pending = False  # the last planned step's token ids are still only on the device
+        self._rows_to_index: list[int] = []  # rows whose last planned token filled a block: indexed once ids are in
+        self._pool_frozen = False  # while planning ahead: the pool must not grow (compiled graphs keep its address)
+        self._marked_pool: torch.Tensor | None = None
         _install_hooks(model)
 
     # ---- transformers Cache API ------------------------------------------------------------------
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._num_columns
+        return self._num_columns - self._planned  # a planned step counts once its forward has run
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._num_columns + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
     @property
+    def max_cache_len(self) -> int | None:
+        """The ``max_cache_len`` given at construction (None: not compileable)."""
+        return self._max_cache_len
+
+    @property
     def is_compileable(self) -> bool:
-        return False
+        """True with ``max_cache_len``, attn_implementation "paged" and every layer's pool on one device: generate
+        then plans decode steps ahead and compiles them (on CUDA, or on any device with a CompileConfig whose
+        ``_compile_all_devices`` is set)."""
+        return (
+            self._max_cache_len is not None
+            and getattr(self._model_config, "_attn_implementation", None) == "paged"
+            and len({t.device for t in self.kv.k_cache}) == 1
+        )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self._update_layer(key_states, value_states, layer_idx)
@@ -210,6 +262,7 @@ class PagedCache(Cache):
         After a call that failed (MemoryError, an exception in the model) or a ``prepare()`` that no forward
         fed, the index is emptied instead: some of its blocks may not hold their K/V.
         """
+        self._finish_planned_step()
         self._free_rows(self._rows)
         self._rows = []
         self._num_columns = 0
@@ -249,6 +302,7 @@ class PagedCache(Cache):
             ) from None
         if self._ctx is not None:
             raise RuntimeError("PagedCache.crop() was called inside a forward; crop between forwards")
+        self._finish_planned_step()
         requested = max_length
         if max_length < 0:
             max_length = max(0, self._num_columns + max_length)
@@ -367,6 +421,7 @@ class PagedCache(Cache):
             columns    | pad  pad  t    t    t   |   one row, query_len 5, left-padded
             positions  |  -    -   p    p+1  p+2 |   p = row.num_computed before this forward
         """
+        self._finish_planned_step()
         batch_size, query_len = shape
         # generate() expands each prepared prompt into num_copies rows for num_beams / num_return_sequences.
         num_copies = 1
@@ -477,8 +532,47 @@ class PagedCache(Cache):
             None, with nothing changed, when a row is not ready for it (a row that has no token yet); the caller
             then plans the forward the general way.
         """
+        plan = self._plan_decode(input_ids, position_ids)
+        if plan is None:
+            return None
+        slots, seq_lens, _ = plan
+        device = self.kv.k_cache[0].device
+        self._pending_columns = 1
+        self._ctx = ForwardContext(
+            slot_mapping=to_device(slots, torch.int64, device),
+            block_tables=to_device(self._tables, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            cu_seqlens_q=to_device(np.arange(len(self._rows) + 1), torch.int32, device),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            batch_size=len(self._rows),
+            query_len=1,
+            paged=True,
+            owner=self,
+        )
+        return self._ctx
+
+    def _decode_ready(self) -> bool:
+        """Whether every row can take one token the decode way (kept block tables, rows that hold tokens)."""
         rows = self._rows
-        if self._tables is None or len(self._tables) != len(rows) or not all(row.token_ids for row in rows):
+        return self._tables is not None and len(self._tables) == len(rows) and all(row.token_ids for row in rows)
+
+    def _plan_decode(
+        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+        """Append one token to every row (blocks, copy-on-write, tables): the host side of a decode step.
+
+        Args:
+            input_ids: [batch_size, 1] the step's tokens; None when planning ahead (the ids are not known yet): each
+                row then holds a placeholder id, and the rows whose block it fills are indexed once the ids are in
+                (``_finish_planned_step``).
+
+        Returns:
+            (slots [batch_size] int64, seq_lens [batch_size] int64, rows whose block table changed), or None with
+            nothing changed when a row is not ready (see ``_decode_ready``).
+        """
+        rows = self._rows
+        if not self._decode_ready():
             return None
         # [batch_size] int64: each row's computed tokens = the position of its new token
         positions = np.fromiter((row.num_computed for row in rows), dtype=np.int64, count=len(rows))
@@ -488,7 +582,11 @@ class PagedCache(Cache):
             if len(wrong):
                 self._check_positions(rows, position_ids, np.ones((len(rows), 1), dtype=bool))  # raises, naming it
         self._index_unwritten = True  # until this forward completes: cache_blocks below indexes blocks it writes
-        token_ids = input_ids.to("cpu").reshape(-1).tolist()
+        if input_ids is None:
+            token_ids = [_PLACEHOLDER_ID] * len(rows)
+            self._rows_to_index = []
+        else:
+            token_ids = input_ids.to("cpu").reshape(-1).tolist()
         bs = self.block_size
         if self._max_num_blocks is not None:  # a growing pool: a block for every row that opens one
             self._reserve(int(np.count_nonzero(positions % bs == 0)))
@@ -507,30 +605,16 @@ class PagedCache(Cache):
             row.token_ids.append(token)
             row.num_computed += 1
             if row.num_computed % bs == 0:  # the token fills its block: into the prefix index
-                self.pool.cache_blocks(row.seq_id, row.token_ids, row.num_computed)
+                if input_ids is None:
+                    self._rows_to_index.append(b)
+                else:
+                    self.pool.cache_blocks(row.seq_id, row.token_ids, row.num_computed)
         self.kv.copy_blocks(cow)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_blocks - self.pool.num_free_blocks)
         if changed:
             self._refresh_tables(changed)
-        tables = self._tables
-        seq_idx = np.arange(len(rows))
-        slots = slot_mapping(tables, seq_idx, positions, bs)  # [batch_size]
-        seq_lens = positions + 1
-        device = self.kv.k_cache[0].device
-        self._pending_columns = 1
-        self._ctx = ForwardContext(
-            slot_mapping=to_device(slots, torch.int64, device),
-            block_tables=to_device(tables, torch.int32, device),
-            seq_lens=to_device(seq_lens, torch.int32, device),
-            cu_seqlens_q=to_device(np.arange(len(rows) + 1), torch.int32, device),
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-            batch_size=len(rows),
-            query_len=1,
-            paged=True,
-            owner=self,
-        )
-        return self._ctx
+        slots = slot_mapping(self._tables, np.arange(len(rows)), positions, bs)  # [batch_size]
+        return slots, positions + 1, changed
 
     def _refresh_tables(self, changed: list[int]) -> None:
         """Read the block tables of rows ``changed`` from the pool into the kept [batch_size, width] tables."""
@@ -656,6 +740,27 @@ class PagedCache(Cache):
 
     def _update_layer(self, key_states, value_states, layer_idx: int):
         """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
+        if self._planned:
+            return self._update_planned(key_states, value_states, layer_idx)
+        return self._update_from_context(key_states, value_states, layer_idx)
+
+    def _update_planned(self, key_states, value_states, layer_idx: int):
+        """A planned decode step (traced under torch.compile): write at the static slots, return the pools."""
+        kv = self.kv
+        shape = key_states.shape
+        if type(layer_idx) is not int or not 0 <= layer_idx < kv.num_layers or len(shape) != 4:
+            self._check_layer(key_states, layer_idx)
+        if shape[1] != kv.num_kv_heads or shape[3] != kv.head_dim:
+            self._check_layer(key_states, layer_idx)
+        k_cache, v_cache = kv.k_cache[layer_idx], kv.v_cache[layer_idx]
+        batch_size, num_kv_heads, query_len, head_dim = shape
+        key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        write_kv(key, value, k_cache, v_cache, self._static.ctx.slot_mapping)
+        return k_cache, v_cache
+
+    @torch.compiler.disable  # the forward context is a context variable, which dynamo cannot read
+    def _update_from_context(self, key_states, value_states, layer_idx: int):
         ctx = get_forward_context()
         if ctx is None or ctx.owner is not self:
             raise RuntimeError(
@@ -737,6 +842,122 @@ class PagedCache(Cache):
         batch_size = block_tables.shape[0]
         real = mask if mask is not None else np.ones((batch_size, kv_len), dtype=bool)
         return self._column_slots(block_tables, real, np.zeros(batch_size, dtype=np.int64))
+
+    # ---- decode steps planned ahead (compileable mode) ---------------------------------------------
+
+    def _plan_ahead(
+        self, shape: tuple[int, int], mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Plan the coming forward from generate's eager mask step; returns its 4D mask marker, or None.
+
+        A decode step (one real new token per row, every row ready) is planned here in full: blocks, copy-on-write
+        copies, then slots, lengths and block tables copied (non-blocking) into the static device buffers that the
+        forward reads, so the forward itself runs no host code and can be compiled. Its token ids are not known
+        here; the forward copies them to the device and ``_finish_planned_step`` reads them later. Any other
+        forward (a prefill, a padding column, rows from ``prepare()``) returns None and is planned by the decoder
+        hook as usual, after the pool was sized for this call (``_presize``).
+
+        Raises:
+            ValueError: the forward would take a row past ``max_cache_len`` columns.
+            MemoryError: the pool is out of blocks (a fixed pool), or would have to grow (a growing pool).
+        """
+        self._finish_planned_step()
+        batch_size, query_len = shape
+        if self._num_columns + query_len > self._max_cache_len:
+            raise ValueError(
+                f"PagedCache(max_cache_len={self._max_cache_len}) holds at most {self._max_cache_len} columns per row "
+                f"(prompt with its padding, then new tokens, over every call that continues the rows), but this "
+                f"forward takes them to {self._num_columns + query_len}. Pass a larger max_cache_len= (at least the "
+                "prompt length plus max_new_tokens) or reset() the cache"
+            )
+        decode = (
+            query_len == 1
+            and not self._prepared
+            and len(self._rows) == batch_size
+            and self._decode_ready()
+            and (mask is None or (mask.dim() == 2 and mask.shape == (batch_size, self._num_columns + 1)))
+        )
+        if decode and mask is not None:  # one column of the mask crosses to the host, as in the eager decode path
+            decode = bool(mask[:, -1].to("cpu").all())
+        if not decode:
+            self._presize(shape, mask)
+            return None
+        static = self._static_buffers(batch_size)
+        self._pool_frozen = True
+        try:
+            slots, seq_lens, changed = self._plan_decode(None, position_ids)
+        finally:
+            self._pool_frozen = False
+        static.write(slots, seq_lens, self._tables, copy_tables=bool(changed) or static.tables_src is not self._tables)
+        self._num_columns += 1
+        self._planned = self._ids_pending = True
+        return static.mask
+
+    def _finish_planned_step(self) -> None:
+        """Bring the last planned step's token ids to the host (a device sync) and index the blocks they filled.
+
+        Called first by every host method that reads or changes rows. If the planned forward never ran (it
+        raised before), its token ids stay unknown: the prefix index is emptied at the next ``reset()``, as after
+        any failed forward.
+        """
+        if not self._ids_pending:
+            return
+        self._ids_pending = False
+        if self._planned or self._planned_failed:  # the forward never ran, or raised
+            self._planned = self._planned_failed = False
+            return
+        ids = self._static.step_ids.tolist()
+        for row, token in zip(self._rows, ids, strict=True):
+            row.token_ids[-1] = token
+        for b in self._rows_to_index:
+            row = self._rows[b]
+            self.pool.cache_blocks(row.seq_id, row.token_ids, row.num_computed)
+        self._rows_to_index = []
+        self._index_unwritten = False  # the forward completed: every token the rows hold has its K/V
+
+    def _presize(self, shape: tuple[int, int], mask: torch.Tensor | None) -> None:
+        """Grow a growing pool, before the prefill, to what every row needs to reach ``max_cache_len`` columns.
+
+        Row b ends with at most its real tokens after this forward plus the columns left up to max_cache_len, so
+        the rows never hold more than the sum of those rounded up to blocks (shared prompt blocks and beams only
+        lower it), and the planned decode steps never grow the pool (a compiled graph keeps its address). Left
+        padding takes no slot. One allocation: the prefill's own reservation then finds its blocks free.
+        """
+        if self._max_num_blocks is None:
+            return
+        batch_size, query_len = shape
+        if mask is not None and mask.dim() == 2 and mask.shape[1] >= query_len:
+            new_real = mask[:, -query_len:].to("cpu", torch.bool).numpy().sum(axis=1)
+        else:
+            new_real = np.full(batch_size, query_len)
+        rows = self._rows
+        past_real = [rows[b * len(rows) // batch_size].num_computed if rows else 0 for b in range(batch_size)]
+        left = max(0, self._max_cache_len - self._num_columns - query_len)
+        target = sum(-(-(int(p) + int(n) + left) // self.block_size) for p, n in zip(past_real, new_real, strict=True))
+        if target > self._max_num_blocks:
+            raise MemoryError(
+                f"PagedCache needs {target} blocks of {self.block_size} tokens for {batch_size} rows to reach "
+                f"max_cache_len={self._max_cache_len} columns, over the {self._max_num_blocks} blocks that "
+                "memory_fraction allows; pass a smaller max_cache_len= or a larger memory_fraction= (or num_blocks=)"
+            )
+        if target > self.pool.num_blocks:
+            self.kv.grow(target)
+            self.pool.grow(target - self.pool.num_blocks)
+            if self.kv.k_cache[0].is_cuda:
+                torch.cuda.empty_cache()
+
+    def _static_buffers(self, batch_size: int) -> "_StaticStep":
+        """The planned steps' device buffers for ``batch_size`` rows (made once per batch size; the compiled graph
+        reads them by address), with the pools marked as static inputs of the compiled graph."""
+        device = self.kv.k_cache[0].device
+        if self._static is None or self._static.batch_size != batch_size or self._static.device != device:
+            max_blocks_per_seq = -(-self._max_cache_len // self.block_size)
+            self._static = _StaticStep(batch_size, max_blocks_per_seq, self.block_size, device, owner=self)
+        if self._marked_pool is not self.kv.k_cache[0]:  # new pool tensors (first use, or grown at a prefill)
+            for t in (*self.kv.k_cache, *self.kv.v_cache):
+                torch._dynamo.mark_static_address(t)
+            self._marked_pool = self.kv.k_cache[0]
+        return self._static
 
     # ---- rows ------------------------------------------------------------------------------------
 
@@ -822,6 +1043,7 @@ class PagedCache(Cache):
         that no new row continues are freed. The kept block tables are reordered the same way (a fork's table is its
         source's), so the next decode step still takes the hot path.
         """
+        self._finish_planned_step()
         if len(sources) and (min(sources) < 0 or max(sources) >= len(self._rows)):
             raise ValueError(f"row indices must be in [0, {len(self._rows)}), got {sources}")
         old_rows = self._rows
@@ -855,6 +1077,13 @@ class PagedCache(Cache):
         short = num_blocks - self.pool.num_free_blocks
         if short <= 0 or self._max_num_blocks is None or self.pool.num_blocks >= self._max_num_blocks:
             return
+        if self._pool_frozen:
+            raise MemoryError(
+                f"PagedCache's pool ({self.pool.num_blocks} blocks of {self.block_size} tokens, "
+                f"{self.pool.num_free_blocks} free) was sized at the prefill for every row to reach "
+                f"max_cache_len={self._max_cache_len} columns, and a planned (compiled) decode step cannot grow it: "
+                f"it needs {short} more. Pass a larger max_cache_len= or num_blocks= to PagedCache"
+            )
         new_num_blocks = min(self._max_num_blocks, self.pool.num_blocks + max(short, -(-self.pool.num_blocks // 16)))
         self.kv.grow(new_num_blocks)
         self.pool.grow(new_num_blocks - self.pool.num_blocks)
@@ -886,6 +1115,66 @@ class _Row:
     extra_key: object = None
 
 
+class _StaticStep:
+    """The device buffers of planned decode steps: one static ForwardContext, the step's token ids, the mask marker.
+
+    A compiled (CUDA-graph) forward reads them by address, so they are written in place: each step copies its
+    slots and lengths (and its block tables when a row's changed) from pinned host staging, without a sync.
+    """
+
+    def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device, owner):
+        self.batch_size = batch_size
+        self.device = device
+        self.ctx = ForwardContext(
+            slot_mapping=torch.zeros(batch_size, dtype=torch.int64, device=device),  # [batch_size]
+            block_tables=torch.zeros(batch_size, max_blocks_per_seq, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(batch_size, dtype=torch.int32, device=device),  # [batch_size]
+            cu_seqlens_q=torch.arange(batch_size + 1, dtype=torch.int32, device=device),  # [batch_size + 1]
+            max_query_len=1,
+            max_seq_len=max_blocks_per_seq * block_size,  # a static bound: it only sizes the decode kernel's grid
+            batch_size=batch_size,
+            query_len=1,
+            paged=True,
+            owner=owner,
+        )
+        self.step_ids = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [batch_size], written by forward
+        # [batch_size, 1, 1, 1] bool: a 4D mask makes transformers skip its mask code inside the forward.
+        self.mask = torch.ones(batch_size, 1, 1, 1, dtype=torch.bool, device=device)
+        for t in (self.ctx.slot_mapping, self.ctx.block_tables, self.ctx.seq_lens, self.ctx.cu_seqlens_q):
+            torch._dynamo.mark_static_address(t)
+        torch._dynamo.mark_static_address(self.step_ids)
+        pin = device.type == "cuda"
+        self._host_slots = torch.zeros(batch_size, dtype=torch.int64, pin_memory=pin)
+        self._host_seq_lens = torch.zeros(batch_size, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros(batch_size, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._copied = None  # CUDA event after the last copies from staging
+        self.tables_src: np.ndarray | None = None  # the host tables last copied (the cache's _tables array)
+
+    def write(self, slots: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray, copy_tables: bool) -> None:
+        """Copy a step's plan into the buffers (non-blocking on CUDA; staging is reused once the last copy ran)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies (long done: generate syncs every step)
+        width = tables.shape[1]
+        if width > self._host_tables.shape[1]:
+            raise RuntimeError(
+                f"bug in hf_paged: a block table of {width} blocks, over the static width {self._host_tables.shape[1]}"
+            )
+        self._host_slots.numpy()[:] = slots
+        self._host_seq_lens.numpy()[:] = seq_lens
+        non_blocking = self.device.type == "cuda"
+        self.ctx.slot_mapping.copy_(self._host_slots, non_blocking=non_blocking)
+        self.ctx.seq_lens.copy_(self._host_seq_lens, non_blocking=non_blocking)
+        if copy_tables:
+            host = self._host_tables.numpy()
+            host[:, :width] = tables
+            host[:, width:] = 0
+            self.ctx.block_tables.copy_(self._host_tables, non_blocking=non_blocking)
+            self.tables_src = tables
+        if non_blocking:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
 def _gather(cache: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
     """[batch_size, num_kv_heads, kv_len, head_dim] contiguous K or V; padding columns are zero."""
     flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, num_kv_heads, head_dim]
@@ -900,13 +1189,38 @@ _HOOKED = "_hf_paged_hooks"
 
 
 def _install_hooks(model: torch.nn.Module) -> None:
-    """Hook the decoder (the module that receives the cache and the 2D mask) once per model."""
+    """Hook the decoder (the module that receives the cache and the 2D mask) once per model, and give the model the
+    ``create_masks_for_generate`` through which generate's eager input preparation plans decode steps ahead."""
     decoder = getattr(model, "base_model", model)
     if getattr(decoder, _HOOKED, False):
         return
     decoder.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     decoder.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
     setattr(decoder, _HOOKED, True)
+    # generate calls getattr(model, "create_masks_for_generate", <transformers' function>) for compileable caches;
+    # models may define their own, which every other cache keeps using.
+    model.create_masks_for_generate = functools.partial(
+        _create_masks_for_generate, getattr(model, "create_masks_for_generate", None)
+    )
+
+
+def _create_masks_for_generate(model_function, **kwargs):
+    """generate's mask step (eager, before each forward) for a compileable PagedCache: plan the step ahead.
+
+    A decode step gets a 4D marker mask (transformers then builds no mask inside the forward) and is planned into
+    the cache's static buffers; any other forward gets generate's 2D mask unchanged, and the decoder hook plans it.
+    Other caches get the model's or transformers' own mask function.
+    """
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if not isinstance(cache, PagedCache) or not cache.is_compileable:
+        if model_function is not None:
+            return model_function(**kwargs)
+        from transformers.masking_utils import create_masks_for_generate
+
+        return create_masks_for_generate(**kwargs)
+    mask = kwargs.get("attention_mask")
+    marker = cache._plan_ahead(tuple(kwargs["inputs_embeds"].shape[:2]), mask, kwargs.get("position_ids"))
+    return mask if marker is None else marker
 
 
 def _find_cache(args, kwargs) -> "PagedCache | None":
@@ -921,9 +1235,28 @@ def _find_cache(args, kwargs) -> "PagedCache | None":
 
 
 def _pre_forward(module, args, kwargs):
+    """Before the decoder's forward: a planned step hands its static context down (traceable, no host code);
+    any other forward is planned here, eagerly."""
     cache = _find_cache(args, kwargs)
     if cache is None:
         return None
+    if cache._planned:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        batch_size = cache._static.batch_size
+        if input_ids is None or tuple(input_ids.shape) != (batch_size, 1):
+            got = "no input_ids" if input_ids is None else f"input_ids of shape {tuple(input_ids.shape)}"
+            raise ValueError(
+                f"PagedCache planned a decode step of {batch_size} rows x 1 token (generate's mask step), but the "
+                f"forward got {got}; a planned step needs input_ids of shape ({batch_size}, 1)"
+            )
+        cache._static.step_ids.copy_(input_ids.reshape(-1))  # read back by _finish_planned_step
+        return args, {**kwargs, PLANNED_CONTEXT_KWARG: cache._static.ctx}
+    _plan_forward(module, cache, args, kwargs)
+    return None
+
+
+@torch.compiler.disable  # host planning: under torch.compile a graph break (a planned step never gets here)
+def _plan_forward(module, cache: "PagedCache", args, kwargs) -> None:
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     if input_ids is not None:
@@ -938,16 +1271,25 @@ def _pre_forward(module, args, kwargs):
         input_ids, shape, mask, position_ids if isinstance(position_ids, torch.Tensor) else None
     )
     module._hf_paged_token = set_forward_context(ctx)
-    return None
 
 
 def _post_forward(module, args, kwargs, output):
+    cache = _find_cache(args, kwargs)
+    if cache is None:  # another cache (e.g. a compiled StaticCache forward of the same model): nothing to do
+        return None
+    if cache._planned:  # traceable: the step's bookkeeping was done when it was planned
+        cache._planned = False
+        cache._planned_failed = output is None  # torch passes no output when the forward raised
+        return None
+    _end_hooked_forward(module, cache, output)
+    return None
+
+
+@torch.compiler.disable
+def _end_hooked_forward(module, cache: "PagedCache", output) -> None:
     token = getattr(module, "_hf_paged_token", None)
     if token is None:
-        return None
+        return
     module._hf_paged_token = None
-    cache = _find_cache(args, kwargs)
     reset_forward_context(token)
-    if cache is not None:
-        cache._end_forward(completed=output is not None)  # torch passes no output when the forward raised
-    return None
+    cache._end_forward(completed=output is not None)  # torch passes no output when the forward raised

@@ -5,19 +5,26 @@ the CPU path and the test oracle) and a Triton implementation (the CUDA path). T
 functions below dispatch on the device of their tensors: CUDA tensors take Triton, everything
 else takes the reference. Tests call the ``*_triton`` launchers directly, on the CPU under
 ``TRITON_INTERPRET=1``. The cache layout and slot formula are in kernels/reference.py.
+
+Under torch.compile: ``write_kv`` and ``paged_decode`` trace without a graph break or a host sync (on CUDA
+through the custom ops of kernels/ops.py, on the CPU through traceable torch references); ``paged_attention``
+and ``copy_blocks`` are for eager callers (the reference loops on host copies of the lengths).
 """
 
 import torch
 
-from .reference import copy_blocks_ref, paged_attention_ref, write_kv_ref
+from . import ops  # noqa: F401  (registers the custom ops torch.ops.hf_paged.*)
+from .reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, write_kv_ref
 
 __all__ = [
     "write_kv",
     "copy_blocks",
     "paged_attention",
+    "paged_decode",
     "write_kv_ref",
     "copy_blocks_ref",
     "paged_attention_ref",
+    "paged_decode_ref",
 ]
 
 
@@ -30,11 +37,14 @@ def write_kv(
 ) -> None:
     """Store new K/V rows into their cache slots (in place)."""
     if k_cache.is_cuda:
+        if torch.compiler.is_compiling():  # an opaque op: dynamo does not trace the launcher's host code
+            torch.ops.hf_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
         from .cache_ops import write_kv_triton
 
         with torch.cuda.device(k_cache.device):  # Triton launches on the current device
             write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
+    else:  # traced under torch.compile only when every slot is >= 0 (see write_kv_ref)
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -108,3 +118,32 @@ def paged_attention(
             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
             out=out, key=key, value=value,
         )  # fmt: skip
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32; entries past a sequence: valid ids (0)
+    seq_lens: torch.Tensor,  # [num_seqs], int32: context length incl. the new token
+    scale: float,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Decode attention (one new token per sequence) for CUDA graphs and torch.compile: no host sync.
+
+    Same semantics as ``paged_attention`` with ``cu_seqlens_q = arange(num_seqs + 1)``. ``max_seq_len`` is a
+    static host-side bound (it sizes the CUDA kernel's split grid; correctness never depends on it). CUDA: the
+    split-K Triton kernel as the custom op ``torch.ops.hf_paged.paged_decode``; otherwise ``paged_decode_ref``,
+    which torch.compile traces whole.
+
+    Returns:
+        out: [num_seqs, num_heads, head_dim], query's dtype.
+    """
+    if query.is_cuda:
+        return torch.ops.hf_paged.paged_decode(
+            query, k_cache, v_cache, block_tables, seq_lens, float(scale), int(max_seq_len),
+            int(sliding_window) if sliding_window else 0, float(soft_cap) if soft_cap else 0.0,
+        )  # fmt: skip
+    return paged_decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)

@@ -31,6 +31,17 @@ def write_kv_ref(
 ) -> None:
     """Store each token's K/V row at its slot; slots < 0 are skipped."""
     num_blocks, block_size = k_cache.shape[:2]
+    if torch.compiler.is_compiling():
+        # Boolean indexing has a data-dependent shape, which torch.compile cannot trace: a traced caller (a planned
+        # decode step of hf_paged.cache.PagedCache) gives every token a slot, so index_copy_ writes them all. A -1
+        # left there fails inside index_copy_ (out of range), never silently.
+        k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(
+            0, slot_mapping.long(), key.to(k_cache.dtype)
+        )
+        v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(
+            0, slot_mapping.long(), value.to(v_cache.dtype)
+        )
+        return
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
@@ -103,3 +114,43 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def paged_decode_ref(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32; every entry a valid block id
+    seq_lens: torch.Tensor,  # [num_seqs], int32: context length incl. the new token; 0 = padding row
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Decode attention (one new token per sequence, the last of its context) with static shapes and no host sync.
+
+    The torch reference of ``paged_decode``: unlike ``paged_attention_ref`` it loops over nothing and reads no
+    tensor value on the host, so torch.compile traces it whole. It gathers every block of the table (entries past
+    a sequence's length are read, then masked), so it costs ``max_blocks_per_seq * block_size`` keys per sequence.
+
+    Returns:
+        out: [num_seqs, num_heads, head_dim] in query's dtype; rows with ``seq_lens == 0`` are zeros.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tables = block_tables.long()
+    # [num_seqs, max_blocks_per_seq * block_size, num_heads, head_dim]
+    k = k_cache[tables].flatten(1, 2).float().repeat_interleave(group, dim=2)
+    v = v_cache[tables].flatten(1, 2).float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("shd,skhd->shk", query.float(), k) * scale  # [num_seqs, num_heads, num_keys]
+    if soft_cap is not None and soft_cap > 0:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    k_pos = torch.arange(k.shape[1], device=query.device)[None, :]  # [1, num_keys]
+    q_pos = (seq_lens.long() - 1)[:, None]  # [num_seqs, 1]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None and sliding_window > 0:
+        allowed &= (q_pos - k_pos) < sliding_window
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    # A padding row (seq_len 0) has no allowed key: its softmax is NaN, zeroed here.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("shk,skhd->shd", probs, v).to(query.dtype)

@@ -14,7 +14,8 @@ _spec.loader.exec_module(bench)
 def test_grid_arguments():
     args = bench.parse_args([])
     assert args.shapes == ["qwen3-0.6b", "llama-8b"] and args.points == [(1, 512), (8, 1024), (32, 512), (64, 512)]
-    assert args.modes == ["greedy", "beams4", "samples4"] and args.systems == ["dynamic", "static", "paged"]
+    assert args.modes == ["greedy", "beams4", "samples4"] and args.systems == [
+        "dynamic", "static", "paged", "paged-compiled"]  # fmt: skip
     quick = bench.parse_args(["--quick"])
     assert quick.shapes == ["qwen3-0.6b"] and quick.points == [(1, 512), (32, 512)] and quick.new_tokens == 32
     with pytest.raises(SystemExit):
@@ -49,7 +50,19 @@ def test_table_has_ratios_to_dynamic_and_failed_cells():
 
 def test_cpu_smoke_run_writes_the_table(tmp_path):
     out = tmp_path / "results.md"
-    argv = ["--device", "cpu", "--points", "1x8", "--modes", "greedy", "--systems", "dynamic", "paged"]
-    assert bench.main([*argv, "--repeats", "1", "--new-tokens", "2", "--out", str(out)]) == 0
+    argv = [
+        "--device",
+        "cpu",
+        "--points",
+        "1x8",
+        "--modes",
+        "greedy",
+        "--systems",
+        "dynamic",
+        "paged",
+        "paged-compiled",
+    ]
+    assert bench.main([*argv, "--repeats", "1", "--new-tokens", "3", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 2 and "PagedCache + paged, eager" in rows[1] and "100.0% tokens equal to dynamic" in rows[1]
+    assert len(rows) == 3 and "PagedCache + paged, eager" in rows[1] and "100.0% tokens equal to dynamic" in rows[1]
+    assert "PagedCache(max_cache_len) + paged (planned steps" in rows[2] and "100.0% tokens equal" in rows[2]

@@ -1,0 +1,193 @@
+"""A compileable PagedCache (max_cache_len): generate plans each decode step ahead and runs it through
+torch.compile with fullgraph=True (any graph break fails) on the CPU (aot_eager backend, CompileConfig's
+_compile_all_devices), token-for-token against DynamicCache in fp32, without recompiling on a repeated call.
+
+The compile is shared: one module-scoped model, batch size 2 everywhere it compiles (one graph).
+"""
+
+import pytest
+import torch
+from helpers import assert_cache_released, needs_triton
+from models import FAMILIES, cache_kwarg, tiny_model
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, DynamicCache
+
+from hf_paged import PagedCache
+from hf_paged.kernels import paged_attention_ref, paged_decode_ref
+
+CACHE = cache_kwarg()
+IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 9, 11, 12, 13]])  # row 0 left-padded
+MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
+
+
+def _compile_config() -> CompileConfig:
+    config = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    config._compile_all_devices = True  # compile on the CPU too (not a dataclass field in 5.17 nor 5.24)
+    return config
+
+
+def _dynamic(model):
+    return DynamicCache(config=model.config)
+
+
+def _num_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch._dynamo.reset()
+    return tiny_model("llama")
+
+
+def test_compiled_greedy_matches_dynamic_cache_without_recompiling(model):
+    # 9 columns + 12 new tokens with blocks of 8: every row crosses block boundaries in compiled steps.
+    kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
+    cache = PagedCache(model, block_size=8, max_cache_len=40)
+    assert cache.is_compileable
+    planned = []
+    plan = cache._plan_ahead
+    cache._plan_ahead = lambda *args: planned.append(plan(*args)) or planned[-1]
+    out = model.generate(**kwargs, compile_config=_compile_config(), **{CACHE: cache})
+    assert torch.equal(out, expected)
+    assert model._compiled_call is not None and sum(m is not None for m in planned) == 11  # every decode step
+    assert cache._rows[0].token_ids[-1] == -1  # the last step's id is still only on the device ...
+    cache._finish_planned_step()  # ... until a host method needs it (reset, crop, the next forward)
+    assert cache._rows[0].token_ids == out[0, 3:-1].tolist()
+    graphs = _num_graphs()
+    # The pool was sized once, at the prefill, for each row's real tokens up to max_cache_len (padding takes no
+    # slot): no more than StaticCache's 2 x 40 slots here.
+    assert cache.pool.num_blocks == -(-(6 + 40 - 9) // 8) + -(-(9 + 40 - 9) // 8) and cache.pool.num_blocks * 8 <= 80
+    cache.reset()
+    again = model.generate(**kwargs, compile_config=_compile_config(), **{CACHE: cache})
+    assert torch.equal(again, expected)
+    # A second call continues the rows (prompt = the output plus new tokens), as with a DynamicCache.
+    dyn = _dynamic(model)
+    model.generate(**kwargs, **{CACHE: dyn})
+    cont = torch.cat([again, torch.tensor([[40, 41, 42], [50, 51, 52]])], dim=1)
+    cont_kwargs = dict(input_ids=cont, attention_mask=torch.cat([MASK, torch.ones(2, 15, dtype=MASK.dtype)], dim=1))
+    cont_kwargs.update(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    out = model.generate(**cont_kwargs, compile_config=_compile_config(), **{CACHE: cache})
+    assert torch.equal(out, model.generate(**cont_kwargs, **{CACHE: dyn}))
+    assert _num_graphs() == graphs, "a repeated or continued call with the same batch size recompiled"
+    cache.pool.check_invariants()
+    assert_cache_released(cache)
+
+
+def test_compiled_sampling_with_seed_matches_dynamic_cache(model):
+    kwargs = dict(input_ids=IDS[1:], max_new_tokens=10, do_sample=True, temperature=0.9, num_return_sequences=2)
+    torch.manual_seed(11)
+    expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
+    cache = PagedCache(model, num_blocks=16, block_size=8, max_cache_len=24)  # a fixed pool compiles too
+    graphs = _num_graphs()
+    torch.manual_seed(11)
+    out = model.generate(**kwargs, compile_config=_compile_config(), **{CACHE: cache})
+    assert torch.equal(out, expected)
+    assert _num_graphs() <= graphs + 1
+    # The rows' second blocks, filled by compiled steps, entered the prefix index with their real ids (a query
+    # one token longer: the last token of a prompt is always computed).
+    for row in out:
+        assert cache.pool.num_cached_prefix_tokens(row[:17].tolist()) == 16
+    assert_cache_released(cache)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_planned_steps_without_compile_match_dynamic_cache(family):
+    """generate plans ahead whenever the cache is compileable; without a compile the planned steps run eagerly
+    through the same static buffers and the static-shape decode reference (sliding windows, soft caps too)."""
+    model = tiny_model(family)
+    kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    ref = tiny_model(family, attn="eager" if family == "gemma2" else "sdpa")
+    expected = ref.generate(**kwargs, **{CACHE: _dynamic(ref)})
+    cache = PagedCache(model, block_size=8, max_cache_len=21)
+    assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
+    assert cache.get_seq_length() == 20 and not cache._planned
+    assert_cache_released(cache)
+
+
+def test_beams_and_prompt_lookup_run_planned_steps_eagerly():
+    """transformers compiles only the sampling loop: beam search and assisted decoding call the model eagerly; beam
+    steps are still planned ahead (reorders between them), prompt lookup's verification forwards are not (crop)."""
+    model = tiny_model("llama")
+    kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=16, min_new_tokens=16, num_beams=3)
+    expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
+    cache = PagedCache(model, block_size=8, max_cache_len=25)
+    assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
+    assert_cache_released(cache)
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 11, 12, 13]])
+    kwargs = dict(input_ids=prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)
+    cache = PagedCache(model, block_size=8, max_cache_len=33)
+    assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), model.generate(**kwargs))
+    assert_cache_released(cache)
+
+
+def test_unplanned_forward_breaks_a_fullgraph_compile(model):
+    """Only a planned step is free of host code: a forward that the decoder hook plans (here a decode step nobody
+    planned ahead) reaches host code inside the compiled region, which fullgraph=True refuses."""
+    cache = PagedCache(model, num_blocks=8, block_size=8, max_cache_len=16)
+    model(input_ids=IDS[1:, :8], **{CACHE: cache})
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(input_ids=IDS[1:, 8:], position_ids=torch.tensor([[8]]), **{CACHE: cache})
+
+
+def test_compileable_only_with_max_cache_len_and_paged_attention():
+    model = tiny_model("llama")
+    assert not PagedCache(model, num_blocks=8).is_compileable  # the default: eager, as before
+    assert not PagedCache(tiny_model("llama", attn="sdpa"), num_blocks=8, max_cache_len=16).is_compileable
+    with pytest.raises(ValueError, match=r"`max_cache_len` must be a positive int or None, got 0"):
+        PagedCache(model, max_cache_len=0)
+
+
+def test_max_cache_len_errors_name_the_values():
+    model = tiny_model("llama")
+    cache = PagedCache(model, block_size=8, max_cache_len=14)
+    with pytest.raises(ValueError, match=r"max_cache_len=14\) holds at most 14 columns .* takes them to 15"):
+        model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=8, do_sample=False, **{CACHE: cache})
+    assert cache.get_seq_length() == 14  # the steps that fit ran
+    cache.reset()
+    with pytest.raises(ValueError, match=r"at most 14 columns .* takes them to 20"):
+        model.generate(input_ids=torch.ones(1, 20, dtype=torch.long), max_new_tokens=2, **{CACHE: cache})
+    cache = PagedCache(model, block_size=8, max_cache_len=4096, memory_fraction=1e-6)
+    with pytest.raises(MemoryError, match=r"needs \d+ blocks of 8 tokens for 2 rows to reach max_cache_len=4096"):
+        model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=2, **{CACHE: cache})
+
+
+def test_paged_decode_ref_matches_paged_attention_ref():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 8, 8, 2, 16).unbind(0)
+    query = torch.randn(3, 4, 16)
+    tables = torch.tensor([[0, 1, 2, 0], [3, 4, 0, 0], [5, 6, 7, 1]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 9, 0], dtype=torch.int32)  # the last row is padding: zeros
+    for window, cap in [(None, None), (5, None), (None, 3.0)]:
+        expected = paged_attention_ref(
+            query, k_cache, v_cache, tables, seq_lens, torch.arange(4).int(), 0.3, window, cap
+        )
+        out = paged_decode_ref(query, k_cache, v_cache, tables, seq_lens, 0.3, window, cap)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert out[2].eq(0).all()
+
+
+@needs_triton
+def test_custom_ops_trace_whole_and_match_the_reference():
+    """The Triton launchers as custom ops (what paged_decode/write_kv call on CUDA): fullgraph-traceable, functional
+    K/V mutation, same result as the references (here interpreted on the CPU)."""
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    k_cache, v_cache = torch.randn(2, 6, 16, 2, 16, device=device).unbind(0)
+    query, new = torch.randn(2, 4, 16, device=device), torch.randn(2, 2, 16, device=device)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([40, 17], dtype=torch.int32, device=device)
+    slots = torch.tensor([39, 4 * 16], device=device)
+
+    def step(k, v):
+        torch.ops.hf_paged.write_kv(new, new, k, v, slots)
+        return torch.ops.hf_paged.paged_decode(query, k, v, tables, seq_lens, 0.25, 64, 0, 0.0)
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = torch.compile(step, backend="aot_eager", fullgraph=True)(k_cache, v_cache)
+    k_ref.view(-1, 2, 16)[slots], v_ref.view(-1, 2, 16)[slots] = new, new
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    expected = paged_decode_ref(query, k_ref, v_ref, tables, seq_lens, 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
