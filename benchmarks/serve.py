@@ -24,8 +24,10 @@ request produces its asked length.
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import sys
@@ -53,6 +55,7 @@ class RequestResult:
     ttft: float = 0.0
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between consecutive content chunks
+    start: float = 0.0  # when it was sent, after the benchmark's start
 
     @property
     def tpot(self) -> float | None:
@@ -79,13 +82,16 @@ def make_requests(num_prompts: int, input_len: int, output_len: int, range_ratio
     return requests
 
 
-async def _arrivals(num: int, request_rate: float, burstiness: float, seed: int):
-    """Yield 0..num-1, spaced by gamma-distributed gaps of mean 1 / request_rate (Poisson when burstiness = 1)."""
+def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times (s after the start) of ``num`` requests: gamma-distributed gaps of mean 1 / request_rate (Poisson
+    when burstiness = 1); all 0 with an infinite rate."""
     rng = random.Random(seed + 1)
+    offsets, t = [], 0.0
     for i in range(num):
-        yield i
+        offsets.append(t)
         if request_rate != math.inf and i < num - 1:
-            await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
+            t += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+    return offsets
 
 
 class _HTTP:
@@ -274,27 +280,96 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return slos
 
 
-async def benchmark(args: argparse.Namespace) -> dict:
+async def _run_share(args: argparse.Namespace, model: str, requests: list, offsets: list[float],
+                     indices: list[int], t0: float, concurrency: int) -> list[tuple[int, RequestResult]]:  # fmt: skip
+    """Send requests ``indices``, each at ``t0 + offsets[i]`` (perf_counter time, shared by the processes of one
+    machine: CLOCK_MONOTONIC), at most ``concurrency`` in flight; their results by index."""
     client = _HTTP(args.base_url, args.api_key)
-    model = args.model or (await client.get_json("/v1/models"))["data"][0]["id"]
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> tuple[int, RequestResult]:
+        await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+        async with limit:
+            prompt, max_tokens = requests[i]
+            sent = time.perf_counter()
+            result = await _one(client, args.endpoint, model, prompt, max_tokens, args.ignore_eos, args.timeout)
+            result.start = sent - t0
+            return i, result
+
+    return list(await asyncio.gather(*(one(i) for i in indices)))
+
+
+def _client_process(args, model, requests, offsets, indices, concurrency, start, results) -> None:
+    """One of ``--client-processes``: says it is ready, waits for the common start time on ``start``, sends its
+    share of the requests; results (index, fields) into ``results``."""
+    try:
+        results.put("ready")
+        t0 = start.get()
+        done = asyncio.run(_run_share(args, model, requests, offsets, indices, t0, concurrency))
+        results.put([(i, dataclasses.astuple(r)) for i, r in done])
+    except BaseException as err:  # never leave the parent waiting
+        results.put(err if isinstance(err, Exception) else RuntimeError(repr(err)))
+
+
+def _receive(queue, procs: list, timeout_s: float = 120.0):
+    """The next message of the client processes; raises if one died without a word or nothing came in time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except Exception:  # queue.Empty
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a client process exited with {dead[0].exitcode} (if it could not import this "
+                                   "module: run it as a script or import it by name)") from None  # fmt: skip
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no word from the client processes in {timeout_s:.0f} s") from None
+
+
+async def benchmark(args: argparse.Namespace) -> dict:
+    """Run the benchmark; with ``--client-processes P > 1`` the requests are dealt round-robin to P processes (each
+    its own event loop) sharing one arrival schedule, so the client's own parsing is not the bottleneck."""
+    model = args.model or (await _HTTP(args.base_url, args.api_key).get_json("/v1/models"))["data"][0]["id"]
     requests = make_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                              args.prompt_ids, args.seed)  # fmt: skip
-    limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
-
-    async def limited(prompt, max_tokens):
-        async with limit:
-            return await _one(client, args.endpoint, model, prompt, max_tokens, args.ignore_eos, args.timeout)
-
-    start = time.perf_counter()
-    tasks = []
-    async for i in _arrivals(len(requests), args.request_rate, args.burstiness, args.seed):
-        tasks.append(asyncio.ensure_future(limited(*requests[i])))
-    results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
+    offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
+    concurrency = args.max_concurrency or len(requests)
+    processes = max(1, min(args.client_processes, len(requests)))
+    if processes == 1:
+        t0 = time.perf_counter()
+        done = await _run_share(args, model, requests, offsets, list(range(len(requests))), t0, concurrency)
+        results = [r for _, r in sorted(done, key=lambda x: x[0])]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        queue, start = ctx.Queue(), ctx.Queue()
+        share = -(-concurrency // processes)
+        procs = [ctx.Process(target=_client_process, daemon=True,
+                             args=(args, model, requests, offsets, list(range(k, len(requests), processes)), share,
+                                   start, queue)) for k in range(processes)]  # fmt: skip
+        for proc in procs:  # spawned: each imports the main module again (seconds, with torch) before it is ready
+            proc.start()
+        ready = [await asyncio.to_thread(_receive, queue, procs) for _ in procs]
+        if any(r != "ready" for r in ready):
+            raise RuntimeError(f"a client process failed to start: {[r for r in ready if r != 'ready'][0]!r}")
+        t0 = time.perf_counter() + 0.1
+        for _ in procs:
+            start.put(t0)
+        parts = [await asyncio.to_thread(_receive, queue, procs, args.timeout * len(requests)) for _ in procs]
+        for proc in procs:
+            proc.join()
+        errors = [p for p in parts if isinstance(p, BaseException)]
+        if errors:
+            raise RuntimeError(f"a client process failed: {errors[0]!r}") from errors[0]
+        by_index = {i: RequestResult(*fields) for part in parts for i, fields in part}
+        results = [by_index[i] for i in range(len(requests))]
+    # From the first send to the last answer (perf_counter is CLOCK_MONOTONIC: one clock for the machine's processes).
+    ok = [r for r in results if r.ok]
+    duration = max(r.start + r.e2el for r in ok) - min(r.start for r in ok) if ok else 0.0
     summary = summarize(results, duration, args.percentiles, parse_goodput(args.goodput))
     rate = None if args.request_rate == math.inf else args.request_rate  # None = all at once (JSON has no inf)
     summary.update(model=model, endpoint=args.endpoint, num_prompts=args.num_prompts, request_rate=rate,
-                   burstiness=args.burstiness, max_concurrency=args.max_concurrency)  # fmt: skip
+                   burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                   client_processes=processes)  # fmt: skip
     return summary
 
 
@@ -340,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated, default 50,90,99")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="client processes sharing the requests (one asyncio client parses ~20-30k SSE events/s)",
+    )
     parser.add_argument("--result-file", help="also write the metrics as JSON here")
     return parser
 
@@ -348,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         parse_goodput(args.goodput)
+        if args.client_processes < 1:
+            raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
         if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
             raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
         if args.request_rate <= 0 or args.burstiness <= 0:

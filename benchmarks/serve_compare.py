@@ -107,7 +107,8 @@ def run_server(system: str, model_dir: str, port: int, rates: list[float], args,
                 argv = ["--base-url", f"http://127.0.0.1:{port}", "--endpoint", "chat", "--model", model,
                         "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
                         "--random-output-len", str(args.output_len), "--request-rate", str(rate),
-                        "--seed", str(args.seed), "--percentiles", "50,99"]  # fmt: skip
+                        "--seed", str(args.seed), "--percentiles", "50,99",
+                        "--client-processes", str(args.client_processes)]  # fmt: skip
                 if system == "hf_paged":
                     argv.append("--ignore-eos")
                 bench_args = serve_bench.build_parser().parse_args(argv)
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "--hf-paged-args", default="", help="extra `hf-paged serve` arguments, e.g. '--engine-process off'"
     )
     parser.add_argument("--out", help="also append the markdown table to this file")
+    parser.add_argument("--client-processes", type=int, default=4, help="benchmark client processes (serve.py)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (tiny shape)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

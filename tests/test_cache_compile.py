@@ -8,12 +8,12 @@ The compile is shared: one module-scoped model, batch size 2 everywhere it compi
 import pytest
 import torch
 from helpers import assert_cache_released, needs_triton
+from hf_paged.kernels import paged_attention_ref, paged_decode_ref
 from models import FAMILIES, cache_kwarg, tiny_model
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
 
 from hf_paged import PagedCache
-from hf_paged.kernels import paged_attention_ref, paged_decode_ref
 
 CACHE = cache_kwarg()
 IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 9, 11, 12, 13]])  # row 0 left-padded

@@ -191,7 +191,8 @@ def test_serve_help_lists_the_server_and_engine_flags(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--api-key", "--max-queue", "--max-prompt-tokens", "--max-body-bytes",
-                 "--shutdown-timeout", "--num-blocks", "--max-num-seqs", "--preemption-mode"):  # fmt: skip
+                 "--shutdown-timeout", "--engine-process", "--num-blocks", "--max-num-seqs",
+                 "--preemption-mode"):  # fmt: skip
         assert flag in out, flag
     assert "127.0.0.1" in out
 
@@ -202,3 +203,20 @@ def test_serve_without_the_serve_extra_says_how_to_install(monkeypatch, capsys):
     assert main(["serve", "--port", "1"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "needs the serve extra (fastapi is missing)" in line and "pip install 'hf_paged[serve]'" in line
+
+
+@pytest.mark.parametrize(
+    ("flag", "device", "cuda", "expected"),
+    [("auto", None, False, False), ("auto", None, True, True), ("auto", "cpu", True, False),
+     ("auto", "cuda:0", False, True), ("on", "cpu", False, True), ("off", "cuda", True, False)],
+)  # fmt: skip
+def test_serve_engine_process_is_on_with_cuda_unless_told(monkeypatch, flag, device, cuda, expected):
+    """--engine-process auto: the engine gets a process of its own on CUDA (HTTP and the engine share no GIL)."""
+    import argparse
+
+    import torch
+
+    from hf_paged.frontends import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert cli._engine_process(argparse.Namespace(engine_process=flag, device=device)) is expected

@@ -13,6 +13,7 @@ import contextlib
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -453,15 +454,15 @@ def test_the_command_serves_the_default_model_and_ends_on_sigterm(default_model_
     assert "Application shutdown complete" in proc.stdout.read()
 
 
-def test_the_serving_benchmark_measures_a_few_requests(server, tmp_path):
+def test_the_serving_benchmark_measures_a_few_requests(server, tmp_path, monkeypatch):
     """benchmarks/serve.py (vllm bench serve's method) against the test server: Poisson arrivals, streaming."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    # Imported by name from its folder: --client-processes spawns processes that import it the same way.
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("serve")
+    monkeypatch.setitem(sys.modules, "serve", bench)  # forgotten after the test
     result_file = tmp_path / "result.json"
     argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--api-key", KEY, "--num-prompts", "6",
             "--random-input-len", "12", "--random-output-len", "5", "--request-rate", "40", "--ignore-eos",
@@ -475,6 +476,12 @@ def test_the_serving_benchmark_measures_a_few_requests(server, tmp_path):
         for name in ("ttft", "tpot", "itl", "e2el"):
             assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"]
         assert result["p50_e2el_ms"] >= result["p50_ttft_ms"]
+    # Two client processes share the requests (round-robin) and one arrival schedule; the same totals come back.
+    assert bench.main([*argv, "--endpoint", "chat", "--client-processes", "2"]) == 0
+    result = json.loads(result_file.read_text())
+    assert (result["completed"], result["total_output_tokens"], result["client_processes"]) == (6, 30, 2)
+    assert 0 < result["duration_s"] < 120
     assert bench.main([*argv, "--goodput", "latency:5"]) == 2
+    assert bench.main([*argv, "--client-processes", "0"]) == 2
     assert bench.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft_ms": 500.0, "tpot_ms": 50.0}
     server.wait_idle()
