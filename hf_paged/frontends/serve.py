@@ -4,8 +4,14 @@
     hf-paged serve ./my-model --port 8080 --api-key "$KEY" --max-queue 128
     hf-paged serve ./my-model --data-parallel 2     # one engine process per GPU behind this server
 
-The engine is an AsyncEngine (one batcher on a thread of the server's process) or, with ``--data-parallel N``, a
-DataParallelEngine (N replica processes; the server tokenises, routes and forwards their deltas).
+The engine is a DataParallelEngine — N replica processes (``--data-parallel N``), or one (``--engine-process``,
+the default on CUDA) so the engine and this HTTP loop share no GIL; the server tokenises, routes and forwards their
+deltas — or an AsyncEngine (one batcher on a thread of the server's process; the default on the CPU).
+
+Streaming at saturation: a stream's deltas queued while its consumer was busy are joined into one event
+(RequestStream), chats are tokenised on a tokenizer thread (the Rust tokenizer releases the GIL), and a one-prompt
+request reads its stream directly. What is left per request (HTTP parsing, validation, the chat template, events)
+runs in this one process and is what limits the served throughput when hundreds of requests arrive at once.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
 with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
