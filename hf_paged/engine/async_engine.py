@@ -161,6 +161,17 @@ class StreamingFront:
             pass
         return stream.output
 
+    def _checked(self, prompt, params: SamplingParams | None) -> tuple[SamplingParams, str | None, list[int]]:
+        """What ``stream()`` does first, in the caller's context: (params, prompt text, token ids) of a request the
+        engine accepts, or the batcher's ValueError/TypeError (and the front's own error if it stopped serving)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
+        self._check_serving()
+        prompt_text, token_ids = self.inputs.tokenize(prompt)
+        self.inputs.validate(token_ids, params)
+        return params, prompt_text, token_ids
+
     async def __aenter__(self):
         return self
 
@@ -231,12 +242,7 @@ class AsyncEngine(StreamingFront):
             ValueError/TypeError: a prompt or parameters the batcher refuses (nothing is queued).
             EngineDeadError: the engine thread has died. RuntimeError: the engine is shutting down.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
-        self._check_serving()
-        prompt_text, token_ids = self.inputs.tokenize(prompt)
-        self.inputs.validate(token_ids, params)
+        params, prompt_text, token_ids = self._checked(prompt, params)
         loop = asyncio.get_running_loop()
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         record = _Record(request_id, loop, asyncio.Queue(), time.monotonic())

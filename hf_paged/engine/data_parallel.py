@@ -214,12 +214,7 @@ class DataParallelEngine(StreamingFront):
             ValueError/TypeError: a prompt or parameters the engine refuses (nothing is queued).
             EngineDeadError: every replica has died. RuntimeError: the engine is shutting down.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
-        self._check_serving()
-        prompt_text, token_ids = self.inputs.tokenize(prompt)
-        self.inputs.validate(token_ids, params)
+        params, prompt_text, token_ids = self._checked(prompt, params)
         loop = asyncio.get_running_loop()
         request_id = f"dp-{next(self._ids)}" if request_id is None else str(request_id)
         with self._lock:
