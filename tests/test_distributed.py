@@ -116,3 +116,87 @@ def test_tensor_parallel_two_ranks_match_one_process(saved_model):
     expected = plain.generate(input_ids=torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=False,
                               past_key_values=DynamicCache(config=plain.config))  # fmt: skip
     assert got[0][2] == got[1][2] == expected[0].tolist()
+
+
+def _tp_serving_worker(rank: int, world: int, port: int, path: str, results):
+    """Rank 0 serves through an AsyncEngine (staggered arrivals, a stream left early, a refused request); rank 1
+    mirrors it with follow()."""
+    import asyncio
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hf_paged.engine.async_engine import AsyncEngine, follow
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="paged")
+
+        def build():
+            return ContinuousBatcher(model, block_size=8, num_blocks=64, max_num_batched_tokens=24)
+
+        if rank != 0:
+            batcher = build()
+            follow(batcher)
+            assert_engine_drained(batcher)
+            results.put((rank, "followed"))
+            return
+
+        params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in NEW]
+
+        async def main():
+            async with AsyncEngine(build) as engine:
+
+                async def one(i):
+                    await asyncio.sleep(0.05 * i)  # arrivals while other requests run
+                    return (await engine.generate(PROMPTS[i], params[i])).outputs[0].token_ids
+
+                async def left_early():
+                    stream = engine.stream(PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
+                    async for _ in stream:
+                        break  # the dropped stream aborts its request on both ranks
+
+                outs = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))), left_early())
+                try:
+                    await engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=10_000))
+                except ValueError:
+                    pass
+                else:
+                    raise AssertionError("a request beyond the pool was accepted")
+                while engine.num_unfinished:
+                    await asyncio.sleep(0.01)
+                return outs[: len(PROMPTS)]
+
+        outs = asyncio.run(main())
+        results.put((rank, outs))
+    except Exception as exc:  # surface the worker's error in the parent
+        results.put((rank, repr(exc)))
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_tensor_parallel_serving_rank0_broadcasts_requests(saved_model):
+    """Requests reach rank 0's AsyncEngine at any time; the other rank gets them through the broadcast and stays in
+    lock-step (a mismatch would raise in the engine's schedule check or hang the collectives)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_serving_worker, args=(rank, 2, port, saved_model, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=HANG_TIMEOUT_S) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got[1] == "followed", got[1]
+    assert isinstance(got[0], list), got[0]
+    plain = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
+    assert got[0] == _greedy_engine(plain)
+
+
+def test_follow_refuses_a_single_process_engine():
+    from hf_paged.engine.async_engine import follow
+
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=16)
+    with pytest.raises(ValueError, match="follow\\(\\) runs on the tensor-parallel ranks other than 0"):
+        follow(engine)

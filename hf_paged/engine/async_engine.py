@@ -18,8 +18,11 @@ thread can make reach that caller's first ``__anext__``. A step that raises (the
 the requests in flight with that error and the engine serves on. If the engine thread itself dies, every waiter
 gets ``EngineDeadError`` and so does every later call.
 
-Tensor parallelism: every rank must submit the same requests in the same order (hf_paged.engine.distributed),
-so an AsyncEngine serves on rank 0 only; broadcasting its requests to the other ranks is not implemented.
+Tensor parallelism (``tp_plan="auto"`` under torchrun): every rank must run the same requests in the same order
+(hf_paged.engine.distributed). Rank 0 runs the AsyncEngine (and the server); before applying each batch of commands
+its engine thread broadcasts them (adds, aborts, stop) through the ranks' host group, and every other rank runs
+``follow(batcher)``, which applies the same batches to its own batcher and steps when rank 0 steps. While idle, rank
+0 sends an empty batch every ``HEARTBEAT_S`` so the others' receive never times out.
 """
 
 import asyncio
@@ -37,7 +40,9 @@ from hf_paged.engine.outputs import StreamCursor, StreamDelta, request_output
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestOutput
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServingStats", "StreamingFront"]
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServingStats", "StreamingFront", "follow"]
+
+HEARTBEAT_S = 60.0  # an idle tensor-parallel rank 0 broadcasts an empty batch this often
 
 
 class EngineDeadError(RuntimeError):
@@ -312,6 +317,9 @@ class AsyncEngine(StreamingFront):
             if not isinstance(self._batcher, ContinuousBatcher):
                 raise TypeError(f"the `engine` function must return a ContinuousBatcher, got "
                                 f"{type(self._batcher).__name__}")  # fmt: skip
+            if self._batcher._sync.rank != 0:
+                raise ValueError(f"under tensor parallelism only rank 0 runs an AsyncEngine (this is rank "
+                                 f"{self._batcher._sync.rank}); the other ranks call follow(batcher)")  # fmt: skip
         except BaseException as err:
             self._startup_error = err
             return
@@ -324,11 +332,16 @@ class AsyncEngine(StreamingFront):
 
     def _serve(self, batcher: ContinuousBatcher) -> None:
         """Apply the callers' commands, run a step, send its deltas; sleep while there is nothing to run."""
+        sync = batcher._sync
         while True:
             with self._cond:
                 while not self._inbox and not batcher.has_unfinished_requests():
-                    self._cond.wait()
+                    if not self._cond.wait(timeout=HEARTBEAT_S if sync.enabled else None):
+                        break  # idle under tensor parallelism: an empty batch keeps the followers listening
                 commands, self._inbox = self._inbox, []
+            if sync.enabled:  # the other ranks apply the same batch, then step when this one steps
+                sync.broadcast_object([_add_for_followers(c) if c[0] == "add" else c for c in commands
+                                       if c[0] != "stats"])  # fmt: skip
             for command in commands:
                 if command[0] == "stop":
                     self._stop(batcher)
@@ -387,9 +400,10 @@ class AsyncEngine(StreamingFront):
                     self._live.pop(request_id, None)
         for loop, items in batches.items():
             if items and not _send(loop, items):  # the callers' loop is closed: nobody reads these requests
-                for record in list(self._live.values()):
-                    if record.loop is loop and record.request is not None and not record.request.is_finished:
-                        self._batcher.abort(record.request_id)
+                with self._cond:  # aborted by the next batch of commands (which the followers get too)
+                    for record in list(self._live.values()):
+                        if record.loop is loop and record.request is not None and not record.request.is_finished:
+                            self._inbox.append(("abort", record.request_id))
 
     def _finish(self, record: _Record, item) -> None:
         with self._cond:
@@ -438,6 +452,61 @@ class AsyncEngine(StreamingFront):
             if command[0] == "stats":
                 dead = EngineDeadError(f"the engine thread died: {err!r}")
                 command[1].get_loop().call_soon_threadsafe(_set_exception, command[1], dead)
+
+
+def _add_for_followers(command: tuple) -> tuple:
+    """An "add" command as the other ranks need it: no caller's record, only what the batcher takes."""
+    _, record, token_ids, params, prompt_text = command
+    return ("add", record.request_id, token_ids, params)
+
+
+def follow(batcher: ContinuousBatcher) -> None:
+    """Tensor parallelism, every rank but 0: mirror rank 0's AsyncEngine until it shuts down.
+
+    Receives each batch of commands rank 0's engine thread broadcasts, applies it to ``batcher`` as rank 0 does
+    (adds, aborts; a request rank 0 refused is refused here the same way), and runs a step whenever requests are
+    unfinished, which is exactly when rank 0 steps: the ranks hold the same requests, and the engine's lock-step
+    checks and token broadcast keep them identical. A failed step aborts every request in flight, as rank 0's
+    engine fails them. Returns after rank 0's shutdown, once the aborted requests have drained.
+
+    Raises:
+        ValueError: not under tensor parallelism, or called on rank 0 (which runs the AsyncEngine).
+    """
+    sync = batcher._sync
+    if not sync.enabled or sync.rank == 0:
+        raise ValueError("follow() runs on the tensor-parallel ranks other than 0 (torchrun, tp_plan='auto'); "
+                         f"this process is rank {sync.rank} of a {'tensor-parallel' if sync.enabled else 'single'} "
+                         "engine")  # fmt: skip
+
+    def abort_all() -> None:
+        for request_id, request in list(batcher.requests.items()):
+            if not request.is_finished:
+                batcher.abort(request_id)
+
+    while True:
+        for command in sync.broadcast_object():
+            if command[0] == "add":
+                try:
+                    batcher.add_request(command[2], command[3], request_id=command[1])
+                except Exception:  # rank 0's batcher refused it too, and failed its caller
+                    pass
+            elif command[0] == "abort":
+                request = batcher.requests.get(command[1])
+                if request is not None and not request.is_finished:
+                    batcher.abort(command[1])
+            elif command[0] == "stop":
+                abort_all()
+                while batcher.has_unfinished_requests():
+                    try:
+                        batcher.step_requests()
+                    except Exception:
+                        break
+                return
+        if batcher.has_unfinished_requests():
+            try:
+                batcher.step_requests()
+            except Exception:  # rank 0's step failed too: it fails (aborts) every request in flight
+                abort_all()
 
 
 def request_deltas(request: Request, cursors: dict[int, StreamCursor], detokenize: bool) -> list[StreamDelta]:

@@ -48,6 +48,20 @@ class RankSync:
                 "steps. Every rank must call add_request/generate with the same prompts in the same order"
             )
 
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.enabled else 0
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's ``obj`` on every rank (pickled; through the host group, so it never waits for queued GPU work).
+        The other ranks pass nothing and get rank 0's value. Used to send the requests rank 0 receives (AsyncEngine)
+        to the ranks that mirror it (``hf_paged.engine.async_engine.follow``)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._check_group)
+        return box[0]
+
     def broadcast(self, *tensors: torch.Tensor | None) -> None:
         """Overwrite the tensors with rank 0's values (in place)."""
         if not self.enabled:
