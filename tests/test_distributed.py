@@ -200,3 +200,54 @@ def test_follow_refuses_a_single_process_engine():
     engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=16)
     with pytest.raises(ValueError, match="follow\\(\\) runs on the tensor-parallel ranks other than 0"):
         follow(engine)
+
+
+def test_hf_paged_serve_under_torchrun_serves_from_rank_0(tmp_path):
+    """`torchrun --nproc-per-node 2 -m hf_paged.frontends.cli serve DIR`: both ranks load their shard, rank 0 answers
+    HTTP and broadcasts the requests, rank 1 follows; the answer equals one process's; SIGTERM ends both ranks (rank 1
+    ignores it and ends when rank 0's shutdown reaches it)."""
+    import json
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from models import char_tokenizer
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model("llama", attn="sdpa").save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "hf_paged.frontends.cli", "serve", str(model_dir), "--device", "cpu", "--port", str(port),
+           "--num-blocks", "64", "--block-size", "8", "--served-model-name", "tiny"]  # fmt: skip
+    log = open(tmp_path / "torchrun.log", "w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + HANG_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, "torchrun ended before serving:\n" + open(log.name).read()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "not healthy in time:\n" + open(log.name).read()[-3000:]
+                time.sleep(0.5)
+        body = json.dumps({"model": "tiny", "prompt": PROMPTS[1], "max_tokens": NEW[1], "temperature": 0.0,
+                           "ignore_eos": True, "logprobs": 0}).encode()  # fmt: skip
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.loads(r.read())
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks, then exits 1 (its own way)
+        proc.wait(timeout=120)  # raises if a rank is left running
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="paged")
+    expected = ContinuousBatcher(plain, char_tokenizer(), block_size=8, num_blocks=64).generate(
+        [PROMPTS[1]], SamplingParams(max_new_tokens=NEW[1], temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert answer["choices"][0]["text"] == expected.outputs[0].text
+    assert answer["usage"]["completion_tokens"] == NEW[1]

@@ -99,7 +99,7 @@ class ContinuousBatcher:
                 model, info, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                 config.gpu_memory_utilization, _graphs_on(config, info), info.max_model_len or 8192,
             )  # fmt: skip
-            num_blocks = self.memory_profile.num_blocks
+            num_blocks = info._same_on_every_rank(self.memory_profile.num_blocks)  # tensor parallelism: the least
         else:
             num_blocks = info.num_blocks_for(config.num_blocks, config.block_size, config.memory_fraction or 0.5)
         self.model = model

@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -294,7 +295,7 @@ def _tokenize(tokenizer, texts: list[str], system: str | None, chat: bool) -> li
     return prompts
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, tp_plan: str | None = None):
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -311,7 +312,7 @@ def _load(args: argparse.Namespace):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        return models.load_model(args.model, device=args.device, dtype=dtype)
+        return models.load_model(args.model, device=args.device, dtype=dtype, tp_plan=tp_plan)
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
@@ -454,7 +455,11 @@ def _serve(args: argparse.Namespace) -> int:
     from hf_paged.engine.async_engine import AsyncEngine
     from hf_paged.frontends.models import DEFAULT_MODEL
 
-    if args.data_parallel > 1 or _engine_process(args):
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: tensor parallelism, rank 0 serves
+        engine = _tensor_parallel_engine(args)
+        if engine is None:  # another rank: it mirrored rank 0 until rank 0 shut down
+            return 0
+    elif args.data_parallel > 1 or _engine_process(args):
         engine = _data_parallel_engine(args)
     else:
         model, tokenizer = _load(args)
@@ -479,6 +484,28 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     return 0
+
+
+def _tensor_parallel_engine(args: argparse.Namespace):
+    """Under torchrun: every rank loads its shard (``tp_plan="auto"``); rank 0 returns an AsyncEngine to serve, the
+    other ranks mirror it (``follow``) and return None once it has shut down."""
+    import torch.distributed as dist
+
+    from hf_paged.engine.async_engine import AsyncEngine, follow
+
+    if args.data_parallel > 1:
+        raise UsageError(f"--data-parallel {args.data_parallel} does not combine with tensor parallelism (torchrun, "
+                         f"WORLD_SIZE={os.environ['WORLD_SIZE']}): use one or the other")  # fmt: skip
+    model, tokenizer = _load(args, tp_plan="auto")
+    if dist.get_rank() != 0:
+        # torchrun passes its signals to every rank: this one ends when rank 0's shutdown reaches it, after the
+        # requests in flight drained (an early exit would leave rank 0's collectives without a peer).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        follow(_make_engine(model, tokenizer, args.num_blocks, args))
+        return None
+    # Built on the engine thread, which alone drives it from then on (CUDA graphs are captured there).
+    return AsyncEngine(lambda: _make_engine(model, tokenizer, args.num_blocks, args))
 
 
 def _engine_process(args: argparse.Namespace) -> bool:

@@ -226,6 +226,7 @@ def load_model(
     dtype: "torch.dtype | None" = None,
     attn_implementation: str = "paged",
     cache_dir: str | None = None,
+    tp_plan: str | None = None,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load a causal LM and its tokenizer by the name a user gives, without touching the network.
 
@@ -239,6 +240,8 @@ def load_model(
         dtype: the weights' dtype; defaults to bfloat16 on CUDA and float32 on CPU.
         attn_implementation: passed to ``from_pretrained``; ``"paged"`` is hf_paged's attention.
         cache_dir: the cache root for GGUF conversions (see ``convert_gguf``).
+        tp_plan: ``"auto"`` under torchrun: tensor parallelism (transformers shards the weights over the ranks and
+            places them itself; ``device`` then only picks the dtype default).
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode on ``device``; the tokenizer with ``padding_side="left"``
@@ -262,8 +265,9 @@ def load_model(
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
     source = _resolve(model, cache_dir)
+    placement = {"tp_plan": tp_plan} if tp_plan is not None else {"device_map": device}
     loaded = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, device_map=device, attn_implementation=attn_implementation, local_files_only=True
+        source, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True, **placement
     ).eval()
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     if tokenizer.pad_token_id is None:
