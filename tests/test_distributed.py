@@ -97,16 +97,22 @@ def _tp_worker(rank: int, world: int, port: int, path: str, results):
             torch.distributed.destroy_process_group()
 
 
-def test_tensor_parallel_two_ranks_match_one_process(saved_model):
+def _run_two_ranks(worker, path: str) -> list[tuple]:
+    """Spawn ``worker(rank, 2, port, path, results)`` on two ranks; what each put on ``results``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(rank, 2, port, saved_model, results)) for rank in range(2)]
+    procs = [ctx.Process(target=worker, args=(rank, 2, port, path, results)) for rank in range(2)]
     for p in procs:
         p.start()
-    got = dict((r[0], r[1:]) for r in (results.get(timeout=HANG_TIMEOUT_S) for _ in procs))
+    got = [results.get(timeout=HANG_TIMEOUT_S) for _ in procs]
     for p in procs:
         p.join(timeout=60)
+    return got
+
+
+def test_tensor_parallel_two_ranks_match_one_process(saved_model):
+    got = dict((r[0], r[1:]) for r in _run_two_ranks(_tp_worker, saved_model))
     for rank in (0, 1):
         assert isinstance(got[rank][0], list), got[rank][0]
     plain = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
@@ -179,15 +185,7 @@ def _tp_serving_worker(rank: int, world: int, port: int, path: str, results):
 def test_tensor_parallel_serving_rank0_broadcasts_requests(saved_model):
     """Requests reach rank 0's AsyncEngine at any time; the other rank gets them through the broadcast and stays in
     lock-step (a mismatch would raise in the engine's schedule check or hang the collectives)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_tp_serving_worker, args=(rank, 2, port, saved_model, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=HANG_TIMEOUT_S) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = dict(_run_two_ranks(_tp_serving_worker, saved_model))
     assert got[1] == "followed", got[1]
     assert isinstance(got[0], list), got[0]
     plain = AutoModelForCausalLM.from_pretrained(saved_model, attn_implementation="paged")
