@@ -14,6 +14,7 @@ and ``copy_blocks`` are for eager callers (the reference loops on host copies of
 import torch
 
 from . import ops  # noqa: F401  (registers the custom ops torch.ops.hf_paged.*)
+from .launch import on_device
 from .reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, write_kv_ref
 
 __all__ = [
@@ -42,7 +43,7 @@ def write_kv(
             return
         from .cache_ops import write_kv_triton
 
-        with torch.cuda.device(k_cache.device):  # Triton launches on the current device
+        with on_device(k_cache):  # Triton launches on the current device
             write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:  # traced under torch.compile only when every slot is >= 0 (see write_kv_ref)
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
@@ -60,7 +61,7 @@ def copy_blocks(
     if k_cache.is_cuda:
         from .cache_ops import copy_blocks_triton
 
-        with torch.cuda.device(k_cache.device):
+        with on_device(k_cache):
             copy_blocks_triton(k_cache, v_cache, src, dst)
     else:
         copy_blocks_ref(k_cache, v_cache, src, dst)
@@ -103,7 +104,7 @@ def paged_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     # Triton launches on the current device: with accelerate's device_map, layers live on several GPUs.
-    with torch.cuda.device(query.device):
+    with on_device(query):
         if max_query_len == 1:
             from .decode import paged_decode_triton
 

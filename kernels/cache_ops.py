@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launcher, cdiv, next_power_of_2
+
 __all__ = ["write_kv_triton", "copy_blocks_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,6 +73,10 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + value_offs, mask=mask, other=0.0)  # [TILE]
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# Positional launches (kernels/launch.py): arguments in the kernel's parameter order.
+_WRITE_KV = Launcher(_write_kv_kernel)
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -139,30 +145,16 @@ def write_kv_triton(
         return
 
     row_size = num_kv_heads * head_dim
-    tile = min(triton.next_power_of_2(row_size), _MAX_TILE)
-    grid = (num_tokens, triton.cdiv(row_size, tile))
-    _write_kv_kernel[grid](
-        key_ptr=key,
-        value_ptr=value,
-        k_cache_ptr=k_cache,
-        v_cache_ptr=v_cache,
-        slot_mapping_ptr=slot_mapping,
-        stride_key_t=key.stride(0),
-        stride_key_h=key.stride(1),
-        stride_key_d=key.stride(2),
-        stride_value_t=value.stride(0),
-        stride_value_h=value.stride(1),
-        stride_value_d=value.stride(2),
-        stride_cache_block=k_cache.stride(0),
-        stride_cache_offset=k_cache.stride(1),
-        stride_cache_head=k_cache.stride(2),
-        stride_cache_d=k_cache.stride(3),
-        HEAD_DIM=head_dim,
-        ROW_SIZE=row_size,
-        BLOCK_SIZE=block_size,
-        TILE=tile,
+    tile = min(next_power_of_2(row_size), _MAX_TILE)
+    grid = (num_tokens, cdiv(row_size, tile))
+    _WRITE_KV(
+        grid,
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(),
+        head_dim, row_size, block_size, tile,
         num_warps=4 if tile >= 1024 else 1 if tile <= 128 else 2,
-    )
+        num_stages=3,  # Triton's default on CUDA; a loop-free kernel
+    )  # fmt: skip
 
 
 @triton.jit
@@ -191,6 +183,9 @@ def _copy_blocks_kernel(
     tl.store(k_cache_ptr + dst_offs, k, mask=mask)
     v = tl.load(v_cache_ptr + src_offs, mask=mask, other=0.0)  # [TILE]
     tl.store(v_cache_ptr + dst_offs, v, mask=mask)
+
+
+_COPY_BLOCKS = Launcher(_copy_blocks_kernel)
 
 
 def copy_blocks_triton(
@@ -234,15 +229,6 @@ def copy_blocks_triton(
     src = src.to(k_cache.device, non_blocking=True)
     dst = dst.to(k_cache.device, non_blocking=True)
 
-    tile = min(triton.next_power_of_2(block_numel), _MAX_TILE)
-    grid = (src.numel(), triton.cdiv(block_numel, tile))
-    _copy_blocks_kernel[grid](
-        k_cache_ptr=k_cache,
-        v_cache_ptr=v_cache,
-        src_ptr=src,
-        dst_ptr=dst,
-        stride_cache_block=k_cache.stride(0),
-        BLOCK_NUMEL=block_numel,
-        TILE=tile,
-        num_warps=4,
-    )
+    tile = min(next_power_of_2(block_numel), _MAX_TILE)
+    grid = (src.numel(), cdiv(block_numel, tile))
+    _COPY_BLOCKS(grid, k_cache, v_cache, src, dst, k_cache.stride(0), block_numel, tile, num_warps=4, num_stages=3)

@@ -39,13 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launcher, cdiv, next_power_of_2
+
 __all__ = ["paged_decode_triton", "choose_num_splits"]
 
 MAX_HEAD_DIM = 256
 MAX_NUM_SPLITS = 64
 # A split should stream at least this many keys, so that its fixed costs (query load, partial
 # write, its share of the merge) stay small next to its K/V reads.
-MIN_KEYS_PER_SPLIT = 128
+MIN_KEYS_PER_SPLIT = 64
 # Programs to aim for per SM: about two waves at two resident programs per SM.
 PROGRAMS_PER_SM = 4
 # SM count used when no CUDA device is present (TRITON_INTERPRET=1 runs); an H100 SXM has 132.
@@ -282,6 +284,11 @@ def _merge_splits_kernel(
     )
 
 
+# Positional launches (kernels/launch.py): arguments in the kernel's parameter order.
+_DECODE = Launcher(_paged_decode_kernel)
+_MERGE = Launcher(_merge_splits_kernel)
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -305,8 +312,8 @@ def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sm
         The number of splits, in ``[1, MAX_NUM_SPLITS]``.
     """
     base_programs = max(num_seqs * num_kv_heads, 1)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, base_programs)
-    by_context = max(triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), 1)
+    wanted = cdiv(PROGRAMS_PER_SM * num_sms, base_programs)
+    by_context = max(cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), 1)
     return max(1, min(wanted, by_context, MAX_NUM_SPLITS))
 
 
@@ -402,7 +409,7 @@ def paged_decode_triton(
         num_sms = _num_sms(query.device.index or 0) if query.is_cuda else DEFAULT_NUM_SMS
         num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms)
 
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = max(16, next_power_of_2(head_dim))
     # 64 keys per tile streams enough bytes per iteration; halve it at head_dim 256 to keep the
     # K/V tiles in registers. A power of two, so with block_size >= BLOCK_N (a power of two times
     # a multiple of BLOCK_N) a tile never crosses a block and needs one block-table entry.
@@ -424,86 +431,36 @@ def paged_decode_triton(
         )
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
 
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        # pointers
-        query_ptr=query,
-        k_cache_ptr=k_cache,
-        v_cache_ptr=v_cache,
-        block_tables_ptr=block_tables,
-        seq_lens_ptr=seq_lens,
-        out_ptr=out,
-        partial_acc_ptr=partial_acc,
-        partial_lse_ptr=partial_lse,
-        # strides
-        stride_qs=query.stride(0),
-        stride_qh=query.stride(1),
-        stride_qd=query.stride(2),
-        stride_kb=k_cache.stride(0),
-        stride_kt=k_cache.stride(1),
-        stride_kh=k_cache.stride(2),
-        stride_kd=k_cache.stride(3),
-        stride_vb=v_cache.stride(0),
-        stride_vt=v_cache.stride(1),
-        stride_vh=v_cache.stride(2),
-        stride_vd=v_cache.stride(3),
-        stride_bts=block_tables.stride(0),
-        stride_btb=block_tables.stride(1),
-        stride_os=out.stride(0),
-        stride_oh=out.stride(1),
-        stride_od=out.stride(2),
-        stride_pas=partial_acc.stride(0),
-        stride_pah=partial_acc.stride(1),
-        stride_pap=partial_acc.stride(2),
-        stride_pad=partial_acc.stride(3),
-        stride_pls=partial_lse.stride(0),
-        stride_plh=partial_lse.stride(1),
-        stride_plp=partial_lse.stride(2),
-        # sizes
-        num_splits=num_splits,
-        scale_log2=float(scale) * _LOG2E,
-        cap_in=float(scale) / soft_cap if use_soft_cap else 0.0,
-        cap_out=float(soft_cap) * _LOG2E if use_soft_cap else 0.0,
-        sliding_window=int(sliding_window) if use_window else 0,
-        # meta-parameters
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        ONE_BLOCK_PER_TILE=block_size % block_n == 0,
-        USE_WINDOW=use_window,
-        USE_SOFT_CAP=use_soft_cap,
-        WRITE_OUT=write_out,
-        MIN_TILES_PER_SPLIT=max(1, MIN_KEYS_PER_SPLIT // block_n),
-        DOT_FP32=dot_fp32,
+    _DECODE(
+        (num_seqs, num_kv_heads, num_splits),
+        query, k_cache, v_cache, block_tables, seq_lens, out, partial_acc, partial_lse,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        *partial_acc.stride(), *partial_lse.stride(),
+        num_splits,
+        float(scale) * _LOG2E,  # scale_log2
+        float(scale) / soft_cap if use_soft_cap else 0.0,  # cap_in
+        float(soft_cap) * _LOG2E if use_soft_cap else 0.0,  # cap_out
+        int(sliding_window) if use_window else 0,
+        group,  # GROUP
+        max(16, next_power_of_2(group)),  # GROUP_PAD
+        head_dim, head_dim_pad, block_size, block_n,
+        block_size % block_n == 0,  # ONE_BLOCK_PER_TILE
+        use_window, use_soft_cap, write_out,
+        max(1, MIN_KEYS_PER_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
+        dot_fp32,
         num_warps=4,
         num_stages=2,
-    )
+    )  # fmt: skip
     if write_out:
         return out
-    _merge_splits_kernel[(num_seqs, num_heads)](
-        # pointers
-        partial_acc_ptr=partial_acc,
-        partial_lse_ptr=partial_lse,
-        out_ptr=out,
-        # strides
-        stride_pas=partial_acc.stride(0),
-        stride_pah=partial_acc.stride(1),
-        stride_pap=partial_acc.stride(2),
-        stride_pad=partial_acc.stride(3),
-        stride_pls=partial_lse.stride(0),
-        stride_plh=partial_lse.stride(1),
-        stride_plp=partial_lse.stride(2),
-        stride_os=out.stride(0),
-        stride_oh=out.stride(1),
-        stride_od=out.stride(2),
-        # sizes
-        num_splits=num_splits,
-        # meta-parameters
-        NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+    _MERGE(
+        (num_seqs, num_heads),
+        partial_acc, partial_lse, out,
+        *partial_acc.stride(), *partial_lse.stride(), *out.stride(),
+        num_splits,
+        next_power_of_2(num_splits),  # NUM_SPLITS_PAD
+        head_dim, head_dim_pad,
         num_warps=4,
-    )
+        num_stages=3,  # Triton's default on CUDA
+    )  # fmt: skip
     return out

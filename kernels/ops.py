@@ -7,14 +7,9 @@ Registered at import (pure torch; Triton is imported when an op first runs). ``h
 ``paged_decode`` call them on CUDA tensors; the CPU takes the torch references (kernels/reference.py) instead.
 """
 
-import contextlib
-
 import torch
 
-
-def _on_device(tensor: torch.Tensor):
-    """Triton launches on the current device: make it the tensor's (several GPUs under device_map)."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+from .launch import on_device as _on_device
 
 
 @torch.library.custom_op("hf_paged::write_kv", mutates_args=("k_cache", "v_cache"))

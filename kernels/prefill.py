@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launcher, next_power_of_2
+
 __all__ = ["paged_prefill_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -377,6 +379,10 @@ def _paged_prefill_kernel(
     )
 
 
+# Positional launch (kernels/launch.py): arguments in the kernel's parameter order.
+_PREFILL = Launcher(_paged_prefill_kernel)
+
+
 def _default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) -> tuple[int, int, int, int, bool]:
     """Default (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) for Hopper (H100/H200).
 
@@ -535,10 +541,10 @@ def paged_prefill_triton(
         return out
 
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     default_m, tile_n, num_warps, num_stages, k_row_major = _default_tiles(query.dtype, block_d, key is not None)
     # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
-    tile_m = min(default_m, max(16, triton.next_power_of_2(max_query_len * group)))
+    tile_m = min(default_m, max(16, next_power_of_2(max_query_len * group)))
     has_window = sliding_window is not None and sliding_window > 0
     has_soft_cap = soft_cap is not None and soft_cap > 0
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
@@ -550,46 +556,26 @@ def paged_prefill_triton(
     if not contig_kv:  # never read (CONTIG_KV=False): any pointer and strides of the right dtype
         key = value = k_cache[0, 0]  # [num_kv_heads, head_dim]
     grid = (num_tokens * group // tile_m + num_seqs, num_kv_heads)
-    _paged_prefill_kernel[grid](
-        query_ptr=query,
-        k_cache_ptr=k_cache,
-        v_cache_ptr=v_cache,
-        key_ptr=key,
-        value_ptr=value,
-        block_tables_ptr=block_tables,
-        seq_lens_ptr=seq_lens,
-        cu_seqlens_q_ptr=cu_seqlens_q,
-        out_ptr=out,
-        stride_query_t=query.stride(0),
-        stride_query_h=query.stride(1),
-        stride_out_t=out.stride(0),
-        stride_out_h=out.stride(1),
-        stride_cache_block=k_cache.stride(0),
-        stride_cache_offset=k_cache.stride(1),
-        stride_cache_head=k_cache.stride(2),
-        stride_key_t=key.stride(0) if contig_kv else 0,
-        stride_key_h=key.stride(1) if contig_kv else 0,
-        stride_value_t=value.stride(0) if contig_kv else 0,
-        stride_value_h=value.stride(1) if contig_kv else 0,
-        stride_table_s=block_tables.stride(0),
-        stride_table_b=block_tables.stride(1),
-        qk_scale=float(scale) * (1.0 if has_soft_cap else _LOG2E),
-        soft_cap=float(soft_cap) if has_soft_cap else 1.0,
-        sliding_window=int(sliding_window) if has_window else 0,
-        num_seqs=num_seqs,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        BLOCK_M=tile_m,
-        BLOCK_N=tile_n,
-        BLOCK_D=block_d,
-        HAS_WINDOW=has_window,
-        HAS_SOFT_CAP=has_soft_cap,
-        K_ROW_MAJOR=k_row_major,
-        DOT_FP32=dot_fp32,
-        EXACT_SOFTMAX=not scale > 0,  # the fused update folds the scale into max(scores): needs scale > 0
-        CONTIG_KV=contig_kv,
+    _PREFILL(
+        grid,
+        query, k_cache, v_cache, key, value, block_tables, seq_lens, cu_seqlens_q, out,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        key.stride(0) if contig_kv else 0, key.stride(1) if contig_kv else 0,
+        value.stride(0) if contig_kv else 0, value.stride(1) if contig_kv else 0,
+        block_tables.stride(0), block_tables.stride(1),
+        float(scale) * (1.0 if has_soft_cap else _LOG2E),  # qk_scale
+        float(soft_cap) if has_soft_cap else 1.0,  # soft_cap
+        int(sliding_window) if has_window else 0,
+        num_seqs,
+        head_dim, block_size, group,  # HEAD_DIM, BLOCK_SIZE, GROUP
+        tile_m, tile_n, block_d,  # BLOCK_M, BLOCK_N, BLOCK_D
+        has_window, has_soft_cap,
+        dot_fp32,  # DOT_FP32
+        k_row_major,  # K_ROW_MAJOR
+        not scale > 0,  # EXACT_SOFTMAX: the fused update folds the scale into max(scores): needs scale > 0
+        contig_kv,  # CONTIG_KV
         num_warps=num_warps,
         num_stages=num_stages,
-    )
+    )  # fmt: skip
     return out

@@ -261,7 +261,7 @@ def test_large_pool_index_overflow():
 def test_choose_num_splits():
     # A full batch or a short context: one split (the merge is skipped).
     assert choose_num_splits(4096, num_seqs=256, num_kv_heads=8, num_sms=132) == 1
-    assert choose_num_splits(100, num_seqs=1, num_kv_heads=8, num_sms=132) == 1
+    assert choose_num_splits(64, num_seqs=1, num_kv_heads=8, num_sms=132) == 1
     # A small batch with a long context splits, within the bounds.
     assert 1 < choose_num_splits(4096, num_seqs=4, num_kv_heads=8, num_sms=132) <= MAX_NUM_SPLITS
     assert choose_num_splits(1 << 20, num_seqs=1, num_kv_heads=1, num_sms=132) == MAX_NUM_SPLITS

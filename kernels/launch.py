@@ -1,0 +1,162 @@
+"""Direct launches of compiled Triton kernels: the JIT's per-call argument binding paid once per specialization.
+
+Why. ``kernel[grid](**kwargs)`` binds and specializes every argument in Python and C, builds the cache key and
+looks the compiled kernel up before it launches: 25 µs of host time per call on the H100 host of the device tool
+(Triton 3.6), against 7 µs for the launch itself (``CompiledKernel.run``). An eager decode step calls two or three
+kernels per layer, so PagedCache under ``model.generate`` (no CUDA graph) was bound by that host time.
+
+How. ``Launcher(jit_fn)`` keeps the ``CompiledKernel`` that Triton chose for a call under a key computed by a
+function generated for the kernel's signature (as Triton generates its binder): for each argument the facts
+Triton's specialization may depend on, and nothing cheaper:
+
+    tensor            -> (dtype, data_ptr % 16 == 0)        Triton: pointer type + 16-byte alignment
+    int, specialized  -> the value itself                    Triton: (== 1, % 16 == 0, i32/i64): a function of it
+    int, do_not_specialize -> (== 1, fits in int32)          Triton: i32 or i64 (and == 1 in some versions)
+    float             -> nothing                             Triton: fp32, never specialized
+    constexpr         -> the value                           part of Triton's key
+plus num_warps / num_stages and the device. The key may split one Triton specialization into several entries (an
+int's exact value), never merge two, so a key hit always launches the kernel Triton would have launched. A miss
+goes through ``jit_fn[grid](...)`` (which compiles or finds the kernel) and records what it returned.
+
+Where it is off (the standard launch is used): under ``TRITON_INTERPRET=1`` (the CPU tests), with
+``HF_PAGED_DIRECT_LAUNCH=0``, and on a Triton whose ``CompiledKernel.run`` has another calling convention than the
+one checked here (3.4 to 3.x). ``HF_PAGED_CHECK_LAUNCH=1`` (the GPU test run sets it) checks every direct launch
+against the kernel Triton's own lookup returns, so a key that misses a specialization fails the tests.
+"""
+
+import contextlib
+import os
+
+import torch
+
+__all__ = ["Launcher", "cdiv", "direct_launch_enabled", "next_power_of_2", "on_device"]
+
+
+def _version_ok() -> bool:
+    import triton
+
+    try:
+        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return major == 3 and minor >= 4
+
+
+def direct_launch_enabled() -> bool:
+    """Whether launches skip the JIT's binding (see the module docstring); read at each Launcher's first call."""
+    return (
+        os.environ.get("TRITON_INTERPRET") != "1"
+        and os.environ.get("HF_PAGED_DIRECT_LAUNCH", "1") != "0"
+        and _version_ok()
+    )
+
+
+def _make_key_fn(jit_fn, args: tuple):
+    """The specialization key of the kernel's positional arguments, as generated code (one expression per
+    argument, no call per argument): the argument kinds are those of ``args``, the launcher's first call (each
+    launcher passes the same kind at each position on every call)."""
+    names, items = [], []
+    for param, value in zip(jit_fn.params, args, strict=True):
+        name = f"a{param.num}"
+        names.append(name)
+        if param.is_constexpr or type(value) is bool or value is None:
+            items.append(name)
+        elif isinstance(value, torch.Tensor):
+            items.append(f"{name}.dtype, {name}.data_ptr() & 15 == 0")
+        elif type(value) is int:
+            # do_not_specialize: Triton keeps only the integer type (and, in some versions, == 1).
+            items.append(f"{name} == 1, -2147483648 <= {name} < 2147483648" if param.do_not_specialize else name)
+        elif type(value) is not float:  # floats are fp32 arguments, never specialized
+            raise TypeError(f"hf_paged kernels: unsupported kernel argument {param.name}={value!r}")
+    src = f"def key({', '.join(names)}):\n    return ({', '.join(items)},)\n"
+    scope: dict = {}
+    exec(src, scope)  # noqa: S102 - generated from the kernel's own parameter list
+    return scope["key"]
+
+
+class Launcher:
+    """Launch ``jit_fn`` with positional arguments, skipping Triton's per-call binding after the first call.
+
+    Args:
+        jit_fn: a ``@triton.jit`` kernel. Call as ``launcher(grid, *args, num_warps=..., num_stages=...)`` with
+            every kernel parameter positionally, constexprs included, in the kernel's order.
+    """
+
+    def __init__(self, jit_fn):
+        self.jit_fn = jit_fn
+        self._cache: dict = {}
+        self._enabled: bool | None = None
+        self._key_fn = None
+        self._stream = None
+        self._check = False
+        self._hooks = None
+
+    def _setup(self) -> None:
+        from triton.runtime.jit import JITFunction
+
+        self._enabled = direct_launch_enabled() and isinstance(self.jit_fn, JITFunction)
+        if not self._enabled:
+            return
+        try:
+            from triton import knobs
+            from triton.runtime.driver import driver
+        except ImportError:  # before 3.4: launch hooks lived elsewhere; use the standard launch
+            self._enabled = False
+            return
+        self._hooks = knobs.runtime
+        self._stream = driver.active.get_current_stream
+        self._check = os.environ.get("HF_PAGED_CHECK_LAUNCH") == "1"
+
+    def __call__(self, grid: tuple, *args, num_warps: int = 4, num_stages: int = 2) -> None:
+        if self._enabled is None:
+            self._setup()
+        if not self._enabled:
+            self.jit_fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return
+        if self._key_fn is None:
+            self._key_fn = _make_key_fn(self.jit_fn, args)
+        device = torch.cuda.current_device()
+        key = (device, num_warps, num_stages, self._key_fn(*args))
+        kernel = self._cache.get(key)
+        if kernel is None:
+            self._cache[key] = self.jit_fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return
+        if self._check:
+            expected = self.jit_fn.run(*args, grid=grid, warmup=True, num_warps=num_warps, num_stages=num_stages)
+            if expected is not kernel:
+                raise RuntimeError(
+                    f"hf_paged direct launch of {self.jit_fn.__name__}: the cached kernel is not the one Triton "
+                    "selects for these arguments (the launch key misses a specialization); set "
+                    "HF_PAGED_DIRECT_LAUNCH=0 and report this"
+                )
+        stream = self._stream(device)
+        enter, leave = self._hooks.launch_enter_hook, self._hooks.launch_exit_hook
+        grid0 = grid[0]
+        grid1 = grid[1] if len(grid) > 1 else 1
+        grid2 = grid[2] if len(grid) > 2 else 1
+        metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
+        kernel.run(grid0, grid1, grid2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *args)
+
+
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are ConstexprFunctions in Triton 3.x: 7 µs a
+# call from Python, paid several times per launch before these.
+def cdiv(a: int, b: int) -> int:
+    """Ceil of a / b for ints, b > 0."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(tensor: torch.Tensor):
+    """Make the tensor's GPU current for a launch (Triton launches on the current device; several GPUs under
+    device_map). A no-op context when it already is, or for a CPU tensor: ``torch.cuda.device`` costs a few µs."""
+    index = tensor.get_device()
+    if index < 0 or index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(index)
