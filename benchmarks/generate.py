@@ -13,7 +13,8 @@ Grid: shapes x (batch x prompt) points x modes x systems.
   ``PagedCache(model, max_cache_len=prompt + new tokens)``, which transformers compiles as it does StaticCache (its
   pool is sized at the prefill for every row to reach max_cache_len; beam search runs eagerly in transformers).
 
-Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles):
+Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles;
+the systems of a (shape, point, mode) take turns, one call each per round, so host noise hits them alike):
 - ms/step: the median interval between two decode steps of a call, timed by a logits processor that generate runs
   once per new token after the forward (each CUDA step ends in generate's host sync, so an interval is a step's
   wall time; the processor runs outside compiled forwards too); the table gives the median (min-max) of the runs'
@@ -154,26 +155,60 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
     return elapsed, prefill, steps, peak, reserved, out, cache
 
 
-def run_cell(model, cell: Cell, prompts: torch.Tensor, repeats: int, reference: torch.Tensor | None) -> torch.Tensor:
-    """Fill ``cell`` with ``repeats`` measurements (after a warm-up); returns the last output."""
-    generate_once(model, cell.system, prompts, cell.new_tokens, cell.mode)  # warm-up: JIT, compile, allocator
-    out = None
-    for _ in range(repeats):
-        total, prefill, steps, peak, reserved, out, cache = generate_once(
-            model, cell.system, prompts, cell.new_tokens, cell.mode
-        )
-        cell.prefill_ms.append(prefill * 1e3)
-        cell.total_s.append(total)
-        cell.step_ms.append(statistics.median(steps))
-        if peak is not None:
-            cell.peak_allocated = max(cell.peak_allocated or 0, peak)
-            cell.peak_reserved = max(cell.peak_reserved or 0, reserved)
-        if isinstance(cache, PagedCache):
-            cell.note = f"pool grew to {cache.pool.num_blocks} blocks ({cache.peak_used_blocks} used at peak)"
-        del cache
-    if reference is not None and cell.mode == "greedy" and out.shape == reference.shape:
-        cell.same_tokens = (out == reference).float().mean().item()
+def measure_once(model, cell: Cell, prompts: torch.Tensor) -> torch.Tensor:
+    """One measured call of ``cell`` (its warm-up ran before); appends to the cell, returns the output."""
+    total, prefill, steps, peak, reserved, out, cache = generate_once(
+        model, cell.system, prompts, cell.new_tokens, cell.mode
+    )
+    cell.prefill_ms.append(prefill * 1e3)
+    cell.total_s.append(total)
+    cell.step_ms.append(statistics.median(steps))
+    if peak is not None:
+        cell.peak_allocated = max(cell.peak_allocated or 0, peak)
+        cell.peak_reserved = max(cell.peak_reserved or 0, reserved)
+    if isinstance(cache, PagedCache):
+        cell.note = f"pool grew to {cache.pool.num_blocks} blocks ({cache.peak_used_blocks} used at peak)"
     return out
+
+
+def run_cells(model, cells: list[Cell], prompts: torch.Tensor, repeats: int, device: str) -> None:
+    """The systems of one (shape, point, mode), interleaved: a warm-up call each (JIT, compile, allocator), then
+    ``repeats`` rounds of one call per system, so that a slow spell of the host hits every system alike. DynamicCache
+    comes first; its greedy output is the reference for the others' token agreement."""
+    live = []
+    for cell in cells:
+        try:
+            generate_once(model, cell.system, prompts, cell.new_tokens, cell.mode)
+            live.append(cell)
+        except Exception as error:  # a grid of hours should report a failing cell, not stop
+            cell.error = _describe(error)
+        _release(device)
+    outputs: dict[int, torch.Tensor] = {}
+    for _ in range(repeats):
+        for cell in list(live):
+            try:
+                outputs[id(cell)] = measure_once(model, cell, prompts)
+            except Exception as error:
+                cell.error = _describe(error)
+                live.remove(cell)
+            _release(device)
+    reference = outputs.get(id(cells[0])) if cells[0].system == "dynamic" else None
+    for cell in live:
+        out = outputs.get(id(cell))
+        if reference is not None and cell.mode == "greedy" and out is not None and out.shape == reference.shape:
+            cell.same_tokens = (out == reference).float().mean().item()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, torch.OutOfMemoryError):
+        return "out of memory"
+    return f"failed: {type(error).__name__}: {str(error)[:120]}"
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _median_range(values: list[float], fmt: str) -> str:
@@ -260,23 +295,14 @@ def run_grid(args: argparse.Namespace) -> list[Cell]:
             prompts = prompts.to(args.device)
             for mode in args.modes:
                 rows = batch * (4 if mode == "samples4" else 1)  # sequences returned (beams return the best)
-                reference = None
-                for system in sorted(args.systems, key=SYSTEMS.index):  # dynamic first: the reference
-                    label = system_label(system, args.device)
-                    cell = Cell(shape, batch, prompt, mode, system, label, args.new_tokens, rows)
-                    try:
-                        out = run_cell(model, cell, prompts, args.repeats, reference)
-                        if system == "dynamic":
-                            reference = out
-                    except torch.OutOfMemoryError:
-                        cell.error = "out of memory"
-                    except Exception as error:  # a grid of hours should report a failing cell, not stop
-                        cell.error = f"failed: {type(error).__name__}: {str(error)[:120]}"
-                    cells.append(cell)
+                group = [
+                    Cell(shape, batch, prompt, mode, system, system_label(system, args.device), args.new_tokens, rows)
+                    for system in sorted(args.systems, key=SYSTEMS.index)  # dynamic first: the reference
+                ]
+                run_cells(model, group, prompts, args.repeats, args.device)
+                cells.extend(group)
+                for cell in group:
                     print(format_table([cell], "").splitlines()[-1], flush=True)
-                    gc.collect()
-                    if args.device == "cuda":
-                        torch.cuda.empty_cache()
         del model
     return cells
 

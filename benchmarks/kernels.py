@@ -125,18 +125,28 @@ def _graph_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
-def _bench_sdpa_decode(batch: int, context: int, gqa_kwargs: dict) -> tuple[float, float]:
-    """Median µs of torch SDPA (eager, in a graph): one query token over contiguous K/V [batch, kv_heads, ctx, D]."""
+def _bench_sdpa_decode(batch: int, context: int, gqa_kwargs: dict, l2_bytes: int) -> tuple[float, float]:
+    """Median µs of torch SDPA (eager, in a graph): one query token over contiguous K/V [batch, kv_heads, ctx, D].
+
+    K/V sets rotate as for the paged kernel (``_bench_paged_decode``), so that in a graph (many calls captured
+    back to back) neither side reads K/V that the previous call left in L2."""
     generator = torch.Generator(device="cuda").manual_seed(0)
+    kv_bytes = _kv_bytes(batch, context)
+    num_sets = min(triton.cdiv(2 * l2_bytes, kv_bytes), 64) if kv_bytes < 2 * l2_bytes else 1
     q = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
-    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
-    v = torch.randn_like(k)
-    if not gqa_kwargs:  # repeat outside the timed region
-        k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
-        v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    sets = []
+    for _ in range(num_sets):
+        k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+        v = torch.randn_like(k)
+        if not gqa_kwargs:  # repeat outside the timed region
+            k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+            v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+        sets.append((k, v))
+    rotation = itertools.cycle(sets)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def run():
+        k, v = next(rotation)
         sdpa(q, k, v, scale=HEAD_DIM**-0.5, **gqa_kwargs)
 
     median_us, _, _ = _bench(run)
@@ -153,7 +163,7 @@ def bench_decode(batch: int, context: int, copy_gbs: float, gqa_kwargs: dict, l2
 
     paged_us, paged_p20, paged_p80, paged_graph_us = _bench_paged_decode(batch, context, l2_bytes)
     torch.cuda.empty_cache()
-    sdpa_us, sdpa_graph_us = _bench_sdpa_decode(batch, context, gqa_kwargs)
+    sdpa_us, sdpa_graph_us = _bench_sdpa_decode(batch, context, gqa_kwargs, l2_bytes)
     torch.cuda.empty_cache()
     # K + V of every context, plus the query read and the out written.
     moved = _kv_bytes(batch, context) + 2 * batch * NUM_HEADS * HEAD_DIM * (torch.finfo(DTYPE).bits // 8)

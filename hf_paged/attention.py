@@ -45,7 +45,10 @@ def paged_attention_forward(
     planned = kwargs.get(PLANNED_CONTEXT_KWARG)
     if planned is not None:
         return _planned_decode_attention(planned, module, query, key, value, dropout, scaling, sliding_window, softcap)
-    return _context_attention(
+    # Under torch.compile the context path must stay out of the graph (a graph break); eager callers skip the
+    # disable wrapper, whose frame-hook bookkeeping costs more per layer than the rest of this adapter.
+    context_attention = _context_attention_disabled if torch.compiler.is_compiling() else _context_attention
+    return context_attention(
         module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
     )
 
@@ -83,7 +86,6 @@ def _check_paged_module(module: torch.nn.Module, dropout: float) -> None:
         raise ValueError(f"attn_implementation='paged' is inference-only; got dropout={dropout} in training mode")
 
 
-@torch.compiler.disable  # reads the forward context and launches Triton kernels: stays eager under torch.compile
 def _context_attention(
     module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
 ) -> tuple[torch.Tensor, None]:
@@ -146,6 +148,10 @@ def _context_attention(
         full.index_copy_(0, ctx.token_idx, out)
         out = full
     return out.view(batch_size, query_len, num_heads, head_dim), None
+
+
+# reads the forward context and launches Triton kernels: stays eager under torch.compile
+_context_attention_disabled = torch.compiler.disable(_context_attention)
 
 
 def _has_sinks(module: torch.nn.Module) -> bool:

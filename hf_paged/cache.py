@@ -742,7 +742,9 @@ class PagedCache(Cache):
         """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
         if self._planned:
             return self._update_planned(key_states, value_states, layer_idx)
-        return self._update_from_context(key_states, value_states, layer_idx)
+        if torch.compiler.is_compiling():  # the forward context is a context variable, which dynamo cannot read
+            return self._update_from_context_disabled(key_states, value_states, layer_idx)
+        return self._update_from_context(key_states, value_states, layer_idx)  # eager: no disable wrapper
 
     def _update_planned(self, key_states, value_states, layer_idx: int):
         """A planned decode step (traced under torch.compile): write at the static slots, return the pools."""
@@ -759,7 +761,6 @@ class PagedCache(Cache):
         write_kv(key, value, k_cache, v_cache, self._static.ctx.slot_mapping)
         return k_cache, v_cache
 
-    @torch.compiler.disable  # the forward context is a context variable, which dynamo cannot read
     def _update_from_context(self, key_states, value_states, layer_idx: int):
         ctx = get_forward_context()
         if ctx is None or ctx.owner is not self:
@@ -787,6 +788,8 @@ class PagedCache(Cache):
         if ctx.paged:
             return k_cache, v_cache
         return _gather(k_cache, ctx.gather_idx), _gather(v_cache, ctx.gather_idx)
+
+    _update_from_context_disabled = torch.compiler.disable(_update_from_context)
 
     def _check_layer(self, key_states: torch.Tensor, layer_idx: int) -> None:
         """The layer and its K/V shape must be those of the model the pool was built for."""
