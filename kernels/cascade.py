@@ -26,16 +26,19 @@ reads, and a window cutting through the prefix would need a per-row lower bound 
 
 Bytes model (KV bytes read per decode step; Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, so a key
 costs 8 * 128 * 2 B * 2 (K and V) = 4 KiB per layer). The bench's "prefix" workload: ~200 decode rows sharing a
-341-token prompt prefix, of which 336 tokens fill 21 blocks of 16 (the prefix cache shares full blocks only):
-- before: every row streams the 336 shared keys: 200 * 336 * 4 KiB = 275 MB per layer, 7.7 GB per step
-  (2.3 ms at the H100's ~3.35 TB/s), on top of each row's own ~5-125 keys (about 0.05 GB a layer in all).
+341-token prompt prefix, of which 336 tokens fill 21 blocks of 16 (the prefix cache shares full blocks only), and
+each row's own ~15-125 keys (5 prefix tokens in its first own block, 10-40 unique prompt tokens, 20-80 outputs):
+- before: every row streams the 336 shared keys: 200 * 336 * 4 KiB = 275 MB per layer, plus ~49 MB of own keys
+  (200 rows * ~60 keys): 324 MB per layer, 9.1 GB per step, 2.7 ms at the H100's ~3.35 TB/s.
 - after: the prefix is streamed once per KV head per ``BLOCK_M``-row tile: 1.4 MB per layer from HBM (the
-  ``cdiv(200 * 2, 64) = 7`` row tiles of a head reread it from L2), plus the partials: each row and query head
-  writes and reads one fp32 [head_dim] partial per prefix split and one for its own suffix (2 prefix splits:
-  200 * 16 heads * 512 B * 2 * 3 = 9.8 MB per layer). About 11 MB per layer, 0.3 GB per step (~0.1 ms).
-So the shared part of the decode reads drops about 25x; the decode steps of that workload, bound by their
-KV reads at large batch, lose most of the ~2.3 ms a step spent on the prefix (the model's weights, 1.2 GB in
-bf16, are read once per step either way and now dominate).
+  ``cdiv(200 * 2, 64) = 7`` row tiles of a head reread it, mostly from L2), plus the partials: each row and query
+  head writes and reads one fp32 [head_dim] partial per prefix split and one for its own keys (2 prefix splits
+  run: 200 * 16 heads * 512 B * 2 * 3 = 9.8 MB per layer), plus the same ~49 MB of own keys: ~60 MB per layer,
+  1.7 GB per step, 0.5 ms.
+The shared part drops ~25x and a decode step's KV traffic ~5x. With the weights (1.2 GB in bf16, read once a step
+either way) a full-batch decode step moves ~2.9 GB instead of ~10.3 GB: predicted ~3x faster while ~200 rows run
+(less at the ramp-up and tail of the run, where fewer rows share the prefix; compute, ~0.24 TFLOP a step at 200
+rows, and launch overheads are not in this model).
 """
 
 import triton
