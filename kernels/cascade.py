@@ -78,9 +78,7 @@ def choose_num_prefix_splits(max_prefix_len: int, num_row_tiles: int, num_kv_hea
 
 # Sizes that change from step to step are not specialised (see _paged_decode_kernel): the row count (the batch),
 # the split counts and the strides that follow them.
-@triton.jit(
-    do_not_specialize=["num_rows", "num_prefix_splits", "split_offset", "stride_bts", "stride_pls", "stride_plh"]
-)
+@triton.jit(do_not_specialize=["num_rows", "num_prefix_splits", "split_offset", "stride_pls", "stride_plh"])
 def _shared_prefix_kernel(
     # pointers
     query_ptr,  # [num_seqs, num_heads, head_dim]
@@ -103,7 +101,6 @@ def _shared_prefix_kernel(
     stride_vt,
     stride_vh,
     stride_vd,
-    stride_bts,
     stride_btb,
     stride_pas,
     stride_pah,

@@ -586,7 +586,6 @@ def paged_decode_triton(
             stride_vt=v_cache.stride(1),
             stride_vh=v_cache.stride(2),
             stride_vd=v_cache.stride(3),
-            stride_bts=block_tables.stride(0),
             stride_btb=block_tables.stride(1),
             stride_pas=partial_acc.stride(0),
             stride_pah=partial_acc.stride(1),
