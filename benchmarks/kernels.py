@@ -7,6 +7,9 @@ the measured device-to-device copy bandwidth, and torch SDPA on contiguous K/V o
 Eager calls include each call's launch cost (a Triton launch from Python costs more than the kernel at batch 1);
 the "in a CUDA graph" columns replay both calls from a graph (``do_bench_cudagraph``), as the engine runs decode,
 so they compare device time.
+Shared-prefix (cascade) decode, the bench's "prefix" workload at the Qwen3-0.6B shape (16 q / 8 kv heads): 200 rows
+sharing 21 blocks (336 tokens) and 15-125 keys of their own; in-graph µs of one layer's decode without and with
+``prefix_len`` (kernels/cascade.py predicts ~324 MB -> ~60 MB moved), and the max difference between the two.
 Prefill (when kernels/prefill.py exists): 4 fresh prompts x 1024 tokens vs causal SDPA.
 
 Prints a markdown block to paste into benchmarks/RESULTS.md; ``--out PATH`` also writes it there.
@@ -118,6 +121,54 @@ def sweep_splits(batch: int, context: int) -> dict[int, float]:
             )
         )  # fmt: skip
     return result
+
+
+CASCADE_ROWS, CASCADE_HEADS, CASCADE_PREFIX_BLOCKS = 200, 16, 21
+
+
+def bench_cascade() -> list[str]:
+    """Markdown rows: one layer's decode on the prefix workload's shape, plain vs shared-prefix, in a CUDA graph."""
+    from hf_paged.kernels.decode import paged_decode_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    own = torch.randint(15, 126, (CASCADE_ROWS,), generator=generator, device="cuda")  # keys past the prefix
+    seq_lens = (CASCADE_PREFIX_BLOCKS * BLOCK_SIZE + own).to(torch.int32)
+    own_blocks = triton.cdiv(int(own.max()), BLOCK_SIZE)
+    num_blocks = CASCADE_PREFIX_BLOCKS + CASCADE_ROWS * own_blocks
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=generator)
+    v_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=generator)
+    perm = torch.randperm(num_blocks, device="cuda", generator=generator).to(torch.int32)
+    block_tables = torch.empty((CASCADE_ROWS, CASCADE_PREFIX_BLOCKS + own_blocks), dtype=torch.int32, device="cuda")
+    block_tables[:, :CASCADE_PREFIX_BLOCKS] = perm[:CASCADE_PREFIX_BLOCKS]  # the same physical blocks in every row
+    block_tables[:, CASCADE_PREFIX_BLOCKS:] = perm[CASCADE_PREFIX_BLOCKS:].view(CASCADE_ROWS, own_blocks)
+    query = torch.randn(CASCADE_ROWS, CASCADE_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    prefix_len = torch.tensor([CASCADE_PREFIX_BLOCKS * BLOCK_SIZE], dtype=torch.int32, device="cuda")
+    outs = {}
+
+    def run(cascade: bool, max_seq_len: int):
+        out = outs.setdefault(cascade, torch.empty_like(query))
+        paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, HEAD_DIM**-0.5, max_seq_len=max_seq_len,
+                            out=out, prefix_len=prefix_len if cascade else None)  # fmt: skip
+
+    lines = [
+        f"### Shared-prefix decode: {CASCADE_ROWS} rows, {CASCADE_HEADS} q / {NUM_KV_HEADS} kv heads, a "
+        f"{CASCADE_PREFIX_BLOCKS * BLOCK_SIZE}-token shared prefix, 15-125 own keys, one layer, in a CUDA graph",
+        "",
+        "| max_seq_len bound | plain µs | cascade µs | plain / cascade | cascade, prefix_len 0 µs | max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for bound in (int(seq_lens.max()), 4096):  # the exact bound, and an engine graph's (max_model_len)
+        plain_us, cascade_us = _graph_us(lambda b=bound: run(False, b)), _graph_us(lambda b=bound: run(True, b))
+        diff = (outs[True].float() - outs[False].float()).abs().max().item()
+        prefix_len.fill_(0)
+        off_us = _graph_us(lambda b=bound: run(True, b))
+        prefix_len.fill_(CASCADE_PREFIX_BLOCKS * BLOCK_SIZE)
+        lines.append(
+            f"| {bound} | {plain_us:.1f} | {cascade_us:.1f} | {plain_us / cascade_us:.2f}x | {off_us:.1f} "
+            f"| {diff:.2e} |"
+        )
+    return lines
 
 
 def _graph_us(fn) -> float:
@@ -306,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch, context in ((1, 512), (1, 4096), (8, 2048)):
         sweep = sweep_splits(batch, context)
         lines.append(f"| {batch} | {context} | " + " | ".join(f"{sweep[n]:.1f}" for n in SWEEP_SPLITS) + " |")
+    lines += [""] + bench_cascade()
     prefill = bench_prefill(gqa_kwargs)
     lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
 

@@ -117,6 +117,9 @@ def _context_attention(
     if query_len == 1 or (new_key is not None and new_key.stride(2) != 1):
         new_key = new_value = None  # decode reads the blocks; the prefill kernel needs a contiguous last dim
     window, cap = (sliding_window if sliding_window else None), (softcap if softcap else None)
+    # Shared-prefix decode (kernels/cascade.py) for the single-token rows; a sliding-window layer reads only its
+    # window and takes the plain decode.
+    prefix_len = ctx.prefix_len if window is None else None
     out = None
     cu_seqlens_q = ctx.cu_seqlens_q
     if ctx.decode_seq_lens is not None:  # mixed graph step: the leading decode rows take the decode kernel first
@@ -125,8 +128,11 @@ def _context_attention(
         paged_attention(
             q[:num_seqs], key, value, ctx.block_tables, ctx.decode_seq_lens, ctx.decode_cu_seqlens_q, scaling,
             max_query_len=1, max_seq_len=ctx.max_seq_len, sliding_window=window, soft_cap=cap, out=out[:num_seqs],
+            prefix_len=prefix_len, max_prefix_len=ctx.max_prefix_len,
         )  # fmt: skip
         cu_seqlens_q = ctx.prefill_cu_seqlens_q  # the decode rows are empty sequences there: left as written
+    if ctx.max_query_len != 1:
+        prefix_len = None  # the prefill kernel has no shared-prefix path
     out = paged_attention(
         q,
         key,
@@ -142,6 +148,8 @@ def _context_attention(
         out=out,
         key=new_key,  # fresh prompts read their K/V here instead of through the block table
         value=new_value,
+        prefix_len=prefix_len,
+        max_prefix_len=ctx.max_prefix_len,
     )  # [num_tokens, num_heads, head_dim]
     if ctx.token_idx is not None:
         full = out.new_zeros(batch_size * query_len, num_heads, head_dim)

@@ -52,6 +52,12 @@ class ForwardContext:
     decode_seq_lens: torch.Tensor | None = None
     decode_cu_seqlens_q: torch.Tensor | None = None
     prefill_cu_seqlens_q: torch.Tensor | None = None
+    # Shared-prefix ("cascade") decode of the single-token rows (kernels/cascade.py): [1] int32, the keys every such
+    # row shares (the same physical blocks in each of their tables), read once per KV head for all of them; 0 =
+    # none this step (a device value: a captured graph replays with any length). max_prefix_len: its host-side
+    # bound (sizes the prefix kernel's grid). None = off; sliding-window layers ignore it.
+    prefix_len: torch.Tensor | None = None
+    max_prefix_len: int = 0
     _per_device: dict = field(default_factory=dict, repr=False)
 
     def on(self, device: torch.device) -> "ForwardContext":
@@ -72,12 +78,14 @@ class ForwardContext:
                     "decode_seq_lens",
                     "decode_cu_seqlens_q",
                     "prefill_cu_seqlens_q",
+                    "prefix_len",
                 )  # fmt: skip
             }
             ctx = ForwardContext(
                 **moved,
                 max_query_len=self.max_query_len,
                 max_seq_len=self.max_seq_len,
+                max_prefix_len=self.max_prefix_len,
                 batch_size=self.batch_size,
                 query_len=self.query_len,
                 paged=self.paged,

@@ -70,6 +70,28 @@ def plan_chunks(
     )
 
 
+def shared_prefix_blocks(
+    block_tables: np.ndarray,  # [num_seqs, max_blocks], int32
+    seq_lens: np.ndarray,  # [num_seqs], int: context length of each row
+    block_size: int,
+) -> int:
+    """The leading block-table entries that every row holds, with the same physical block (shared-prefix decode).
+
+    Only each row's own blocks count (``cdiv(seq_len, block_size)`` entries; later ones may be stale), so the result
+    is at most the shortest row's block count. One vectorised compare, O(num_seqs x that count). 0 for fewer than
+    two rows. With two or more rows no shared block is written in the step: a row appends into a block it holds
+    alone (the pool copies a shared block before it is written), so the shared blocks stay below every row's new
+    token.
+    """
+    if len(seq_lens) < 2:
+        return 0
+    limit = int(-(-np.min(seq_lens) // block_size))
+    if limit <= 0:
+        return 0
+    same = (block_tables[1:, :limit] == block_tables[0, :limit]).all(axis=0)  # [limit]
+    return limit if same.all() else int(same.argmin())
+
+
 def to_context(plan: ForwardPlan, device: torch.device, **kwargs) -> ForwardContext:
     """The plan's attention metadata on ``device`` (no sync); ``kwargs`` set the remaining context fields."""
     return ForwardContext(

@@ -82,6 +82,8 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' K, rows as query
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' V
+    prefix_len: torch.Tensor | None = None,  # [1], int32: keys every row shares (cascade decode); None = none
+    max_prefix_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -92,10 +94,28 @@ def paged_attention(
     sequence's K/V (no cached context) from them instead of through the block table, which is faster;
     the result is the same.
 
+    ``prefix_len`` (decode batches only: ``max_query_len == 1``, no sliding window): shared-prefix ("cascade")
+    decode, kernels/cascade.py. The keys below it are read once per KV head for all rows, through row 0's block
+    table: the caller guarantees that every row with a query holds the same physical blocks there. A device value
+    (0 = none); ``max_prefix_len`` is its host-side bound (sizes the prefix kernel's grid; default max_seq_len).
+
     Returns:
         out: [num_tokens, num_heads, head_dim], query's dtype.
     """
+    if prefix_len is not None:
+        if max_query_len != 1:
+            raise ValueError(f"prefix_len is for decode batches (max_query_len=1), got max_query_len={max_query_len}")
+        if sliding_window is not None and sliding_window > 0:
+            raise ValueError(
+                f"prefix_len (cascade) does not support sliding_window={sliding_window}: pass prefix_len=None for "
+                "sliding-window layers"
+            )
     if not query.is_cuda:
+        if prefix_len is not None:  # the decode reference reads the prefix through row 0's table, as the kernels do
+            result = paged_decode_ref(
+                query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=soft_cap, prefix_len=prefix_len
+            )
+            return result if out is None else out.copy_(result)
         return paged_attention_ref(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap, out
         )
@@ -111,6 +131,7 @@ def paged_attention(
             return paged_decode_triton(
                 query, k_cache, v_cache, block_tables, seq_lens, scale,
                 max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+                prefix_len=prefix_len, max_prefix_len=max_prefix_len,
             )  # fmt: skip
         from .prefill import paged_prefill_triton
 
@@ -131,13 +152,14 @@ def paged_decode(
     max_seq_len: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    prefix_len: torch.Tensor | None = None,  # [1], int32: keys every row shares (cascade); None = none
 ) -> torch.Tensor:
     """Decode attention (one new token per sequence) for CUDA graphs and torch.compile: no host sync.
 
     Same semantics as ``paged_attention`` with ``cu_seqlens_q = arange(num_seqs + 1)``. ``max_seq_len`` is a
     static host-side bound (it sizes the CUDA kernel's split grid; correctness never depends on it). CUDA: the
     split-K Triton kernel as the custom op ``torch.ops.hf_paged.paged_decode``; otherwise ``paged_decode_ref``,
-    which torch.compile traces whole.
+    which torch.compile traces whole. ``prefix_len``: shared-prefix decode, as in ``paged_attention``.
 
     Returns:
         out: [num_seqs, num_heads, head_dim], query's dtype.
@@ -145,6 +167,13 @@ def paged_decode(
     if query.is_cuda:
         return torch.ops.hf_paged.paged_decode(
             query, k_cache, v_cache, block_tables, seq_lens, float(scale), int(max_seq_len),
-            int(sliding_window) if sliding_window else 0, float(soft_cap) if soft_cap else 0.0,
+            int(sliding_window) if sliding_window else 0, float(soft_cap) if soft_cap else 0.0, prefix_len,
         )  # fmt: skip
-    return paged_decode_ref(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+    if prefix_len is not None and sliding_window is not None and sliding_window > 0:
+        raise ValueError(
+            f"prefix_len (cascade) does not support sliding_window={sliding_window}: pass prefix_len=None for "
+            "sliding-window layers"
+        )
+    return paged_decode_ref(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, prefix_len=prefix_len
+    )

@@ -21,6 +21,12 @@ Two kernels:
 2. ``_merge_splits_kernel``, grid ``(num_seqs, num_heads)``: log-sum-exp combine of the partials.
    Rows whose partials are all neutral (``seq_len == 0``, e.g. CUDA-graph padding) get zeros.
 
+With ``prefix_len`` (shared-prefix "cascade" decode, kernels/cascade.py) a third kernel reads the keys below
+``prefix_len``, which every row shares, once per KV head for all rows; the split kernel then starts each row at
+``prefix_len`` and the merge also combines the prefix kernel's partials. ``prefix_len`` is read on the device, so
+with 0 the three kernels do exactly the plain decode (one split: the split kernel writes ``out`` and the merge
+returns at once).
+
 The split is per sequence (each sequence divides its own length, and uses only as many of the grid's
 splits as give each ``MIN_KEYS_PER_SPLIT`` keys), so ``max_seq_len`` only sizes the grid and never
 affects correctness: a CUDA graph captured with a bound that is too small still computes the right
@@ -39,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .cascade import MIN_KEYS_PER_PREFIX_SPLIT, _shared_prefix_kernel, block_m_for, choose_num_prefix_splits
 from .launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["paged_decode_triton", "choose_num_splits"]
@@ -67,9 +74,10 @@ def _paged_decode_kernel(
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq], int32
     seq_lens_ptr,  # [num_seqs], int32
-    out_ptr,  # [num_seqs, num_heads, head_dim]; written only when WRITE_OUT
-    partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim], fp32; written only when not WRITE_OUT
-    partial_lse_ptr,  # [num_seqs, num_heads, num_splits], fp32 (log2 domain); only when not WRITE_OUT
+    prefix_len_ptr,  # [1], int32: keys below it are the shared-prefix kernel's (kernels/cascade.py); HAS_PREFIX
+    out_ptr,  # [num_seqs, num_heads, head_dim]; written only when WRITE_OUT (and no prefix this step)
+    partial_acc_ptr,  # [num_seqs, num_heads, num_partials, head_dim], fp32; slots [0, num_splits) are ours
+    partial_lse_ptr,  # [num_seqs, num_heads, num_partials], fp32 (log2 domain)
     # strides
     stride_qs,
     stride_qh,
@@ -110,7 +118,8 @@ def _paged_decode_kernel(
     ONE_BLOCK_PER_TILE: tl.constexpr,  # BLOCK_SIZE % BLOCK_N == 0: one block-table entry per tile
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
-    WRITE_OUT: tl.constexpr,  # num_splits == 1: normalize and write out, skip the merge
+    HAS_PREFIX: tl.constexpr,  # a shared prefix may be set (device value; 0 = none this step)
+    WRITE_OUT: tl.constexpr,  # num_splits == 1: normalize and write out, skip the merge (unless a prefix is set)
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles (MIN_KEYS_PER_SPLIT keys)
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
 ):
@@ -123,9 +132,15 @@ def _paged_decode_kernel(
     if USE_WINDOW:
         # Position seq_len - 1 sees j with (seq_len - 1) - j < window, i.e. j >= seq_len - window.
         lo = tl.maximum(seq_len - sliding_window, 0)
+    prefix_len = 0
+    if HAS_PREFIX:
+        # The keys below prefix_len are the shared-prefix kernel's; prefix_len need not be a multiple of BLOCK_N
+        # (it is of the block size), so the first tile's keys below it are masked like those below a window.
+        prefix_len = tl.load(prefix_len_ptr)
+        lo = tl.maximum(lo, tl.minimum(prefix_len, seq_len))
     # Tiles are aligned to multiples of BLOCK_N, so with ONE_BLOCK_PER_TILE no tile crosses a block.
     tile_lo = lo // BLOCK_N
-    tile_hi = tl.cdiv(seq_len, BLOCK_N)
+    tile_hi = tl.where(lo < seq_len, tl.cdiv(seq_len, BLOCK_N), tile_lo)  # no tile when the prefix holds it all
     # The grid holds num_splits splits (fixed for a CUDA graph, sized for the longest context it may see); this
     # sequence uses only as many as its own context fills with MIN_TILES_PER_SPLIT tiles each. The rest are
     # empty (neutral partials), so a short context in a graph captured for a long one keeps long splits.
@@ -206,28 +221,39 @@ def _paged_decode_kernel(
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     store_mask = g_mask[:, None] & d_mask[None, :]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [GROUP_PAD]
+    pa_ptrs = (
+        partial_acc_ptr
+        + seq_idx.to(tl.int64) * stride_pas
+        + head_idx[:, None] * stride_pah
+        + split_idx * stride_pap
+        + offs_d[None, :] * stride_pad
+    )
+    pl_ptrs = partial_lse_ptr + seq_idx.to(tl.int64) * stride_pls + head_idx * stride_plh + split_idx * stride_plp
+    # An empty split writes only its lse (-inf): the merge loads no acc of a split without keys.
+    acc_mask = store_mask & has_keys[:, None]
     if WRITE_OUT:
         out_ptrs = out_ptr + seq_idx * stride_os + head_idx[:, None] * stride_oh + offs_d[None, :] * stride_od
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+        if HAS_PREFIX:
+            # One split: out directly when no prefix is set this step (the merge then does nothing), else a
+            # partial for the merge to combine with the prefix's.
+            direct = (offs_g * 0 + prefix_len) == 0  # [GROUP_PAD], all equal (a tensor: masks must be)
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask & direct[:, None])
+            tl.store(pa_ptrs, acc, mask=acc_mask & ~direct[:, None])
+            tl.store(pl_ptrs, lse, mask=g_mask & ~direct)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [GROUP_PAD]
-        pa_ptrs = (
-            partial_acc_ptr
-            + seq_idx.to(tl.int64) * stride_pas
-            + head_idx[:, None] * stride_pah
-            + split_idx * stride_pap
-            + offs_d[None, :] * stride_pad
-        )
-        tl.store(pa_ptrs, acc, mask=store_mask)
-        pl_ptrs = partial_lse_ptr + seq_idx.to(tl.int64) * stride_pls + head_idx * stride_plh + split_idx * stride_plp
+        tl.store(pa_ptrs, acc, mask=acc_mask)
         tl.store(pl_ptrs, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_pls", "stride_plh"])
+@triton.jit(do_not_specialize=["num_splits", "num_prefix_splits", "stride_pls", "stride_plh"])
 def _merge_splits_kernel(
     # pointers
-    partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim], fp32
-    partial_lse_ptr,  # [num_seqs, num_heads, num_splits], fp32 (log2 domain)
+    partial_acc_ptr,  # [num_seqs, num_heads, num_splits + num_prefix_splits, head_dim], fp32
+    partial_lse_ptr,  # [num_seqs, num_heads, num_splits + num_prefix_splits], fp32 (log2 domain)
+    prefix_len_ptr,  # [1], int32; read only when HAS_PREFIX
     out_ptr,  # [num_seqs, num_heads, head_dim]
     # strides
     stride_pas,
@@ -241,17 +267,27 @@ def _merge_splits_kernel(
     stride_oh,
     stride_od,
     # sizes
-    num_splits,
+    num_splits,  # the decode kernel's partials: slots [0, num_splits)
+    num_prefix_splits,  # the shared-prefix kernel's: the next num_prefix_splits slots, when a prefix is set
     # meta-parameters
-    NUM_SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    NUM_SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits + num_prefix_splits
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,  # num_splits == 1: with no prefix set, the decode kernel wrote out itself
 ):
     seq_idx = tl.program_id(0)
     head_idx = tl.program_id(1)
+    num_partials = num_splits
+    if HAS_PREFIX:
+        prefix_len = tl.load(prefix_len_ptr)
+        if ONE_SPLIT:
+            if prefix_len == 0:  # out is written already
+                return
+        num_partials = num_splits + tl.where(prefix_len > 0, num_prefix_splits, 0)
     offs_p = tl.arange(0, NUM_SPLITS_PAD)  # [NUM_SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    p_mask = offs_p < num_splits  # padded split slots
+    p_mask = offs_p < num_partials  # padded split slots (and the prefix's, when no prefix is set)
     d_mask = offs_d < HEAD_DIM  # padded head_dim lanes
 
     # lse: [NUM_SPLITS_PAD]; padded and empty splits are -inf and get weight 0.
@@ -266,14 +302,14 @@ def _merge_splits_kernel(
     weights = tl.exp2(lse - lse_max)  # [NUM_SPLITS_PAD]
     denom = tl.sum(weights, axis=0)
 
-    # acc: [NUM_SPLITS_PAD, HEAD_DIM_PAD]
+    # acc: [NUM_SPLITS_PAD, HEAD_DIM_PAD]; a split without keys (lse -inf) wrote no acc: not loaded, 0.
     acc = tl.load(
         partial_acc_ptr
         + seq_idx.to(tl.int64) * stride_pas
         + head_idx * stride_pah
         + offs_p[:, None] * stride_pap
         + offs_d[None, :] * stride_pad,
-        mask=p_mask[:, None] & d_mask[None, :],
+        mask=(p_mask & (lse > float("-inf")))[:, None] & d_mask[None, :],
         other=0.0,
     )
     merged = tl.sum(acc * weights[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)  # [HEAD_DIM_PAD]
@@ -287,6 +323,7 @@ def _merge_splits_kernel(
 # Positional launches (kernels/launch.py): arguments in the kernel's parameter order.
 _DECODE = Launcher(_paged_decode_kernel)
 _MERGE = Launcher(_merge_splits_kernel)
+_PREFIX = Launcher(_shared_prefix_kernel)
 
 
 @functools.cache
@@ -317,7 +354,10 @@ def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sm
     return max(1, min(wanted, by_context, MAX_NUM_SPLITS))
 
 
-def _check_args(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out) -> None:
+def _check_args(
+    query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
+    num_prefix_splits,
+) -> None:  # fmt: skip
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got shape {tuple(query.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -358,6 +398,19 @@ def _check_args(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, nu
             f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), got "
             f"({tuple(out.shape)}, {out.dtype}, {out.device})"
         )
+    if num_prefix_splits is not None and not 1 <= num_prefix_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_prefix_splits must be in [1, {MAX_NUM_SPLITS}] or None, got {num_prefix_splits}")
+    if prefix_len is not None:
+        if prefix_len.dtype != torch.int32 or prefix_len.numel() != 1 or prefix_len.device != query.device:
+            raise ValueError(
+                f"prefix_len must be an int32 tensor of one element on {query.device}, got {prefix_len.dtype} "
+                f"{tuple(prefix_len.shape)} on {prefix_len.device}"
+            )
+        if sliding_window is not None and sliding_window > 0:
+            raise ValueError(
+                f"prefix_len (cascade) does not support sliding_window={sliding_window}: pass prefix_len=None for "
+                "sliding-window layers"
+            )
 
 
 def paged_decode_triton(
@@ -373,6 +426,9 @@ def paged_decode_triton(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     num_splits: int | None = None,
+    prefix_len: torch.Tensor | None = None,  # [1], int32: keys shared by every row (cascade); 0 or None = none
+    max_prefix_len: int | None = None,
+    num_prefix_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: each sequence's last token over its paged context (flash-decoding).
 
@@ -390,6 +446,15 @@ def paged_decode_triton(
         soft_cap: Scores become ``soft_cap * tanh(scores / soft_cap)``; None or <= 0 disables it.
         out: Optional output buffer; every row is written.
         num_splits: Force the number of context splits; None picks it with ``choose_num_splits``.
+        prefix_len: Shared-prefix (cascade) attention, kernels/cascade.py: the keys ``[0, prefix_len)`` are read
+            once per KV head for all rows, through row 0 of ``block_tables``, by the shared-prefix kernel; the
+            split kernel reads only the keys from ``prefix_len`` on. The caller's contract: for every row with
+            ``seq_lens > 0``, its table's blocks covering ``[0, min(prefix_len, seq_len))`` are row 0's (the same
+            physical blocks). A device value, so a CUDA graph replays with any length (0 = plain decode, exactly).
+            Not with ``sliding_window``.
+        max_prefix_len: Host-side bound of ``prefix_len``; only picks ``num_prefix_splits`` (default: max_seq_len).
+        num_prefix_splits: Force the shared-prefix kernel's split count; None picks it with
+            ``choose_num_prefix_splits``.
 
     Returns:
         out: [num_seqs, num_heads, head_dim] in query's dtype.
@@ -397,7 +462,10 @@ def paged_decode_triton(
     Raises:
         ValueError: On a shape, dtype, device or range mismatch (the message names the value).
     """
-    _check_args(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out)
+    _check_args(
+        query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
+        num_prefix_splits,
+    )  # fmt: skip
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -405,8 +473,8 @@ def paged_decode_triton(
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
+    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else DEFAULT_NUM_SMS
     if num_splits is None:
-        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else DEFAULT_NUM_SMS
         num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms)
 
     head_dim_pad = max(16, next_power_of_2(head_dim))
@@ -419,21 +487,34 @@ def paged_decode_triton(
     # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
     dot_fp32 = os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16
     write_out = num_splits == 1
+    has_prefix = prefix_len is not None
+    block_m = block_m_for(num_seqs * group, head_dim_pad)
+    if has_prefix and num_prefix_splits is None:
+        num_prefix_splits = choose_num_prefix_splits(
+            max_seq_len if max_prefix_len is None else max_prefix_len,
+            cdiv(num_seqs * group, block_m),
+            num_kv_heads,
+            num_sms,
+        )
+    if not has_prefix:
+        num_prefix_splits = 0
+        prefix_len = seq_lens  # placeholder pointer: never read without HAS_PREFIX
+    num_partials = num_splits + num_prefix_splits
 
-    if write_out:
+    if write_out and not has_prefix:
         # Unused placeholders: the kernel never touches them when WRITE_OUT.
         partial_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
         partial_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
     else:
         # Allocated per call; inside the engine's CUDA graphs that happens once, at capture (the graph's pool).
         partial_acc = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_partials, head_dim), dtype=torch.float32, device=query.device
         )
-        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((num_seqs, num_heads, num_partials), dtype=torch.float32, device=query.device)
 
     _DECODE(
         (num_seqs, num_kv_heads, num_splits),
-        query, k_cache, v_cache, block_tables, seq_lens, out, partial_acc, partial_lse,
+        query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *partial_acc.stride(), *partial_lse.stride(),
         num_splits,
@@ -445,21 +526,43 @@ def paged_decode_triton(
         max(16, next_power_of_2(group)),  # GROUP_PAD
         head_dim, head_dim_pad, block_size, block_n,
         block_size % block_n == 0,  # ONE_BLOCK_PER_TILE
-        use_window, use_soft_cap, write_out,
+        use_window, use_soft_cap, has_prefix, write_out,
         max(1, MIN_KEYS_PER_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
         dot_fp32,
         num_warps=4,
         num_stages=2,
     )  # fmt: skip
-    if write_out:
+    if has_prefix:
+        _PREFIX(
+            (cdiv(num_seqs * group, block_m), num_kv_heads, num_prefix_splits),
+            query, k_cache, v_cache, block_tables, seq_lens, prefix_len, partial_acc, partial_lse,
+            *query.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(1),
+            *partial_acc.stride(), *partial_lse.stride(),
+            num_seqs * group,  # num_rows
+            num_prefix_splits,
+            num_splits,  # split_offset: the decode kernel's partials come first
+            float(scale) * _LOG2E,  # scale_log2
+            float(scale) / soft_cap if use_soft_cap else 0.0,  # cap_in
+            float(soft_cap) * _LOG2E if use_soft_cap else 0.0,  # cap_out
+            group, head_dim, head_dim_pad, block_size, block_m, block_n,  # GROUP .. BLOCK_N
+            block_size % block_n == 0,  # ONE_BLOCK_PER_TILE
+            use_soft_cap,
+            max(1, MIN_KEYS_PER_PREFIX_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
+            dot_fp32,
+            num_warps=4,
+            num_stages=2,
+        )  # fmt: skip
+    elif write_out:
         return out
     _MERGE(
         (num_seqs, num_heads),
-        partial_acc, partial_lse, out,
+        partial_acc, partial_lse, prefix_len, out,
         *partial_acc.stride(), *partial_lse.stride(), *out.stride(),
-        num_splits,
-        next_power_of_2(num_splits),  # NUM_SPLITS_PAD
+        num_splits, num_prefix_splits,
+        next_power_of_2(num_partials),  # NUM_SPLITS_PAD
         head_dim, head_dim_pad,
+        has_prefix,  # HAS_PREFIX
+        write_out,  # ONE_SPLIT
         num_warps=4,
         num_stages=3,  # Triton's default on CUDA
     )  # fmt: skip

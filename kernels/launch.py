@@ -56,7 +56,7 @@ def _make_key_fn(jit_fn, args: tuple):
     argument, no call per argument): the argument kinds are those of ``args``, the launcher's first call (each
     launcher passes the same kind at each position on every call)."""
     names, items = [], []
-    for param, value in zip(jit_fn.params, args, strict=True):
+    for param, value in zip(_params(jit_fn), args, strict=True):
         name = f"a{param.num}"
         names.append(name)
         if param.is_constexpr or type(value) is bool or value is None:
@@ -72,6 +72,16 @@ def _make_key_fn(jit_fn, args: tuple):
     scope: dict = {}
     exec(src, scope)  # noqa: S102 - generated from the kernel's own parameter list
     return scope["key"]
+
+
+def _params(jit_fn) -> list:
+    """The kernel's parameters (name, constexpr, do_not_specialize); under TRITON_INTERPRET=1 the decorator returns
+    an InterpretedFunction, which keeps the function and the decorator's arguments to build them from."""
+    if hasattr(jit_fn, "params"):
+        return jit_fn.params
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(jit_fn.fn, **jit_fn.kwargs).params
 
 
 class Launcher:

@@ -125,12 +125,18 @@ def paged_decode_ref(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    prefix_len: torch.Tensor | None = None,  # [1], int32: keys below it are read through row 0's table (cascade)
 ) -> torch.Tensor:
     """Decode attention (one new token per sequence, the last of its context) with static shapes and no host sync.
 
     The torch reference of ``paged_decode``: unlike ``paged_attention_ref`` it loops over nothing and reads no
     tensor value on the host, so torch.compile traces it whole. It gathers every block of the table (entries past
     a sequence's length are read, then masked), so it costs ``max_blocks_per_seq * block_size`` keys per sequence.
+
+    ``prefix_len`` is the reference of shared-prefix (cascade) decode (kernels/cascade.py): key ``j < prefix_len``
+    of every row is read through row 0's block table, the rest through the row's own. Where the caller keeps the
+    contract (those blocks are row 0's in every row), the result is that of ``prefix_len=None``; where it does not,
+    the rows read row 0's keys, as the kernels do, so an engine that claims a wrong prefix gives wrong output.
 
     Returns:
         out: [num_seqs, num_heads, head_dim] in query's dtype; rows with ``seq_lens == 0`` are zeros.
@@ -139,13 +145,20 @@ def paged_decode_ref(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     tables = block_tables.long()
+    # [num_seqs, max_blocks_per_seq * block_size, num_kv_heads, head_dim]
+    k = k_cache[tables].flatten(1, 2)
+    v = v_cache[tables].flatten(1, 2)
+    k_pos = torch.arange(k.shape[1], device=query.device)[None, :]  # [1, num_keys]
+    if prefix_len is not None:
+        shared = (k_pos < prefix_len.to(query.device).long().reshape(1, 1))[:, :, None, None]  # [1, num_keys, 1, 1]
+        k = torch.where(shared, k[:1], k)
+        v = torch.where(shared, v[:1], v)
     # [num_seqs, max_blocks_per_seq * block_size, num_heads, head_dim]
-    k = k_cache[tables].flatten(1, 2).float().repeat_interleave(group, dim=2)
-    v = v_cache[tables].flatten(1, 2).float().repeat_interleave(group, dim=2)
+    k = k.float().repeat_interleave(group, dim=2)
+    v = v.float().repeat_interleave(group, dim=2)
     scores = torch.einsum("shd,skhd->shk", query.float(), k) * scale  # [num_seqs, num_heads, num_keys]
     if soft_cap is not None and soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    k_pos = torch.arange(k.shape[1], device=query.device)[None, :]  # [1, num_keys]
     q_pos = (seq_lens.long() - 1)[:, None]  # [num_seqs, 1]
     allowed = k_pos <= q_pos
     if sliding_window is not None and sliding_window > 0:

@@ -3,9 +3,10 @@
 Features fail where they meet (n samples × beams × preemption × chunked prefill × async scheduling × aborts ×
 interrupts), so each run mixes all of them on one engine, over a configuration drawn from: pools of 8-40
 blocks, block sizes 8/16, token budgets 16-128, prefix caching on/off, recompute/swap preemption, async
-scheduling on/off. After every operation the block pool's invariants hold; at the end every accepted request
-finished or was aborted, every block is free, and every greedy request (plain, ``n`` samples or beams) equals
-the same request run alone on a roomy engine.
+scheduling on/off, shared-prefix (cascade) decode on whenever two decode rows share a block, or off. After every
+operation the block pool's invariants hold; at the end every accepted request finished or was aborted, every block
+is free, and every greedy request (plain, ``n`` samples or beams) equals the same request run alone on a roomy
+engine.
 
 CI runs a bounded profile (``HF_PAGED_FUZZ`` unset: a few configurations, about a minute);
 ``HF_PAGED_FUZZ=long`` runs the long one (48 runs of 1200 operations: over 20 000 engine steps) and prints
@@ -125,6 +126,12 @@ def _run(seed: int, model, tokenizer, references) -> dict:
     engine = ContinuousBatcher(model, tokenizer, **config)
     if rng.random() < 0.5 and not engine.runner.use_cuda_graphs:
         engine.runner.emulate_graphs = True  # every step through the padded inputs of its CUDA-graph bucket
+    # Cascade decode whenever two decode rows share a block (the tiny model's K/V is far below the runner's bytes
+    # threshold, so the reference engine never uses it), or off. Its own stream: the seeds keep their runs.
+    if random.Random(f"cascade-{seed}").random() < 0.7:
+        engine.runner.cascade_min_saved_bytes = 0
+    else:
+        engine.runner.cascade_attention = False
     reference = references.setdefault(config["block_size"], _Reference(model, tokenizer, config["block_size"]))
     prefixes = [[rng.randint(3, 95) for _ in range(24)] for _ in range(2)]
     accepted: dict[str, tuple] = {}  # request id -> (prompt, params)
@@ -225,6 +232,7 @@ def _run(seed: int, model, tokenizer, references) -> dict:
     assert engine.pool.stats.num_used_blocks == 0
     assert not engine.requests
     engine.pool.check_invariants()
+    counts["cascade_steps"] = engine.runner.num_cascade_steps
     return counts
 
 

@@ -50,6 +50,9 @@ class EngineConfig:
             (default): "layers" for a model on one CUDA device, falling back to eager with a warning if the
             compile fails; nothing elsewhere.
         async_scheduling: queue step N+1 before reading back step N's tokens; None = on for a model on CUDA.
+        cascade_attention: shared-prefix decode: decode rows that share leading KV blocks (a common prompt prefix,
+            the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py);
+            used on the steps where the bytes saved are worth it.
     """
 
     num_blocks: int | None = None
@@ -64,6 +67,7 @@ class EngineConfig:
     use_cuda_graphs: bool | None = None
     compile_model: bool | str | None = None
     async_scheduling: bool | None = None
+    cascade_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:
@@ -90,8 +94,9 @@ class EngineConfig:
                 f"`max_num_seqs` ({self.max_num_seqs}) must not exceed `max_num_batched_tokens` "
                 f"({self.max_num_batched_tokens}): every running sequence needs a token of the budget each step"
             )
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(f"`enable_prefix_caching` must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "cascade_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"`preemption_mode` must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if (

@@ -120,6 +120,7 @@ class ContinuousBatcher:
             model, self.kv, config.block_size, max_num_seqs=config.max_num_seqs,
             max_model_len=info.max_model_len or 8192, max_num_batched_tokens=config.max_num_batched_tokens,
             use_cuda_graphs=config.use_cuda_graphs, compile_model=config.compile_model,
+            cascade_attention=config.cascade_attention,
         )  # fmt: skip
         self._sync = RankSync(info.tp_size, self.runner.device)
         try:

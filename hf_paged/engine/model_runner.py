@@ -23,6 +23,14 @@ capturable (no host sync, no shape change). Padding tokens get slot -1 (never wr
 sequence (attention output 0); padding sequences are empty (length 0). Steps above the largest bucket run
 eagerly.
 
+Shared-prefix ("cascade") decode: when the single-token rows of a step hold the same leading physical blocks (a
+common prompt prefix with prefix caching, the ``n`` samples of one prompt), their attention reads those blocks
+once per KV head for all rows (kernels/cascade.py) instead of once per row. The runner finds that prefix from the
+step's block tables (``shared_prefix_blocks``), keeps it when the reads it saves are worth the prefix kernel's
+fixed cost (``CASCADE_MIN_SAVED_BYTES``), and hands its length to the attention as a device value: a static input
+of the graphs (every decode and mixed graph holds the prefix kernel and replays with any length, 0 = none), a
+small tensor for an eager decode step.
+
 Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.transfer),
 and an input token that the previous step sampled but the host has not seen yet (a ``PLACEHOLDER``, async
 scheduling) is copied into the input ids on the device from that step's sampled-token tensor.
@@ -34,7 +42,7 @@ import torch
 from hf_paged.context import ForwardContext, forward_context
 from hf_paged.engine.scheduler import SchedulerOutput
 from hf_paged.kv_pool import KVPool
-from hf_paged.planner import BlockTables, ForwardPlan, plan_chunks, to_context
+from hf_paged.planner import BlockTables, ForwardPlan, plan_chunks, shared_prefix_blocks, to_context
 from hf_paged.transfer import to_device
 
 
@@ -57,6 +65,12 @@ def _keep_on_own_device(model: torch.nn.Module, key: str) -> None:
 # min(tokens, max_num_seqs) sequences.
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+# Shared-prefix decode runs when the KV bytes it saves in a layer, (decode rows - 1) x prefix tokens x K/V bytes of a
+# token, reach this: 16 MiB is about 5 us of an H100's HBM bandwidth (3.35 TB/s), above the fixed cost of the
+# prefix kernel, the merge and one partial per row (a few us a layer). Qwen3-0.6B (4 KiB of K/V a token a layer):
+# 200 rows from 21 shared tokens on, 8 rows from 586.
+CASCADE_MIN_SAVED_BYTES = 16 << 20
 
 
 # compile_model="layers": each decoder layer (LlamaDecoderLayer, Qwen3DecoderLayer...) is compiled in place. The
@@ -106,6 +120,10 @@ class ModelRunner:
             place) or "full"/True (compile the whole forward inside the graphs); CUDA only.
         emulate_graphs: run each step that fits a bucket eagerly through the padded static inputs its graph would
             read, without capturing (tests the bucketing and padding on the CPU).
+        cascade_attention: shared-prefix decode for steps whose decode rows share leading blocks (see the module
+            docstring); the graphs are captured with it. ``cascade_min_saved_bytes`` (default
+            ``CASCADE_MIN_SAVED_BYTES``) is the threshold per step and layer; 0 uses it whenever two rows share a
+            block.
     """
 
     def __init__(
@@ -119,6 +137,7 @@ class ModelRunner:
         use_cuda_graphs: bool | None = None,
         compile_model: bool | str | None = False,
         emulate_graphs: bool = False,
+        cascade_attention: bool = True,
     ):
         self.model = model
         self.device = kv.k_cache[0].device
@@ -153,6 +172,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
         self.tables = BlockTables(self.max_blocks_per_seq)  # kept from the scheduler's diffs
+        self.cascade_attention = cascade_attention
+        self.cascade_min_saved_bytes = CASCADE_MIN_SAVED_BYTES
+        k0 = kv.k_cache[0]  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self._kv_bytes_per_token = 2 * k0.shape[2] * k0.shape[3] * k0.element_size()  # K and V, one layer
+        self.num_cascade_steps = 0  # steps that ran with a shared prefix (for tests and metrics)
         self._graphs: dict[tuple[str, int], tuple] = {}
         self._graph_pool = None
         self._capture_stream = None
@@ -191,6 +215,11 @@ class ModelRunner:
             return self._run_static(bucket, plan, input_ids, sched.placeholders, prev_sampled)
         ctx = to_context(plan, self.device, batch_size=1, query_len=len(input_ids), paged=True, owner=self,
                          kv_caches=self.kv_caches)  # fmt: skip
+        if plan.max_query_len == 1:  # an eager decode step (a mixed one sends its decode rows to the prefill kernel)
+            prefix_len = self._cascade_prefix_len(plan, len(plan.seq_lens))
+            if prefix_len:
+                ctx.prefix_len = to_device(np.array([prefix_len], dtype=np.int32), torch.int32, self.device)
+                ctx.max_prefix_len = prefix_len
         input_ids_t = to_device(input_ids, torch.int64, self.input_device)
         self._fill_placeholders(input_ids_t, sched.placeholders, prev_sampled)
         with forward_context(ctx):
@@ -212,6 +241,22 @@ class ModelRunner:
         dst, src = zip(*placeholders, strict=True)
         values = prev_sampled.index_select(0, to_device(src, torch.int64, prev_sampled.device)).to(input_ids.device)
         input_ids.index_copy_(0, to_device(dst, torch.int64, input_ids.device), values)
+
+    def _cascade_prefix_len(self, plan: ForwardPlan, num_decode: int) -> int:
+        """Tokens the step's first ``num_decode`` (single-token) rows read through shared-prefix decode; 0 = none.
+
+        The blocks every such row holds (``shared_prefix_blocks``), when the K/V reads that saves in a layer reach
+        ``cascade_min_saved_bytes``.
+        """
+        if not self.cascade_attention or num_decode < 2:
+            return 0
+        blocks = shared_prefix_blocks(plan.block_tables[:num_decode], plan.seq_lens[:num_decode], self.block_size)
+        prefix_len = blocks * self.block_size
+        saved = (num_decode - 1) * prefix_len * self._kv_bytes_per_token
+        if prefix_len == 0 or saved < self.cascade_min_saved_bytes:
+            return 0
+        self.num_cascade_steps += 1
+        return prefix_len
 
     # ---- CUDA graphs: static, padded inputs --------------------------------------------------------
 
@@ -255,6 +300,7 @@ class ModelRunner:
         host["seq_lens"][num_seqs:pad_seqs] = 0
         host["cu_seqlens_q"][: num_seqs + 1] = plan.cu_seqlens_q
         host["cu_seqlens_q"][num_seqs + 1 : pad_seqs + 1] = num_tokens
+        num_decode = num_seqs
         if bucket[0] == "mixed":  # the leading single-token sequences go to the decode kernel
             single = plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1] == 1
             num_decode = num_seqs if single.all() else int(np.argmin(single))
@@ -262,6 +308,7 @@ class ModelRunner:
             host["decode_seq_lens"][num_decode:pad_seqs] = 0
             np.maximum(plan.cu_seqlens_q, num_decode, out=host["prefill_cu_seqlens_q"][: num_seqs + 1])
             host["prefill_cu_seqlens_q"][num_seqs + 1 : pad_seqs + 1] = num_tokens
+        host["prefix_len"][0] = self._cascade_prefix_len(plan, num_decode)
         width = plan.block_tables.shape[1]
         host["block_tables"][: num_seqs * width] = plan.block_tables.ravel()
         st.upload(num_seqs, width)
@@ -372,6 +419,9 @@ class ModelRunner:
             owner=self,
             kv_caches=self.kv_caches,
         )
+        if self.cascade_attention:  # the graph holds the prefix kernel; each replay reads the step's length
+            ctx.prefix_len = dev["prefix_len"]
+            ctx.max_prefix_len = self.max_model_len
         if kind == "mixed":
             # Decode rows through the prefill kernel would each take a whole BLOCK_M tile and its pipeline ramp
             # (about 3 ms a step at 256 rows, 28 layers): they take the split-K decode kernel instead.
@@ -441,10 +491,16 @@ class StaticInputs:
 
     # (name, dtype, length as a function of (max_tokens, max_seqs)): packed into one int64 and one int32 buffer.
     I64 = (("input_ids", "T"), ("position_ids", "T"), ("slot_mapping", "T"), ("logits_idx", "S"))
-    I32 = (("seq_lens", "S"), ("cu_seqlens_q", "S1"), ("decode_seq_lens", "S"), ("prefill_cu_seqlens_q", "S1"))
+    I32 = (
+        ("seq_lens", "S"),
+        ("cu_seqlens_q", "S1"),
+        ("decode_seq_lens", "S"),
+        ("prefill_cu_seqlens_q", "S1"),
+        ("prefix_len", "1"),  # shared-prefix decode: tokens every decode row shares (0 = none)
+    )
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
-        sizes = {"T": max_tokens, "S": max_seqs, "S1": max_seqs + 1}
+        sizes = {"T": max_tokens, "S": max_seqs, "S1": max_seqs + 1, "1": 1}
         self.device = device
         pin = device.type == "cuda"
         self._layout = {}
