@@ -6,8 +6,8 @@ prompt ids, EOS ignored, seeded workloads:
 - sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
 - prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4);
 - short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps).
-Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without async scheduling
-(``hf_paged_sync``), transformers ``generate`` with
+Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without shared-prefix decode
+(``hf_paged_no_cascade``), hf_paged without async scheduling (``hf_paged_sync``), transformers ``generate`` with
 padded static batches, transformers' built-in continuous batching. Each reports output tokens/s, total
 tokens/s (median of ``--repeats`` runs, with min and max), start-up time and peak memory.
 
@@ -49,7 +49,7 @@ SHAPES = {
 }  # fmt: skip
 
 COMPILE_CHOICES = {"auto": None, "none": False, "layers": "layers", "full": "full"}  # --compile -> compile_model
-SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_sync", "hf_generate", "hf_cb")
+SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_no_cascade", "hf_paged_sync", "hf_generate", "hf_cb")
 WORKLOADS = ("nano", "sharegpt", "prefix", "short")
 
 
@@ -192,7 +192,13 @@ def _reset_memory():
 
 
 def run_hf_paged(
-    model, workload: Workload, prefix_caching: bool, args, repeats: int, async_scheduling: bool | None = None
+    model,
+    workload: Workload,
+    prefix_caching: bool,
+    args,
+    repeats: int,
+    async_scheduling: bool | None = None,
+    cascade_attention: bool = True,
 ) -> dict:
     """One engine (start-up timed to its first token), then ``repeats`` timed runs of the workload."""
     from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
@@ -203,7 +209,7 @@ def run_hf_paged(
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=COMPILE_CHOICES[args.compile],
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, cascade_attention=cascade_attention,
     )  # fmt: skip
     start = time.perf_counter()
     engine = ContinuousBatcher(model, config=config)
@@ -381,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_hf_paged(model, workload, True, args, args.repeats)
             elif system == "hf_paged_no_prefix":
                 r = run_hf_paged(model, workload, False, args, args.repeats)
+            elif system == "hf_paged_no_cascade":  # shared-prefix decode off (kernels/cascade.py)
+                r = run_hf_paged(model, workload, True, args, args.repeats, cascade_attention=False)
             elif system == "hf_paged_sync":  # async scheduling off: the host's work between steps not overlapped
                 r = run_hf_paged(model, workload, True, args, args.repeats, async_scheduling=False)
             elif system == "hf_generate":
