@@ -1,0 +1,213 @@
+"""``hf-paged serve --api-server-count N``: N HTTP front processes (API servers) on one host:port, before the
+engine processes.
+
+    hf-paged serve ./my-model --data-parallel 2 --api-server-count 4
+
+Why. Per request, an API server parses HTTP, validates the body, applies the chat template and tokenises, and
+writes one SSE event (JSON) per delta. In one Python process that work limits what a server delivers at saturation
+(hundreds of streams), all the more with several engine processes to feed. With N API servers each does it for its
+own connections; the engine runs in processes of its own (the ``--data-parallel`` replicas, or the one engine
+process of ``--engine-process on``), and every API server talks to every engine process directly::
+
+    launcher (run(): sockets, supervision)  --pipe 0-->  engine process r (hf_paged.engine.replica), r < M
+    API server f (uvicorn, f < N)           --pipe f+1-> engine process r: add, abort, stats, detach
+    engine process r                        --pipe f+1-> API server f: one "step" message per step, with the
+                                                         deltas of f's requests there (none if it has none)
+
+Per engine step that is one message per API server with requests on that engine process, and one poll call over
+its N + 1 pipes; with one API server the process polls its one pipe as before.
+
+Sockets. The launcher binds N listening sockets to host:port with ``SO_REUSEPORT`` before anything starts (a busy
+port fails at once), one per API server: the kernel spreads new connections over them by a hash of the
+connection's addresses, so a burst of connections is shared out evenly (with one shared socket, the API server
+that wakes first accepts the whole backlog). Without ``SO_REUSEPORT`` the servers share one socket.
+
+Global view. The engine processes publish their loads in shared memory (``ReplicaLoads``): each API server routes
+a request to the engine process with the fewest requests (every API server's, plus its own not yet applied), and
+``--max-queue`` counts every API server's requests in flight the same way, so it is a global limit (requests sent
+at the same instant to different API servers may pass it by a few). /metrics from any API server: the engine
+gauges come from the engine processes, and the latency histograms are summed over every API server's row of
+shared memory (hf_paged.frontends.serve_metrics); ``hf_paged_api_server_requests{api_server}`` shows the share.
+
+Lifecycle. SIGTERM or SIGINT to the launcher: it sends SIGTERM to each API server, which stops accepting, gives
+its requests in flight ``--shutdown-timeout`` seconds, then detaches from the engine processes (its requests left
+are aborted there); then the launcher stops the engine processes and exits as ended by that signal. A second signal
+kills the API servers at once. An API server that dies: the engine processes abort its requests (their blocks are
+freed) and the others serve on. An engine process that dies: its requests fail, the others serve on. The launcher
+stops everything and exits with status 1 once every API server or every engine process has died.
+"""
+
+import asyncio
+import multiprocessing
+import signal
+import socket
+import sys
+import time
+
+from hf_paged.engine.data_parallel import DataParallelEngine, FrontHandoff
+from hf_paged.frontends.serve_metrics import FrontObservations
+
+__all__ = ["listen", "run"]
+
+_BACKLOG = 2048  # uvicorn's default
+_POLL_S = 0.2  # how often the launcher looks at its processes
+_EXIT_MARGIN_S = 30.0  # beyond --shutdown-timeout, an API server's time to detach and exit before it is killed
+
+
+def listen(host: str, port: int, num_servers: int) -> list[socket.socket]:
+    """Listening sockets on ``host:port`` for ``num_servers`` API servers: one each with ``SO_REUSEPORT``, else
+    one shared (the same socket ``num_servers`` times). Port 0 picks a free port, the same for all.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this host's), naming it.
+    """
+    reuse_port = num_servers > 1 and hasattr(socket, "SO_REUSEPORT")
+    sockets: list[socket.socket] = []
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        for _ in range(num_servers if reuse_port else 1):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(address)
+            address = sock.getsockname()  # port 0: the others bind the port the first one got
+            sock.listen(_BACKLOG)
+    except OSError as err:
+        for sock in sockets:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sockets if reuse_port else sockets * num_servers
+
+
+def run(
+    engine: DataParallelEngine,
+    sockets: list[socket.socket],
+    model_name: str,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    max_prompt_tokens: int | None = None,
+    max_body_bytes: int | None = None,
+    shutdown_timeout_s: float = 30.0,
+) -> tuple[int, int | None]:
+    """Start one API server per socket over ``engine``'s processes and supervise them until a signal or until
+    every API server or every engine process has died; then stop everything (see the module docstring).
+
+    Args:
+        engine: a DataParallelEngine built with ``num_fronts=len(sockets)``; it is shut down before returning.
+        sockets: from ``listen``; closed in this process once the API servers hold them.
+        model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes, shutdown_timeout_s: as
+            ``hf_paged.frontends.serve.run`` takes them, for every API server.
+
+    Returns:
+        ``(exit status, signal)``: ``(0, SIGTERM or SIGINT)`` after a signal, ``(1, None)`` when every API server or
+        every engine process died.
+    """
+    from hf_paged.frontends.serve import DEFAULT_MAX_BODY_BYTES, warn_if_open
+
+    host, port = sockets[0].getsockname()[:2]
+    warn_if_open(host, api_key)
+    ctx = multiprocessing.get_context("spawn")
+    observations = FrontObservations.shared(ctx, len(sockets))
+    settings = dict(model_name=model_name, api_key=api_key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
+                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)  # fmt: skip
+    fronts: list = []
+    try:
+        for idx, sock in enumerate(sockets):
+            handoff = engine.front_handoff(idx)
+            process = ctx.Process(target=front_main, args=(idx, sock, handoff, observations[idx], settings,
+                                                           shutdown_timeout_s), name=f"hf_paged-api{idx}")  # fmt: skip
+            process.start()
+            handoff.close()  # the API server's ends are its own now: it alone holds them, EOF tells its death
+            fronts.append(process)
+    except BaseException:
+        _stop_fronts(fronts, 0.0)
+        asyncio.run(engine.shutdown())
+        raise
+    finally:
+        for sock in set(sockets):
+            sock.close()
+    _say(f"{len(fronts)} API servers (pids {', '.join(str(p.pid) for p in fronts)}) on http://{_url_host(host)}:"
+         f"{port}; {engine.num_replicas} engine process(es) (pids "
+         f"{', '.join(map(str, engine.replica_pids))})")  # fmt: skip
+    return asyncio.run(_supervise(engine, fronts, shutdown_timeout_s))
+
+
+async def _supervise(engine: DataParallelEngine, fronts: list, shutdown_timeout_s: float) -> tuple[int, int | None]:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        if len(received) > 1:  # a second signal: no more waiting for the API servers
+            for process in fronts:
+                if process.is_alive():
+                    process.kill()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    status, gone = 0, set()
+    while not stop.is_set():
+        for idx, process in enumerate(fronts):
+            if idx not in gone and not process.is_alive():
+                gone.add(idx)
+                _say(f"API server {idx} (pid {process.pid}) exited with code {process.exitcode}; its requests were "
+                     f"aborted, {len(fronts) - len(gone)} API server(s) serve on")  # fmt: skip
+        if len(gone) == len(fronts):
+            _say("every API server has exited: stopping the engine processes")
+            status = 1
+            break
+        if not engine.num_live_replicas:
+            _say("every engine process has died: stopping the API servers")
+            status = 1
+            break
+        try:
+            await asyncio.wait_for(stop.wait(), _POLL_S)
+        except TimeoutError:
+            pass
+    await asyncio.to_thread(_stop_fronts, fronts, shutdown_timeout_s + _EXIT_MARGIN_S)
+    await engine.shutdown()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    return status, (received[0] if received else None)
+
+
+def _stop_fronts(fronts: list, timeout_s: float) -> None:
+    """SIGTERM each API server (uvicorn's graceful shutdown), wait up to ``timeout_s`` for all, kill the rest."""
+    for process in fronts:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in fronts:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in fronts:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def front_main(idx: int, sock: socket.socket, handoff: FrontHandoff, observations: FrontObservations,
+               settings: dict, shutdown_timeout_s: float) -> None:  # fmt: skip
+    """An API server's process: serve ``sock`` with the OpenAI-compatible app over the engine processes' pipes
+    until SIGTERM (uvicorn's graceful shutdown; the app's shutdown then detaches from the engine processes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn takes it: Ctrl-C reaches the whole process group
+    import uvicorn
+
+    from hf_paged.frontends.serve import create_app
+
+    engine = DataParallelEngine.attach(handoff)
+    app = create_app(engine, observations=observations, **settings)
+    config = uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _say(message: str) -> None:
+    print(f"hf-paged: {message}", file=sys.stderr, flush=True)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
