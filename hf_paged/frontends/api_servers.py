@@ -42,7 +42,9 @@ import multiprocessing
 import signal
 import socket
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 
 from hf_paged.engine.data_parallel import DataParallelEngine, FrontHandoff
 from hf_paged.frontends.serve_metrics import FrontObservations
@@ -113,12 +115,16 @@ def run(
     observations = FrontObservations.shared(ctx, len(sockets))
     settings = dict(model_name=model_name, api_key=api_key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)  # fmt: skip
+    # Only this process holds the write end: if it dies (even by SIGKILL), every API server reads EOF and shuts down,
+    # and then the engine processes, whose pipes have all closed, exit.
+    lifeline, lifeline_write = ctx.Pipe(duplex=False)
     fronts: list = []
     try:
         for idx, sock in enumerate(sockets):
             handoff = engine.front_handoff(idx)
             process = ctx.Process(target=front_main, args=(idx, sock, handoff, observations[idx], settings,
-                                                           shutdown_timeout_s), name=f"hf_paged-api{idx}")  # fmt: skip
+                                                           shutdown_timeout_s, lifeline),
+                                  name=f"hf_paged-api{idx}")  # fmt: skip
             process.start()
             handoff.close()  # the API server's ends are its own now: it alone holds them, EOF tells its death
             fronts.append(process)
@@ -127,12 +133,16 @@ def run(
         asyncio.run(engine.shutdown())
         raise
     finally:
+        lifeline.close()
         for sock in set(sockets):
             sock.close()
     _say(f"{len(fronts)} API servers (pids {', '.join(str(p.pid) for p in fronts)}) on http://{_url_host(host)}:"
          f"{port}; {engine.num_replicas} engine process(es) (pids "
          f"{', '.join(map(str, engine.replica_pids))})")  # fmt: skip
-    return asyncio.run(_supervise(engine, fronts, shutdown_timeout_s))
+    try:
+        return asyncio.run(_supervise(engine, fronts, shutdown_timeout_s))
+    finally:
+        lifeline_write.close()
 
 
 async def _supervise(engine: DataParallelEngine, fronts: list, shutdown_timeout_s: float) -> tuple[int, int | None]:
@@ -143,6 +153,7 @@ async def _supervise(engine: DataParallelEngine, fronts: list, shutdown_timeout_
     def on_signal(sig: int) -> None:
         received.append(sig)
         if len(received) > 1:  # a second signal: no more waiting for the API servers
+            _say(f"signal {signal.Signals(sig).name} again: killing the API servers")
             for process in fronts:
                 if process.is_alive():
                     process.kill()
@@ -184,16 +195,18 @@ def _stop_fronts(fronts: list, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for process in fronts:
         process.join(max(0.0, deadline - time.monotonic()))
-    for process in fronts:
+    for idx, process in enumerate(fronts):
         if process.is_alive():
+            _say(f"API server {idx} (pid {process.pid}) has not exited {timeout_s:.0f} s after SIGTERM: killed")
             process.kill()
             process.join()
 
 
 def front_main(idx: int, sock: socket.socket, handoff: FrontHandoff, observations: FrontObservations,
-               settings: dict, shutdown_timeout_s: float) -> None:  # fmt: skip
+               settings: dict, shutdown_timeout_s: float, lifeline: Connection) -> None:  # fmt: skip
     """An API server's process: serve ``sock`` with the OpenAI-compatible app over the engine processes' pipes
-    until SIGTERM (uvicorn's graceful shutdown; the app's shutdown then detaches from the engine processes)."""
+    until SIGTERM, or until the launcher is gone (``lifeline`` reads EOF): uvicorn's graceful shutdown, then the
+    app's shutdown detaches from the engine processes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn takes it: Ctrl-C reaches the whole process group
     import uvicorn
 
@@ -202,7 +215,17 @@ def front_main(idx: int, sock: socket.socket, handoff: FrontHandoff, observation
     engine = DataParallelEngine.attach(handoff)
     app = create_app(engine, observations=observations, **settings)
     config = uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info")
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+
+    def watch_launcher() -> None:
+        try:
+            lifeline.recv()  # nothing is ever sent: returns (raises) when the launcher's end closes
+        except (EOFError, OSError):
+            pass
+        server.should_exit = True
+
+    threading.Thread(target=watch_launcher, name="hf_paged-lifeline", daemon=True).start()
+    server.run(sockets=[sock])
 
 
 def _say(message: str) -> None:
