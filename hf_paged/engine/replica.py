@@ -134,6 +134,9 @@ class _Replica:
             for conn in ready:
                 if not self._drain(conn):
                     return
+            if ready and self.loads is not None:
+                # Now, not only after the step: an add just applied no longer counts as in its front's pipe.
+                self.loads.num_unfinished[self.idx] = len(self.live)
             if batcher.has_unfinished_requests():
                 try:
                     self._publish(batcher.step_requests())

@@ -34,7 +34,9 @@ its requests in flight ``--shutdown-timeout`` seconds, then detaches from the en
 are aborted there); then the launcher stops the engine processes and exits as ended by that signal. A second signal
 kills the API servers at once. An API server that dies: the engine processes abort its requests (their blocks are
 freed) and the others serve on. An engine process that dies: its requests fail, the others serve on. The launcher
-stops everything and exits with status 1 once every API server or every engine process has died.
+stops everything and exits with status 1 once every API server or every engine process has died. If the launcher
+itself dies (even by SIGKILL), each API server reads EOF on its lifeline pipe and shuts down gracefully, and then
+the engine processes, all of whose pipes have closed, exit.
 """
 
 import asyncio

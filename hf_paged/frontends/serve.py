@@ -3,6 +3,7 @@
     hf-paged serve                                  # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     hf-paged serve ./my-model --port 8080 --api-key "$KEY" --max-queue 128
     hf-paged serve ./my-model --data-parallel 2     # one engine process per GPU behind this server
+    hf-paged serve ./my-model --data-parallel 2 --api-server-count 4   # 4 HTTP processes (api_servers.py)
 
 The engine is a DataParallelEngine — N replica processes (``--data-parallel N``), or one (``--engine-process``,
 the default on CUDA) so the engine and this HTTP loop share no GIL; the server tokenises, routes and forwards their
@@ -11,7 +12,8 @@ deltas — or an AsyncEngine (one batcher on a thread of the server's process; t
 Streaming at saturation: a stream's deltas queued while its consumer was busy are joined into one event
 (RequestStream), chats are tokenised on a tokenizer thread (the Rust tokenizer releases the GIL), and a one-prompt
 request reads its stream directly. What is left per request (HTTP parsing, validation, the chat template, events)
-runs in this one process and is what limits the served throughput when hundreds of requests arrive at once.
+runs in this one process and is what limits the served throughput when hundreds of requests arrive at once;
+``--api-server-count N`` (hf_paged.frontends.api_servers) runs N such processes over the engine processes.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
 with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
