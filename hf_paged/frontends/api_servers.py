@@ -17,10 +17,12 @@ process of ``--engine-process on``), and every API server talks to every engine 
 Per engine step that is one message per API server with requests on that engine process, and one poll call over
 its N + 1 pipes; with one API server the process polls its one pipe as before.
 
-Sockets. The launcher binds N listening sockets to host:port with ``SO_REUSEPORT`` before anything starts (a busy
-port fails at once), one per API server: the kernel spreads new connections over them by a hash of the
-connection's addresses, so a burst of connections is shared out evenly (with one shared socket, the API server
-that wakes first accepts the whole backlog). Without ``SO_REUSEPORT`` the servers share one socket.
+Sockets. The launcher binds N sockets to host:port with ``SO_REUSEPORT`` before anything starts (a busy port fails
+at once), one per API server, which starts listening on it once it serves: the kernel spreads new connections over
+the listening ones by a hash of the connection's addresses, so a burst of connections is shared out evenly (with one
+shared socket, the API server that wakes first accepts the whole backlog), and none waits in the backlog of an API
+server still starting. Without ``SO_REUSEPORT`` the servers share one socket. The launcher says "N API servers ...
+on http://host:port" once every one of them serves.
 
 Global view. The engine processes publish their loads in shared memory (``ReplicaLoads``): each API server routes
 a request to the engine process with the fewest requests (every API server's, plus its own not yet applied), and
@@ -51,16 +53,16 @@ from multiprocessing.connection import Connection
 from hf_paged.engine.data_parallel import DataParallelEngine, FrontHandoff
 from hf_paged.frontends.serve_metrics import FrontObservations
 
-__all__ = ["listen", "run"]
+__all__ = ["bind", "run"]
 
-_BACKLOG = 2048  # uvicorn's default
 _POLL_S = 0.2  # how often the launcher looks at its processes
 _EXIT_MARGIN_S = 30.0  # beyond --shutdown-timeout, an API server's time to detach and exit before it is killed
 
 
-def listen(host: str, port: int, num_servers: int) -> list[socket.socket]:
-    """Listening sockets on ``host:port`` for ``num_servers`` API servers: one each with ``SO_REUSEPORT``, else
-    one shared (the same socket ``num_servers`` times). Port 0 picks a free port, the same for all.
+def bind(host: str, port: int, num_servers: int) -> list[socket.socket]:
+    """Sockets bound to ``host:port`` for ``num_servers`` API servers: one each with ``SO_REUSEPORT``, else one
+    shared (the same socket ``num_servers`` times). Port 0 picks a free port, the same for all. They do not listen
+    yet: each API server's event loop does when it starts serving (asyncio's ``create_server`` calls ``listen``).
 
     Raises:
         OSError: the address cannot be bound (in use, not this host's), naming it.
@@ -78,7 +80,6 @@ def listen(host: str, port: int, num_servers: int) -> list[socket.socket]:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(address)
             address = sock.getsockname()  # port 0: the others bind the port the first one got
-            sock.listen(_BACKLOG)
     except OSError as err:
         for sock in sockets:
             sock.close()
@@ -101,7 +102,7 @@ def run(
 
     Args:
         engine: a DataParallelEngine built with ``num_fronts=len(sockets)``; it is shut down before returning.
-        sockets: from ``listen``; closed in this process once the API servers hold them.
+        sockets: from ``bind``; closed in this process once the API servers hold them.
         model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes, shutdown_timeout_s: as
             ``hf_paged.frontends.serve.run`` takes them, for every API server.
 
@@ -120,34 +121,52 @@ def run(
     # Only this process holds the write end: if it dies (even by SIGKILL), every API server reads EOF and shuts down,
     # and then the engine processes, whose pipes have all closed, exit.
     lifeline, lifeline_write = ctx.Pipe(duplex=False)
-    fronts: list = []
-    try:
-        for idx, sock in enumerate(sockets):
-            handoff = engine.front_handoff(idx)
-            process = ctx.Process(target=front_main, args=(idx, sock, handoff, observations[idx], settings,
-                                                           shutdown_timeout_s, lifeline),
-                                  name=f"hf_paged-api{idx}")  # fmt: skip
+    serving = [ctx.Event() for _ in sockets]  # set by each API server once it listens
+    handoffs = [engine.front_handoff(idx) for idx in range(len(sockets))]
+    fronts = [ctx.Process(target=front_main, args=(idx, sock, handoffs[idx], observations[idx], settings,
+                                                   shutdown_timeout_s, lifeline, serving[idx]),
+                          name=f"hf_paged-api{idx}") for idx, sock in enumerate(sockets)]  # fmt: skip
+    errors: list[BaseException] = []
+
+    def start(process) -> None:
+        try:
             process.start()
-            handoff.close()  # the API server's ends are its own now: it alone holds them, EOF tells its death
-            fronts.append(process)
+        except BaseException as err:
+            errors.append(err)
+
+    try:
+        # One thread each: start() returns once the child has read its arguments, which it does while importing
+        # (torch, transformers: seconds); one after another, N API servers would take N times as long to start.
+        threads = [threading.Thread(target=start, args=(process,)) for process in fronts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
     except BaseException:
-        _stop_fronts(fronts, 0.0)
+        _stop_fronts([process for process in fronts if process.pid is not None], 0.0)
         asyncio.run(engine.shutdown())
         raise
     finally:
+        for handoff in handoffs:  # the API servers' ends are theirs now: each alone holds them, EOF tells its death
+            handoff.close()
         lifeline.close()
         for sock in set(sockets):
             sock.close()
-    _say(f"{len(fronts)} API servers (pids {', '.join(str(p.pid) for p in fronts)}) on http://{_url_host(host)}:"
-         f"{port}; {engine.num_replicas} engine process(es) (pids "
-         f"{', '.join(map(str, engine.replica_pids))})")  # fmt: skip
+    ready = (
+        f"{len(fronts)} API servers (pids {', '.join(str(p.pid) for p in fronts)}) on http://{_url_host(host)}:"
+        f"{port}; {engine.num_replicas} engine process(es) (pids {', '.join(map(str, engine.replica_pids))})"
+    )
     try:
-        return asyncio.run(_supervise(engine, fronts, shutdown_timeout_s))
+        return asyncio.run(_supervise(engine, fronts, serving, ready, shutdown_timeout_s))
     finally:
         lifeline_write.close()
 
 
-async def _supervise(engine: DataParallelEngine, fronts: list, shutdown_timeout_s: float) -> tuple[int, int | None]:
+async def _supervise(engine: DataParallelEngine, fronts: list, serving: list, ready: str,
+                     shutdown_timeout_s: float) -> tuple[int, int | None]:  # fmt: skip
+    """Watch the API servers and engine processes until a signal or until all of either died; then stop them."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[int] = []
@@ -165,6 +184,9 @@ async def _supervise(engine: DataParallelEngine, fronts: list, shutdown_timeout_
         loop.add_signal_handler(sig, on_signal, sig)
     status, gone = 0, set()
     while not stop.is_set():
+        if ready and all(event.is_set() for event in serving):
+            _say(ready)
+            ready = ""
         for idx, process in enumerate(fronts):
             if idx not in gone and not process.is_alive():
                 gone.add(idx)
@@ -205,10 +227,11 @@ def _stop_fronts(fronts: list, timeout_s: float) -> None:
 
 
 def front_main(idx: int, sock: socket.socket, handoff: FrontHandoff, observations: FrontObservations,
-               settings: dict, shutdown_timeout_s: float, lifeline: Connection) -> None:  # fmt: skip
+               settings: dict, shutdown_timeout_s: float, lifeline: Connection, serving) -> None:  # fmt: skip
     """An API server's process: serve ``sock`` with the OpenAI-compatible app over the engine processes' pipes
     until SIGTERM, or until the launcher is gone (``lifeline`` reads EOF): uvicorn's graceful shutdown, then the
-    app's shutdown detaches from the engine processes."""
+    app's shutdown detaches from the engine processes. ``serving`` (a multiprocessing Event) is set once it
+    listens."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn takes it: Ctrl-C reaches the whole process group
     import uvicorn
 
@@ -220,6 +243,10 @@ def front_main(idx: int, sock: socket.socket, handoff: FrontHandoff, observation
     server = uvicorn.Server(config)
 
     def watch_launcher() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            serving.set()
         try:
             lifeline.recv()  # nothing is ever sent: returns (raises) when the launcher's end closes
         except (EOFError, OSError):

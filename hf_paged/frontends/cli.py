@@ -513,7 +513,7 @@ def _serve_api_servers(args: argparse.Namespace, serve) -> int:
     if args.engine_process == "off":
         raise UsageError(f"--api-server-count {n} needs the engine in processes of its own, but --engine-process is "
                          "'off': pass --engine-process on (or auto), or --api-server-count 1")  # fmt: skip
-    sockets = api_servers.listen(args.host, args.port, n)  # a busy port fails before any model loads
+    sockets = api_servers.bind(args.host, args.port, n)  # a busy port fails before any model loads
     try:
         engine = _data_parallel_engine(args, num_fronts=n)
     except BaseException:
