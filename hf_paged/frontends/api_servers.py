@@ -232,15 +232,21 @@ def front_main(idx: int, sock: socket.socket, handoff: FrontHandoff, observation
     until SIGTERM, or until the launcher is gone (``lifeline`` reads EOF): uvicorn's graceful shutdown, then the
     app's shutdown detaches from the engine processes. ``serving`` (a multiprocessing Event) is set once it
     listens."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until uvicorn takes it: Ctrl-C reaches the whole process group
+    # Ctrl-C reaches the whole process group: the launcher decides (it sends SIGTERM, and kills on a second signal).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if sig != signal.SIGINT:  # else a Ctrl-C arriving after the launcher's SIGTERM would cut the drain short
+                super().handle_exit(sig, frame)
 
     from hf_paged.frontends.serve import create_app
 
     engine = DataParallelEngine.attach(handoff)
     app = create_app(engine, observations=observations, **settings)
     config = uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info")
-    server = uvicorn.Server(config)
+    server = Server(config)
 
     def watch_launcher() -> None:
         while not server.started and not server.should_exit:
