@@ -209,6 +209,7 @@ class DataParallelEngine(StreamingFront):
         self._replicas = [_ReplicaHandle(idx, None, commands, results, pid)
                           for idx, ((commands, results), pid) in enumerate(zip(handoff.pipes, handoff.pids,
                                                                                 strict=True))]  # fmt: skip
+        self._next = (handoff.pipe - 1) % len(self._replicas)  # the fronts break ties from different replicas
         self._limits = handoff.limits
         self._serve_pipes(handoff.gpus, handoff.limits)
         self._finalizer = weakref.finalize(self, _put_all_outboxes, [r.outbox for r in self._replicas], ("detach",))

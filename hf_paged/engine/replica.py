@@ -126,7 +126,9 @@ class _Replica:
 
     def serve(self) -> None:
         batcher = self.batcher
-        while self.commands:
+        # Until no front is left: none reading (each gone, or detached and answered), or only detached ones whose
+        # requests no step has left to report (then nothing could be sent to them: they read EOF).
+        while self.commands or (self.leaving and batcher.has_unfinished_requests()):
             if batcher.has_unfinished_requests():
                 ready = self._ready(0)
             else:
@@ -147,6 +149,8 @@ class _Replica:
     def _ready(self, timeout: float | None) -> list[Connection]:
         """The command pipes with something to read (a command, or EOF), waiting up to ``timeout`` (None: until
         one has). One front polls its one pipe; several are waited on together (one poll call)."""
+        if not self.commands:  # only detached fronts are left, waiting for their requests' last deltas
+            return []
         if self.single:
             (conn,) = self.commands
             return [conn] if conn.poll(timeout) else []
