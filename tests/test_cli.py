@@ -200,6 +200,10 @@ def test_serve_help_lists_the_server_and_engine_flags(capsys):
 def test_serve_without_the_serve_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)  # `import fastapi` now fails as if it were not installed
     monkeypatch.delitem(sys.modules, "hf_paged.frontends.serve", raising=False)
+    import hf_paged.frontends
+
+    # `from hf_paged.frontends import serve` takes the package's attribute, set by any earlier import of the module
+    monkeypatch.delattr(hf_paged.frontends, "serve", raising=False)
     assert main(["serve", "--port", "1"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "needs the serve extra (fastapi is missing)" in line and "pip install 'hf_paged[serve]'" in line

@@ -215,6 +215,10 @@ def test_bad_input_and_bad_settings_are_refused_in_the_front(served):
             DataParallelEngine(FACTORY, 64, device="cuda")
     with pytest.raises(TypeError, match="`factory` must pickle .* got <function .*<lambda>"):
         DataParallelEngine(lambda: FACTORY(), 2, device="cpu")
+    with pytest.raises(ValueError, match=r"`num_fronts` must be an int >= 0, got -1"):
+        DataParallelEngine(FACTORY, 2, device="cpu", num_fronts=-1)
+    with pytest.raises(ValueError, match=r"`front_idx` must be in \[0, 0\) \(this engine was built with num_fronts="):
+        engine.front_handoff(0)
 
 
 def test_the_command_line_checks_data_parallel_before_starting_anything(capsys):

@@ -23,6 +23,14 @@ queue with one ``loop.call_soon_threadsafe`` per message.
 
 Routing: a new request goes to the live replica with the fewest requests in flight; ties go round-robin.
 
+Several fronts (``hf-paged serve --api-server-count N``, hf_paged.frontends.api_servers). Built with
+``num_fronts=N``, each replica gets N more pipe pairs, one per API-server process: ``front_handoff(f)`` packs front
+f's ends (and what a front needs to know: the tokenizer, the limits), and ``DataParallelEngine.attach(handoff)``
+in the API-server process serves them as this class serves its own pipes, without owning the processes: its
+``shutdown`` detaches from the replicas (its requests in flight are aborted there) and leaves them running. Each
+front sees only its own requests, so the replicas publish their loads in shared memory (``ReplicaLoads``) and
+every front routes by the global count: requests each replica holds, plus its own still in the pipe.
+
 Failures. A replica process that dies (its pipe closes) fails its requests in flight with ``ReplicaDeadError``
 and the front serves on with the others; with none left, every call raises ``EngineDeadError`` (the server's
 503). A replica whose step raises fails the requests in flight there with that error and serves on, as AsyncEngine
@@ -47,9 +55,9 @@ from hf_paged.engine.inputs import InputProcessor
 from hf_paged.engine.metrics import EngineMetrics
 from hf_paged.engine.outputs import StreamDelta
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.replica import replica_main
+from hf_paged.engine.replica import ReplicaLoads, replica_main
 
-__all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaDeadError"]
+__all__ = ["DataParallelEngine", "DataParallelStats", "FrontHandoff", "ReplicaDeadError"]
 
 _DEVICES = ("cpu", "cuda")
 _STOP_TIMEOUT_S = 30.0  # a replica gets this long to abort its requests and exit before it is terminated
@@ -80,12 +88,38 @@ class _Stream:
     replica: "_ReplicaHandle"
 
 
-class _ReplicaHandle:
-    """The front's side of one replica: its process, pipes, writer and reader threads, and requests in flight."""
+@dataclass
+class FrontHandoff:
+    """What an API-server process needs to serve the replicas through its own pipes (``DataParallelEngine.attach``);
+    it pickles into a spawned process (the pipes' descriptors are passed along).
 
-    def __init__(self, idx: int, process, commands: Connection, results: Connection):
+    ``pipes[r]`` is the (commands, results) pair of replica r for this front, whose index in every replica's list
+    of pipes is ``pipe``. ``limits``: the tokenizer and the engine limits a front checks requests against.
+    """
+
+    pipe: int
+    pipes: list[tuple[Connection, Connection]]
+    pids: list[int]
+    gpus: list[str | None]
+    limits: dict
+    loads: ReplicaLoads
+
+    def close(self) -> None:
+        """Close this process's copies of the pipes, once the API server's process has started with them."""
+        for commands, results in self.pipes:
+            commands.close()
+            results.close()
+
+
+class _ReplicaHandle:
+    """The front's side of one replica: its process (None in an attached front), pipes, writer and reader threads,
+    and requests in flight."""
+
+    def __init__(self, idx: int, process, commands: Connection, results: Connection, pid: int | None = None):
         self.idx = idx
         self.process = process
+        self.pid = process.pid if process is not None else pid
+        self.front_pipes: list[tuple[Connection, Connection]] = []  # pipes 1..: the API servers' ends, until handed
         self.commands = commands  # front -> replica (written by the writer thread only)
         self.results = results  # replica -> front (read by the reader thread only)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer thread; None ends it
@@ -114,6 +148,7 @@ class DataParallelEngine(StreamingFront):
         device: "cuda" gives replica i the i-th visible GPU alone; "cpu" leaves the devices as they are (meant
             for tests and demos: CPU replicas share the machine's cores).
         num_threads: torch intra-op threads of each replica (``torch.set_num_threads``); None = torch's default.
+        num_fronts: pipe pairs for that many API-server processes besides this engine's own (``front_handoff``).
 
     The constructor starts every replica, waits until each has built its engine, and raises what building one
     raised (``ValueError``/``TypeError``/``OSError`` keep their type; other errors become ``RuntimeError``).
@@ -123,7 +158,10 @@ class DataParallelEngine(StreamingFront):
         TypeError: ``factory`` does not pickle (a lambda, a local function, a bound method of a live model).
     """
 
-    def __init__(self, factory: Callable, num_replicas: int, device: str = "cuda", num_threads: int | None = None):
+    def __init__(self, factory: Callable, num_replicas: int, device: str = "cuda", num_threads: int | None = None,
+                 num_fronts: int = 0):  # fmt: skip
+        if isinstance(num_fronts, bool) or not isinstance(num_fronts, int) or num_fronts < 0:
+            raise ValueError(f"`num_fronts` must be an int >= 0, got {num_fronts!r}")
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"`num_replicas` must be an int >= 1, got {num_replicas!r}")
         if device not in _DEVICES:
@@ -137,27 +175,75 @@ class DataParallelEngine(StreamingFront):
         if device == "cuda" and num_replicas > len(gpus):
             raise ValueError(f"{num_replicas} data-parallel replicas need {num_replicas} GPUs, but {len(gpus)} "
                              f"are visible ({gpus}); lower the number of replicas")  # fmt: skip
+        self._init_front(pipe=0, loads=None)
+        ctx = multiprocessing.get_context("spawn")
+        if num_fronts:
+            self._loads = ReplicaLoads.create(ctx, num_replicas, 1 + num_fronts)
+        try:
+            for idx in range(num_replicas):
+                self._replicas.append(self._start(ctx, idx, factory, gpus[idx] if gpus else None, num_threads,
+                                                  1 + num_fronts, self._loads))  # fmt: skip
+            infos = [self._wait_ready(replica) for replica in self._replicas]
+        except BaseException:
+            _stop_processes([r.process for r in self._replicas], [], 0.0)
+            raise
+        # Every replica must accept what the front accepts: the smallest pool decides.
+        self._limits = {"tokenizer": infos[0]["tokenizer"], "vocab_size": infos[0]["vocab_size"],
+                        "max_model_len": infos[0]["max_model_len"], "num_blocks": min(i["num_blocks"] for i in infos),
+                        "block_size": infos[0]["block_size"],
+                        "max_num_seqs": min(i["max_num_seqs"] for i in infos)}  # fmt: skip
+        self._serve_pipes([i["gpus"] for i in infos], self._limits)
+        # A forgotten shutdown() must not leave processes behind (or hang the interpreter's exit joining them).
+        self._finalizer = weakref.finalize(self, _stop_processes, [r.process for r in self._replicas],
+                                           [r.outbox for r in self._replicas], 5.0)  # fmt: skip
+
+    @classmethod
+    def attach(cls, handoff: FrontHandoff) -> "DataParallelEngine":
+        """In an API-server process: serve the replicas another process started, through this front's pipes.
+
+        The engine has the surface of one that started its replicas; ``shutdown`` detaches from them (aborting
+        this front's requests in flight) instead of stopping them.
+        """
+        self = cls.__new__(cls)
+        self._init_front(pipe=handoff.pipe, loads=handoff.loads)
+        self._replicas = [_ReplicaHandle(idx, None, commands, results, pid)
+                          for idx, ((commands, results), pid) in enumerate(zip(handoff.pipes, handoff.pids,
+                                                                                strict=True))]  # fmt: skip
+        self._next = (handoff.pipe - 1) % len(self._replicas)  # the fronts break ties from different replicas
+        self._limits = handoff.limits
+        self._serve_pipes(handoff.gpus, handoff.limits)
+        self._finalizer = weakref.finalize(self, _put_all_outboxes, [r.outbox for r in self._replicas], ("detach",))
+        return self
+
+    def front_handoff(self, front_idx: int) -> FrontHandoff:
+        """The pipes (and limits) of API-server ``front_idx`` (0-based, < ``num_fronts``), for its process.
+
+        Raises:
+            ValueError: ``front_idx`` out of range.
+        """
+        num_fronts = len(self._replicas[0].front_pipes)
+        if not 0 <= front_idx < num_fronts:
+            raise ValueError(f"`front_idx` must be in [0, {num_fronts}) (this engine was built with num_fronts="
+                             f"{num_fronts}), got {front_idx!r}")  # fmt: skip
+        return FrontHandoff(1 + front_idx, [r.front_pipes[front_idx] for r in self._replicas],
+                            [r.pid for r in self._replicas], self.replica_gpus, self._limits, self._loads)  # fmt: skip
+
+    def _init_front(self, pipe: int, loads: ReplicaLoads | None) -> None:
         self._lock = threading.RLock()  # reentrant: a RequestStream dropped (GC) inside a locked block aborts
         self._ids = itertools.count()
         self._tokens = itertools.count()  # stats() request tokens
         self._next = 0  # round-robin start among equally loaded replicas
         self._stopping = False
         self._replicas: list[_ReplicaHandle] = []
-        ctx = multiprocessing.get_context("spawn")
-        try:
-            for idx in range(num_replicas):
-                self._replicas.append(self._start(ctx, idx, factory, gpus[idx] if gpus else None, num_threads))
-            infos = [self._wait_ready(replica) for replica in self._replicas]
-        except BaseException:
-            _stop_processes([r.process for r in self._replicas], [], 0.0)
-            raise
-        self.replica_gpus: list[str | None] = [i["gpus"] for i in infos]  # CUDA_VISIBLE_DEVICES each replica saw
-        # Every replica must accept what the front accepts: the smallest pool decides.
-        tokenizer = infos[0]["tokenizer"]
-        self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, infos[0]["vocab_size"], infos[0]["max_model_len"],
-                                     min(i["num_blocks"] for i in infos), infos[0]["block_size"],
-                                     min(i["max_num_seqs"] for i in infos))  # fmt: skip
+        self._pipe = pipe  # this front's index in each replica's pipes (0: the engine that started them)
+        self._loads = loads  # the replicas' published loads; None: this front is the only one, its counts are exact
+
+    def _serve_pipes(self, gpus: list[str | None], limits: dict) -> None:
+        """Start the threads that serve the replicas' pipes, once the limits are known."""
+        self.replica_gpus: list[str | None] = gpus  # CUDA_VISIBLE_DEVICES each replica saw
+        self.tokenizer = limits["tokenizer"]
+        self.inputs = InputProcessor(limits["tokenizer"], limits["vocab_size"], limits["max_model_len"],
+                                     limits["num_blocks"], limits["block_size"], limits["max_num_seqs"])  # fmt: skip
         for replica in self._replicas:
             replica.writer = threading.Thread(target=replica.write_loop, name=f"hf_paged-dp{replica.idx}-writer",
                                               daemon=True)  # fmt: skip
@@ -165,21 +251,23 @@ class DataParallelEngine(StreamingFront):
                                               name=f"hf_paged-dp{replica.idx}-reader", daemon=True)  # fmt: skip
             replica.writer.start()
             replica.reader.start()
-        # A forgotten shutdown() must not leave processes behind (or hang the interpreter's exit joining them).
-        self._finalizer = weakref.finalize(self, _stop_processes, [r.process for r in self._replicas],
-                                           [r.outbox for r in self._replicas], 5.0)  # fmt: skip
 
     @staticmethod
-    def _start(ctx, idx: int, factory: Callable, gpu: str | None, num_threads: int | None) -> _ReplicaHandle:
-        commands_read, commands_write = ctx.Pipe(duplex=False)
-        results_read, results_write = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=replica_main, args=(idx, factory, commands_read, results_write, num_threads),
+    def _start(ctx, idx: int, factory: Callable, gpu: str | None, num_threads: int | None, num_pipes: int,
+               loads: ReplicaLoads | None) -> _ReplicaHandle:  # fmt: skip
+        commands = [ctx.Pipe(duplex=False) for _ in range(num_pipes)]  # (read, write)
+        results = [ctx.Pipe(duplex=False) for _ in range(num_pipes)]
+        process = ctx.Process(target=replica_main, args=(idx, factory, [r for r, _ in commands],
+                                                         [w for _, w in results], num_threads, loads),
                               name=f"hf_paged-dp{idx}")  # fmt: skip
         with _environ(CUDA_VISIBLE_DEVICES=gpu):  # the child's environment is copied when it starts
             process.start()
-        commands_read.close()  # the replica's ends: closed here, so either side sees EOF when the other is gone
-        results_write.close()
-        return _ReplicaHandle(idx, process, commands_write, results_read)
+        for (commands_read, _), (_, results_write) in zip(commands, results, strict=True):
+            commands_read.close()  # the replica's ends: closed here, so either side sees EOF when the other is gone
+            results_write.close()
+        handle = _ReplicaHandle(idx, process, commands[0][1], results[0][0])
+        handle.front_pipes = [(commands[p][1], results[p][0]) for p in range(1, num_pipes)]
+        return handle
 
     @staticmethod
     def _wait_ready(replica: _ReplicaHandle) -> dict:
@@ -203,9 +291,26 @@ class DataParallelEngine(StreamingFront):
         return len(self._replicas)
 
     @property
+    def num_live_replicas(self) -> int:
+        return sum(r.alive for r in self._replicas)
+
+    @property
+    def replica_pids(self) -> list[int]:
+        return [r.pid for r in self._replicas]
+
+    @property
     def num_unfinished(self) -> int:
-        """Requests submitted whose final output has not been delivered yet (all replicas)."""
-        return sum(len(r.live) for r in self._replicas)
+        """Requests submitted whose final output has not been delivered yet (all replicas). With several fronts:
+        the requests every front has in flight, as the replicas last published them (plus this front's own still
+        in the pipe)."""
+        if self._loads is None:
+            return sum(len(r.live) for r in self._replicas)
+        return sum(self._load(r) for r in self._replicas if r.alive)
+
+    def _load(self, replica: _ReplicaHandle) -> int:
+        """Requests ``replica`` holds, every front's, as it published them, plus this front's not applied yet."""
+        loads = self._loads
+        return loads.num_unfinished[replica.idx] + replica.num_routed - loads.added(self._pipe, replica.idx)
 
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestStream:
         """Submit a request to the least-loaded replica; returns its deltas as an async iterator (as AsyncEngine).
@@ -266,14 +371,20 @@ class DataParallelEngine(StreamingFront):
         alive = [s for s in replicas if s is not None]
         if not alive:
             raise EngineDeadError("every data-parallel replica has died")
+        if self._loads is None:
+            routed = [r.num_routed for r in self._replicas]
+        else:  # every front's
+            routed = [self._loads.routed(r.idx) for r in self._replicas]
         return DataParallelStats(_sum_metrics([s.metrics for s in alive]), sum(s.num_running for s in alive),
-                                 sum(s.num_waiting for s in alive), replicas,
-                                 [r.num_routed for r in self._replicas])  # fmt: skip
+                                 sum(s.num_waiting for s in alive), replicas, routed)  # fmt: skip
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop serving: wait up to ``drain_timeout_s`` for the requests in flight, then each replica aborts the
         rest (their streams end with finish_reason "abort") and exits; one that has not exited within 30 s is
-        terminated. New requests are refused at once."""
+        terminated. New requests are refused at once.
+
+        An attached front (``attach``) detaches instead: each replica aborts this front's requests left in flight
+        (their streams end with finish_reason "abort") and serves the other fronts on."""
         with self._lock:
             already, self._stopping = self._stopping, True
         if not already and drain_timeout_s > 0:
@@ -283,7 +394,10 @@ class DataParallelEngine(StreamingFront):
         await asyncio.to_thread(self._join, _STOP_TIMEOUT_S)
 
     def _join(self, timeout_s: float) -> None:
-        _stop_processes([r.process for r in self._replicas], [r.outbox for r in self._replicas], timeout_s)
+        if self._replicas[0].process is None:  # attached: the replicas answer "detached" (or are gone)
+            _put_all_outboxes([r.outbox for r in self._replicas if r.alive], ("detach",))
+        else:
+            _stop_processes([r.process for r in self._replicas], [r.outbox for r in self._replicas], timeout_s)
         for replica in self._replicas:
             replica.reader.join(timeout_s)  # it ends on the closed pipe, after failing what was left
         self._finalizer.detach()
@@ -297,7 +411,8 @@ class DataParallelEngine(StreamingFront):
     def _pick(self) -> _ReplicaHandle:
         """The live replica with the fewest requests in flight; among equals, the next in round-robin order."""
         order = self._replicas[self._next :] + self._replicas[: self._next]
-        replica = min((r for r in order if r.alive), key=lambda r: len(r.live))
+        load = (lambda r: len(r.live)) if self._loads is None else self._load
+        replica = min((r for r in order if r.alive), key=load)
         self._next = (replica.idx + 1) % len(self._replicas)
         return replica
 
@@ -315,14 +430,16 @@ class DataParallelEngine(StreamingFront):
                         future = replica.stats_waiters.pop(message[1], None)
                     if future is not None:
                         _call(future.get_loop(), _set_result, future, message[2])
-                elif message[0] == "stopped":
+                elif message[0] in ("stopped", "detached"):
                     break
                 else:
                     raise RuntimeError(f"bug in hf_paged: unknown replica message {message[0]!r}")
         except (EOFError, OSError):
             pass
-        replica.process.join(5.0)
-        code = replica.process.exitcode
+        code = None
+        if replica.process is not None:
+            replica.process.join(5.0)
+            code = replica.process.exitcode
         with self._lock:
             replica.alive = False
             records, replica.live = list(replica.live.values()), {}
@@ -334,8 +451,9 @@ class DataParallelEngine(StreamingFront):
             if self._stopping:
                 err = RuntimeError("the DataParallelEngine shut down")
             else:
-                err = ReplicaDeadError(f"data-parallel replica {replica.idx} (pid {replica.process.pid}) died "
-                                       f"(exit code {code}); its requests in flight failed")  # fmt: skip
+                exit_code = f" (exit code {code})" if code is not None else ""
+                err = ReplicaDeadError(f"data-parallel replica {replica.idx} (pid {replica.pid}) died{exit_code}; "
+                                       "its requests in flight failed")  # fmt: skip
             _call(record.loop, _put_all, [(record.queue, err, record.request_id)])
 
     def _deliver(self, replica: _ReplicaHandle, items: list) -> None:
@@ -438,6 +556,11 @@ def _stop_processes(processes: list, outboxes: list[queue.SimpleQueue], timeout_
         if process.pid is not None and process.is_alive():
             process.kill()
             process.join()
+
+
+def _put_all_outboxes(outboxes: list[queue.SimpleQueue], command: tuple) -> None:
+    for outbox in outboxes:
+        outbox.put(command)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

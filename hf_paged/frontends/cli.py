@@ -136,7 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "on", "off"),
         default="auto",
         help="run the engine in a process of its own, the server process keeping HTTP, tokenisation and SSE (as "
-        "vLLM does; they share no GIL): 'auto' = on with CUDA, off on the CPU; --data-parallel N > 1 always does",
+        "vLLM does; they share no GIL): 'auto' = on with CUDA, off on the CPU; --data-parallel N > 1 and "
+        "--api-server-count N > 1 always do",
+    )
+    serve.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="N HTTP server processes on the same host:port, each parsing, tokenising and streaming its own "
+        "connections and talking to every engine process (the engine runs in processes of its own); for when one "
+        "process's HTTP work limits the served throughput at saturation. Default: 1",
     )
     _add_engine_args(serve, "KV blocks in the pool; default: sized from memory (see --gpu-memory-utilization)",
                      compile_default="auto")  # fmt: skip
@@ -455,6 +465,8 @@ def _serve(args: argparse.Namespace) -> int:
     from hf_paged.engine.async_engine import AsyncEngine
     from hf_paged.frontends.models import DEFAULT_MODEL
 
+    if args.api_server_count > 1:
+        return _serve_api_servers(args, serve)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: tensor parallelism, rank 0 serves
         engine = _tensor_parallel_engine(args)
         if engine is None:  # another rank: it mirrored rank 0 until rank 0 shut down
@@ -484,6 +496,44 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     return 0
+
+
+def _serve_api_servers(args: argparse.Namespace, serve) -> int:
+    """``--api-server-count N > 1``: N HTTP processes (hf_paged.frontends.api_servers) before the engine processes.
+
+    Returns the exit status (1: every API server or every engine process died); after a signal, ends the process
+    by that signal once everything has stopped, as uvicorn does."""
+    from hf_paged.frontends import api_servers
+    from hf_paged.frontends.models import DEFAULT_MODEL
+
+    n = args.api_server_count
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(f"--api-server-count {n} does not combine with tensor parallelism (torchrun, WORLD_SIZE="
+                         f"{os.environ['WORLD_SIZE']}): serve with one API server (--api-server-count 1)")  # fmt: skip
+    if args.engine_process == "off":
+        raise UsageError(f"--api-server-count {n} needs the engine in processes of its own, but --engine-process is "
+                         "'off': pass --engine-process on (or auto), or --api-server-count 1")  # fmt: skip
+    sockets = api_servers.bind(args.host, args.port, n)  # a busy port fails before any model loads
+    try:
+        engine = _data_parallel_engine(args, num_fronts=n)
+    except BaseException:
+        for sock in set(sockets):
+            sock.close()
+        raise
+    status, received = api_servers.run(
+        engine,
+        sockets,
+        model_name=args.served_model_name or args.model or DEFAULT_MODEL,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    if received is not None:
+        signal.signal(received, signal.SIG_DFL)
+        signal.raise_signal(received)
+    return status
 
 
 def _tensor_parallel_engine(args: argparse.Namespace):
@@ -518,8 +568,9 @@ def _engine_process(args: argparse.Namespace) -> bool:
     return torch.cuda.is_available()
 
 
-def _data_parallel_engine(args: argparse.Namespace):
-    """``--data-parallel N``: N replica processes, each loading the model onto its own GPU (or the CPU)."""
+def _data_parallel_engine(args: argparse.Namespace, num_fronts: int = 0):
+    """``--data-parallel N``: N replica processes, each loading the model onto its own GPU (or the CPU); with
+    ``num_fronts`` pipes for that many API-server processes."""
     import functools
 
     import torch
@@ -545,9 +596,10 @@ def _data_parallel_engine(args: argparse.Namespace):
         models.convert_gguf(gguf)
     num_threads = None
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        num_threads = max(1, ((os.cpu_count() or 1) - 1) // n)  # a core left for the HTTP front, the rest shared
+        # a core left for each HTTP process, the rest shared
+        num_threads = max(1, ((os.cpu_count() or 1) - max(1, num_fronts)) // n)
     replica_args = argparse.Namespace(**{**vars(args), "device": device})
-    return DataParallelEngine(functools.partial(_replica_engine, replica_args), n, device, num_threads)
+    return DataParallelEngine(functools.partial(_replica_engine, replica_args), n, device, num_threads, num_fronts)
 
 
 def _replica_engine(args: argparse.Namespace):

@@ -3,6 +3,7 @@
     hf-paged serve                                  # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     hf-paged serve ./my-model --port 8080 --api-key "$KEY" --max-queue 128
     hf-paged serve ./my-model --data-parallel 2     # one engine process per GPU behind this server
+    hf-paged serve ./my-model --data-parallel 2 --api-server-count 4   # 4 HTTP processes (api_servers.py)
 
 The engine is a DataParallelEngine — N replica processes (``--data-parallel N``), or one (``--engine-process``,
 the default on CUDA) so the engine and this HTTP loop share no GIL; the server tokenises, routes and forwards their
@@ -11,7 +12,8 @@ deltas — or an AsyncEngine (one batcher on a thread of the server's process; t
 Streaming at saturation: a stream's deltas queued while its consumer was busy are joined into one event
 (RequestStream), chats are tokenised on a tokenizer thread (the Rust tokenizer releases the GIL), and a one-prompt
 request reads its stream directly. What is left per request (HTTP parsing, validation, the chat template, events)
-runs in this one process and is what limits the served throughput when hundreds of requests arrive at once.
+runs in this one process and is what limits the served throughput when hundreds of requests arrive at once;
+``--api-server-count N`` (hf_paged.frontends.api_servers) runs N such processes over the engine processes.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
 with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
@@ -43,11 +45,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from hf_paged.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServingStats
+from hf_paged.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hf_paged.engine.data_parallel import DataParallelEngine
 from hf_paged.engine.request import RequestOutput
 from hf_paged.frontends.openai_api import (
@@ -58,87 +59,11 @@ from hf_paged.frontends.openai_api import (
     bad_value,
     usage,
 )
+from hf_paged.frontends.serve_metrics import FrontObservations, Metrics
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-# Buckets as vLLM's: time to first token, time per output token, end-to-end latency (seconds).
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0)  # fmt: skip
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
-
-
-class _EngineCollector:
-    """Engine gauges and counters for /metrics, from the snapshot the handler took just before."""
-
-    def __init__(self):
-        self.stats: ServingStats | None = None
-
-    def collect(self):
-        stats = self.stats
-        if stats is None:
-            return
-        m = stats.metrics
-        yield GaugeMetricFamily("hf_paged_num_requests_running", "Requests holding KV blocks", stats.num_running)
-        yield GaugeMetricFamily("hf_paged_num_requests_waiting", "Requests queued for admission", stats.num_waiting)
-        yield GaugeMetricFamily("hf_paged_kv_cache_usage_perc", "Share of KV blocks in use (0-1)",
-                                m.num_used_blocks / m.num_blocks if m.num_blocks else 0.0)  # fmt: skip
-        yield GaugeMetricFamily("hf_paged_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / looked"
-                                " up", m.prefix_hit_rate)  # fmt: skip
-        yield CounterMetricFamily("hf_paged_num_preemptions", "Preemptions since start", m.num_preemptions)
-        yield CounterMetricFamily("hf_paged_prompt_tokens", "Prompt tokens of accepted requests", m.num_prompt_tokens)
-        yield CounterMetricFamily("hf_paged_generation_tokens", "Generated tokens", m.num_generated_tokens)
-        replicas = getattr(stats, "replicas", None)  # a DataParallelEngine's: the balance between its replicas
-        if replicas is not None:
-            alive = GaugeMetricFamily("hf_paged_replica_alive", "1 while the data-parallel replica serves, 0 once it "
-                                      "has died", labels=["replica"])  # fmt: skip
-            routed = CounterMetricFamily("hf_paged_replica_requests_routed", "Requests sent to the replica",
-                                         labels=["replica"])  # fmt: skip
-            running = GaugeMetricFamily("hf_paged_replica_num_requests_running", "Requests holding KV blocks",
-                                        labels=["replica"])  # fmt: skip
-            usage = GaugeMetricFamily("hf_paged_replica_kv_cache_usage_perc", "Share of the replica's KV blocks in "
-                                      "use (0-1)", labels=["replica"])  # fmt: skip
-            for idx, replica in enumerate(replicas):
-                label = [str(idx)]
-                alive.add_metric(label, 0.0 if replica is None else 1.0)
-                routed.add_metric(label, stats.num_routed[idx])
-                if replica is not None:
-                    running.add_metric(label, replica.num_running)
-                    rm = replica.metrics
-                    usage.add_metric(label, rm.num_used_blocks / rm.num_blocks if rm.num_blocks else 0.0)
-            yield from (alive, routed, running, usage)
-
-
-class _Metrics:
-    """The server's Prometheus registry (its own, so several apps can live in one process)."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.engine = _EngineCollector()
-        self.registry.register(self.engine)
-        self.ttft = Histogram("hf_paged_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS,
-                              registry=self.registry)  # fmt: skip
-        self.tpot = Histogram("hf_paged_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_TPOT_BUCKETS, registry=self.registry)  # fmt: skip
-        self.e2e = Histogram("hf_paged_e2e_request_latency_seconds", "Arrival to last token", buckets=_E2E_BUCKETS,
-                             registry=self.registry)  # fmt: skip
-        self.finished = Counter("hf_paged_request_success", "Finished requests by finish reason",
-                                ["finished_reason"], registry=self.registry)  # fmt: skip
-
-    def observe(self, output: RequestOutput | None) -> None:
-        if output is None or output.metrics is None:
-            return
-        m = output.metrics
-        if m.time_to_first_token is not None:
-            self.ttft.observe(m.time_to_first_token)
-        tpot = m.time_per_output_token(max(len(c.token_ids) for c in output.outputs))
-        if tpot is not None:
-            self.tpot.observe(tpot)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
-        for c in output.outputs:
-            self.finished.labels(finished_reason=c.finish_reason or "unknown").inc()
 
 
 def create_app(
@@ -148,6 +73,7 @@ def create_app(
     max_queue: int = 256,
     max_prompt_tokens: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    observations: FrontObservations | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; shutting the app down shuts the engine down.
 
@@ -158,12 +84,14 @@ def create_app(
         max_queue: most requests in flight; more are answered 503.
         max_prompt_tokens: longest prompt accepted (None = the model's context).
         max_body_bytes: largest request body accepted (413 beyond).
+        observations: where this app counts its requests' latencies for /metrics (one of several API servers'
+            rows: ``hf_paged.frontends.api_servers``); None: its own.
     """
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: ContinuousBatcher(model, tokenizer=...)")
     inputs = engine.inputs
     max_model_len = inputs.max_model_len
-    metrics = _Metrics()
+    metrics = Metrics(observations)
 
     tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_paged-tokenizer")
 
@@ -264,6 +192,7 @@ def create_app(
             raise bad_value(err) from None
         except (EngineDeadError, RuntimeError) as err:
             raise APIError(503, f"the engine is not serving: {err}", type="server_error") from None
+        metrics.front.accepted(len(streams))
         return streams
 
     async def answer(request: Request, fmt: Formatter, streams: list[RequestStream], n: int,
@@ -278,7 +207,7 @@ def create_app(
         if outputs is None:  # the client left: its requests were aborted
             return Response(status_code=499)
         for output in outputs:
-            metrics.observe(output)
+            metrics.front.observe(output)
         choices = [(p * n + c.index, c) for p, out in enumerate(outputs) for c in out.outputs]
         num_completion = sum(len(c.token_ids) for _, c in choices)
         cached = sum(out.num_cached_tokens for out in outputs)
@@ -385,7 +314,7 @@ async def _unless_disconnected(request: Request, coro):
 
 
 async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_tokens: list[int],
-               metrics: _Metrics) -> AsyncIterator[str]:  # fmt: skip
+               metrics: Metrics) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events of several streams (a batch of prompts), merged as their deltas come.
 
     Starlette cancels this generator when the client disconnects: ``finally`` aborts what still runs.
@@ -395,7 +324,7 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
     try:
         async for prompt_idx, item in _merged(streams, tasks):
             if item is None:
-                metrics.observe(streams[prompt_idx].output)
+                metrics.front.observe(streams[prompt_idx].output)
                 continue
             if isinstance(item, Exception):  # a failed step: OpenAI streams end with an error event
                 error = item if isinstance(item, APIError) else APIError(500, str(item), type="server_error")
@@ -467,8 +396,13 @@ def run(
     """
     import uvicorn
 
-    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    warn_if_open(host, api_key)
     app = create_app(engine, model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info")
     uvicorn.Server(config).run()
+
+
+def warn_if_open(host: str, api_key: str | None) -> None:
+    """Log a warning when ``host`` is reachable from other machines and no API key guards it."""
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
