@@ -123,15 +123,14 @@ def _arm_interrupt(engine, rng: random.Random):
 def _run(seed: int, model, tokenizer, references) -> dict:
     rng = random.Random(seed)
     config = _config(rng)
-    engine = ContinuousBatcher(model, tokenizer, **config)
+    # Cascade decode whenever two decode rows share a block (the tiny model's K/V is far below the runner's bytes
+    # threshold), or off. Its own stream: the seeds keep their runs.
+    cascade = random.Random(f"cascade-{seed}").random() < 0.7
+    engine = ContinuousBatcher(model, tokenizer, cascade_attention=cascade, **config)
+    if cascade:
+        engine.runner.cascade_min_saved_bytes = 0
     if rng.random() < 0.5 and not engine.runner.use_cuda_graphs:
         engine.runner.emulate_graphs = True  # every step through the padded inputs of its CUDA-graph bucket
-    # Cascade decode whenever two decode rows share a block (the tiny model's K/V is far below the runner's bytes
-    # threshold, so the reference engine never uses it), or off. Its own stream: the seeds keep their runs.
-    if random.Random(f"cascade-{seed}").random() < 0.7:
-        engine.runner.cascade_min_saved_bytes = 0
-    else:
-        engine.runner.cascade_attention = False
     reference = references.setdefault(config["block_size"], _Reference(model, tokenizer, config["block_size"]))
     prefixes = [[rng.randint(3, 95) for _ in range(24)] for _ in range(2)]
     accepted: dict[str, tuple] = {}  # request id -> (prompt, params)

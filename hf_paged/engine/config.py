@@ -52,7 +52,10 @@ class EngineConfig:
         async_scheduling: queue step N+1 before reading back step N's tokens; None = on for a model on CUDA.
         cascade_attention: shared-prefix decode: decode rows that share leading KV blocks (a common prompt prefix,
             the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py);
-            used on the steps where the bytes saved are worth it.
+            used on the steps where the bytes saved are worth it. Off by default: on an H100 the plain decode
+            kernel already reads a shared prefix that fits in L2 (a few MB a layer) mostly from L2, and the
+            prefix kernel and merge in every captured step cost more than cascade saved (prefix workload 0.89x,
+            nano 0.99x; benchmarks/RESULTS.md); it can pay for shared prefixes larger than L2.
     """
 
     num_blocks: int | None = None
@@ -67,7 +70,7 @@ class EngineConfig:
     use_cuda_graphs: bool | None = None
     compile_model: bool | str | None = None
     async_scheduling: bool | None = None
-    cascade_attention: bool = True
+    cascade_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:

@@ -137,7 +137,7 @@ class ModelRunner:
         use_cuda_graphs: bool | None = None,
         compile_model: bool | str | None = False,
         emulate_graphs: bool = False,
-        cascade_attention: bool = True,
+        cascade_attention: bool = False,
     ):
         self.model = model
         self.device = kv.k_cache[0].device

@@ -6,8 +6,8 @@ prompt ids, EOS ignored, seeded workloads:
 - sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
 - prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4);
 - short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps).
-Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without shared-prefix decode
-(``hf_paged_no_cascade``), hf_paged without async scheduling (``hf_paged_sync``), transformers ``generate`` with
+Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged with shared-prefix decode
+(``hf_paged_cascade``), hf_paged without async scheduling (``hf_paged_sync``), transformers ``generate`` with
 padded static batches, transformers' built-in continuous batching. Each reports output tokens/s, total
 tokens/s (median of ``--repeats`` runs, with min and max), start-up time and peak memory.
 
@@ -49,7 +49,7 @@ SHAPES = {
 }  # fmt: skip
 
 COMPILE_CHOICES = {"auto": None, "none": False, "layers": "layers", "full": "full"}  # --compile -> compile_model
-SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_no_cascade", "hf_paged_sync", "hf_generate", "hf_cb")
+SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_cascade", "hf_paged_sync", "hf_generate", "hf_cb")
 WORKLOADS = ("nano", "sharegpt", "prefix", "short")
 
 
@@ -198,7 +198,7 @@ def run_hf_paged(
     args,
     repeats: int,
     async_scheduling: bool | None = None,
-    cascade_attention: bool = True,
+    cascade_attention: bool = False,
 ) -> dict:
     """One engine (start-up timed to its first token), then ``repeats`` timed runs of the workload."""
     from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_hf_paged(model, workload, True, args, args.repeats)
             elif system == "hf_paged_no_prefix":
                 r = run_hf_paged(model, workload, False, args, args.repeats)
-            elif system == "hf_paged_no_cascade":  # shared-prefix decode off (kernels/cascade.py)
-                r = run_hf_paged(model, workload, True, args, args.repeats, cascade_attention=False)
+            elif system == "hf_paged_cascade":  # shared-prefix decode on (kernels/cascade.py; off by default)
+                r = run_hf_paged(model, workload, True, args, args.repeats, cascade_attention=True)
             elif system == "hf_paged_sync":  # async scheduling off: the host's work between steps not overlapped
                 r = run_hf_paged(model, workload, True, args, args.repeats, async_scheduling=False)
             elif system == "hf_generate":
