@@ -10,7 +10,6 @@ Cache slots nothing may read are NaN, and ``out`` starts as NaN.
 import pytest
 import torch
 from helpers import needs_triton
-
 from hf_paged.kernels import cascade, paged_attention, paged_decode
 from hf_paged.kernels.decode import paged_decode_triton
 from hf_paged.kernels.reference import paged_attention_ref, paged_decode_ref
