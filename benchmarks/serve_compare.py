@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument(
-        "--hf-paged-args", default="", help="extra `hf-paged serve` arguments, e.g. '--engine-process off'"
+        "--hf-paged-args",
+        default="",
+        help="extra `hf-paged serve` arguments, e.g. '--engine-process off' or '--api-server-count 4'",
     )
     parser.add_argument("--out", help="also append the markdown table to this file")
     parser.add_argument("--client-processes", type=int, default=4, help="benchmark client processes (serve.py)")
