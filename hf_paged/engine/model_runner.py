@@ -23,7 +23,8 @@ capturable (no host sync, no shape change). Padding tokens get slot -1 (never wr
 sequence (attention output 0); padding sequences are empty (length 0). Steps above the largest bucket run
 eagerly.
 
-Shared-prefix ("cascade") decode: when the single-token rows of a step hold the same leading physical blocks (a
+Shared-prefix ("cascade") decode, opt-in (``cascade_attention``; off by default, see EngineConfig for the H100
+measurement): when the single-token rows of a step hold the same leading physical blocks (a
 common prompt prefix with prefix caching, the ``n`` samples of one prompt), their attention reads those blocks
 once per KV head for all rows (kernels/cascade.py) instead of once per row. The runner finds that prefix from the
 step's block tables (``shared_prefix_blocks``), keeps it when the reads it saves are worth the prefix kernel's
