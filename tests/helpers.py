@@ -7,6 +7,8 @@ live in ``models.py``.
 Every skip marker says where its tests do run, so a skip in the summary never reads as "not tested anywhere".
 """
 
+import http.client
+import json
 import os
 
 import pytest
@@ -70,3 +72,36 @@ def assert_cache_released(cache) -> None:
     stats = cache.pool.stats
     assert stats.num_used_blocks == 0, stats
     cache.pool.check_invariants()
+
+
+def engine_outputs(engine, prompts, params, arrive_every: int = 0) -> list:
+    """(token ids, cumulative logprob) of every sequence of every request; with ``arrive_every`` > 0 one request
+    arrives every that many steps (the batch's rows change as requests arrive and finish)."""
+    if not arrive_every:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
+    pending = list(zip(prompts, params, strict=True))
+    ids, last, step = [], {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % arrive_every == 0:
+            ids.append(engine.add_request(*pending.pop(0)))
+        for out in engine.step():
+            last[out.request_id] = out
+        step += 1
+    return [[(c.token_ids, c.cumulative_logprob) for c in last[i].outputs] for i in ids]
+
+
+def http_request(port: int, method: str, path: str, body=None, headers=None, timeout: float = 60.0):
+    """(status, parsed JSON or text) of one plain HTTP request to 127.0.0.1:port, on a new connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers=headers or {})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        try:
+            return resp.status, json.loads(raw)
+        except json.JSONDecodeError:
+            return resp.status, raw
+    finally:
+        conn.close()

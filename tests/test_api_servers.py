@@ -25,7 +25,7 @@ import sys
 import time
 
 import pytest
-from helpers import needs_serve, needs_smollm2
+from helpers import http_request, needs_serve, needs_smollm2
 from models import tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
@@ -120,18 +120,7 @@ class _Server:
 
     def request(self, method: str, path: str, body=None, headers=AUTH, timeout=TIMEOUT_S):
         """(status, parsed JSON or text) of one plain HTTP request, on a new connection."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-            conn.request(method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read().decode()
-            try:
-                return resp.status, json.loads(raw)
-            except json.JSONDecodeError:
-                return resp.status, raw
-        finally:
-            conn.close()
+        return http_request(self.port, method, path, body, headers, timeout)
 
     def metrics(self) -> dict:
         """/metrics parsed by prometheus_client: {(sample name, the label's value or None): value}."""

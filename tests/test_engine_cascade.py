@@ -11,7 +11,7 @@ runs whenever two decode rows share a block. The last test runs the Triton kerne
 import numpy as np
 import pytest
 import torch
-from helpers import assert_engine_drained, needs_triton
+from helpers import assert_engine_drained, engine_outputs, needs_triton
 from models import DEVICE
 from models import tiny_model as _tiny_model
 
@@ -67,23 +67,6 @@ def _workload(seed=0):
     return prompts, params
 
 
-def _outputs(engine, prompts, params, arrive_every=0):
-    """(token ids, cumulative logprob) of every sequence; with ``arrive_every`` > 0 one request arrives every that
-    many steps (the rows, and so the shared prefix, change as requests arrive and finish)."""
-    if not arrive_every:
-        outs = engine.generate(prompts, params, use_tqdm=False)
-        return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
-    pending = list(zip(prompts, params, strict=True))
-    ids, last, step = [], {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % arrive_every == 0:
-            ids.append(engine.add_request(*pending.pop(0)))
-        for out in engine.step():
-            last[out.request_id] = out
-        step += 1
-    return [[(c.token_ids, c.cumulative_logprob) for c in last[i].outputs] for i in ids]
-
-
 def _assert_same(got, expected, tol=1e-4):
     """Same tokens; logprobs equal up to fp32 rounding (cascade sums the keys in another order)."""
     assert [[ids for ids, _ in r] for r in got] == [[ids for ids, _ in r] for r in expected]
@@ -109,9 +92,9 @@ def test_cascade_equals_cascade_off_and_no_prefix_cache(graphs, config, arrive_e
     on = _engine(True, graphs, async_scheduling=async_scheduling, **config)
     off = _engine(False, graphs, async_scheduling=async_scheduling, **config)
     no_cache = _engine(True, graphs, async_scheduling=async_scheduling, enable_prefix_caching=False, **config)
-    expected = _outputs(off, prompts, params, arrive_every)
-    _assert_same(_outputs(on, prompts, params, arrive_every), expected)
-    _assert_same(_outputs(no_cache, prompts, params, arrive_every), expected)
+    expected = engine_outputs(off, prompts, params, arrive_every)
+    _assert_same(engine_outputs(on, prompts, params, arrive_every), expected)
+    _assert_same(engine_outputs(no_cache, prompts, params, arrive_every), expected)
     assert set(off.prefix_lens) == {0} and off.runner.num_cascade_steps == 0
     # The 5 blocks of the common prefix; none while the unrelated request decodes; the 6 prompt blocks of the last
     # request's samples once they decode alone.
@@ -138,7 +121,7 @@ def test_cascade_under_preemption(preemption_mode):
     config = dict(num_blocks=24, max_num_batched_tokens=32, max_num_seqs=8, preemption_mode=preemption_mode,
                   swap_space_gb=0.01)  # fmt: skip
     on, off = _engine(True, True, **config), _engine(False, True, **config)
-    _assert_same(_outputs(on, prompts, params), _outputs(off, prompts, params))
+    _assert_same(engine_outputs(on, prompts, params), engine_outputs(off, prompts, params))
     assert on.metrics().num_preemptions > 0 and 24 in on.prefix_lens
     assert_engine_drained(on)
     assert_engine_drained(off)
@@ -150,7 +133,7 @@ def test_sliding_window_and_soft_cap_families():
     prompts, params = _workload(seed=2)
     for family in ("gemma2", "mistral"):
         on, off = _engine(True, True, family=family), _engine(False, True, family=family)
-        _assert_same(_outputs(on, prompts, params), _outputs(off, prompts, params))
+        _assert_same(engine_outputs(on, prompts, params), engine_outputs(off, prompts, params))
         assert any(on.prefix_lens)
 
 
@@ -214,8 +197,8 @@ def test_engine_with_the_triton_decode_kernels(monkeypatch):
     params = [SamplingParams(max_new_tokens=3 + i, **GREEDY) for i in range(3)]
     params.append(SamplingParams(n=2, max_new_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1))
     config = dict(max_num_batched_tokens=16, max_num_seqs=4, num_blocks=48)
-    expected = _outputs(_engine(False, True, 64, **config), prompts, params, 1)
+    expected = engine_outputs(_engine(False, True, 64, **config), prompts, params, 1)
     monkeypatch.setattr(attention_module, "paged_attention", triton_decode)
     on = _engine(True, True, 64, **config)
-    _assert_same(_outputs(on, prompts, params, 1), expected)
+    _assert_same(engine_outputs(on, prompts, params, 1), expected)
     assert any(on.prefix_lens)

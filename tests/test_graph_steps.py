@@ -8,7 +8,7 @@ logits rows, double-buffered staging), which is what can go wrong in the bucketi
 
 import pytest
 import torch
-from helpers import assert_engine_drained
+from helpers import assert_engine_drained, engine_outputs
 from models import DEVICE
 from models import tiny_model as _tiny_model
 
@@ -57,23 +57,6 @@ def _workload(seed=3):
     return prompts, params
 
 
-def _outputs(engine, prompts, params, arrive_every=0):
-    """(token ids, cumulative logprob) of every sequence of every request; with ``arrive_every`` > 0 a new request
-    arrives every that many steps."""
-    if not arrive_every:
-        outs = engine.generate(prompts, params, use_tqdm=False)
-        return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
-    pending = list(zip(prompts, params, strict=True))
-    ids, last, step = [], {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % arrive_every == 0:
-            ids.append(engine.add_request(*pending.pop(0)))
-        for out in engine.step():
-            last[out.request_id] = out
-        step += 1
-    return [[(c.token_ids, c.cumulative_logprob) for c in last[i].outputs] for i in ids]
-
-
 def _assert_same(got, expected):
     """Same tokens; logprobs equal up to float rounding (the padded batch changes the reduction shapes)."""
     assert [[ids for ids, _ in r] for r in got] == [[ids for ids, _ in r] for r in expected]
@@ -100,8 +83,8 @@ def test_graph_steps_equal_eager(config, arrive_every, async_scheduling):
     prompts, params = _workload()
     eager = _engine(tiny_model(), graphs=False, async_scheduling=async_scheduling, **config)
     graphs = _engine(tiny_model(), graphs=True, async_scheduling=async_scheduling, **config)
-    expected = _outputs(eager, prompts, params, arrive_every)
-    _assert_same(_outputs(graphs, prompts, params, arrive_every), expected)
+    expected = engine_outputs(eager, prompts, params, arrive_every)
+    _assert_same(engine_outputs(graphs, prompts, params, arrive_every), expected)
     runs = graphs.bucket_runs
     assert runs["decode"] > 0 and runs["mixed"] > 0, runs
     if config["max_num_batched_tokens"] <= 32:
@@ -117,9 +100,9 @@ def test_graph_steps_equal_eager(config, arrive_every, async_scheduling):
 def test_graph_steps_other_families(family):
     prompts, params = _workload(seed=5)
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
-    expected = _outputs(_engine(tiny_model(family), graphs=False, **config), prompts, params, 2)
+    expected = engine_outputs(_engine(tiny_model(family), graphs=False, **config), prompts, params, 2)
     engine = _engine(tiny_model(family), graphs=True, **config)
-    _assert_same(_outputs(engine, prompts, params, 2), expected)
+    _assert_same(engine_outputs(engine, prompts, params, 2), expected)
     assert engine.bucket_runs["mixed"] > 0 and engine.bucket_runs["eager"] == 0
     assert_engine_drained(engine)
 
@@ -128,9 +111,9 @@ def test_beam_search_through_graph_buckets():
     prompts, _ = _workload(seed=7)
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=128)
     params = SamplingParams(beam_width=3, max_new_tokens=10)
-    expected = _outputs(_engine(tiny_model(), graphs=False, **config), prompts[:3], [params] * 3)
+    expected = engine_outputs(_engine(tiny_model(), graphs=False, **config), prompts[:3], [params] * 3)
     engine = _engine(tiny_model(), graphs=True, **config)
-    assert _outputs(engine, prompts[:3], [params] * 3) == expected
+    assert engine_outputs(engine, prompts[:3], [params] * 3) == expected
     assert engine.bucket_runs["mixed"] > 0
     assert_engine_drained(engine)
 
@@ -159,11 +142,11 @@ def test_compiled_steps_equal_eager(mode):
     logprobs."""
     prompts, params = _workload(seed=9)
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
-    expected = _outputs(_engine(tiny_model(), graphs=True, **config), prompts, params, 2)
+    expected = engine_outputs(_engine(tiny_model(), graphs=True, **config), prompts, params, 2)
     model = tiny_model()
     engine = _engine(model, graphs=True, compile_model=mode, **config)
     assert engine.runner.compile_mode == mode
-    _assert_same(_outputs(engine, prompts, params, 2), expected)
+    _assert_same(engine_outputs(engine, prompts, params, 2), expected)
     assert engine.bucket_runs["mixed"] > 0 and engine.bucket_runs["decode"] > 0
     compiled = [m for m in model.modules() if getattr(m, "_hf_paged_compiled", False)]
     assert len(compiled) == (2 if mode == "layers" else 0), len(compiled)  # the tiny model's 2 decoder layers
@@ -198,8 +181,8 @@ def test_failed_default_compile_falls_back_to_eager(monkeypatch):
         engine = _engine(model, graphs=True, **config)
     assert engine.runner.compile_mode is None and not any("forward" in vars(m) for m in model.modules())
     monkeypatch.undo()
-    expected = _outputs(_engine(tiny_model(), graphs=True, compile_model=False, **config), prompts, params, 2)
-    _assert_same(_outputs(engine, prompts, params, 2), expected)
+    expected = engine_outputs(_engine(tiny_model(), graphs=True, compile_model=False, **config), prompts, params, 2)
+    _assert_same(engine_outputs(engine, prompts, params, 2), expected)
     with pytest.raises(RuntimeError, match="inductor could not compile"):  # asked for explicitly: no fallback
         monkeypatch.setattr(model_runner.torch, "compile", broken_compile)
         _engine(tiny_model(), graphs=True, compile_model="layers", **config)

@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from helpers import assert_engine_drained, needs_serve, needs_smollm2
+from helpers import assert_engine_drained, http_request, needs_serve, needs_smollm2
 from models import DEVICE, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
@@ -55,18 +55,7 @@ class _Server:
 
     def request(self, method: str, path: str, body=None, headers=AUTH, timeout=TIMEOUT_S):
         """(status, parsed JSON or text) of one plain HTTP request."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-            conn.request(method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read().decode()
-            try:
-                return resp.status, json.loads(raw)
-            except json.JSONDecodeError:
-                return resp.status, raw
-        finally:
-            conn.close()
+        return http_request(self.port, method, path, body, headers, timeout)
 
     def wait_idle(self) -> None:
         """Until every request has ended and its blocks are back (read while the engine thread sleeps)."""
