@@ -463,7 +463,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(f"`{PROG} serve` needs the serve extra ({err.name} is missing): "
                          "pip install 'hf_paged[serve]'") from None  # fmt: skip
     from hf_paged.engine.async_engine import AsyncEngine
-    from hf_paged.frontends.models import DEFAULT_MODEL
 
     if args.api_server_count > 1:
         return _serve_api_servers(args, serve)
@@ -484,18 +483,22 @@ def _serve(args: argparse.Namespace) -> int:
             torch.set_num_threads(max(1, torch.get_num_threads() - 1))
         # Built on the engine thread, which alone drives it from then on (CUDA graphs are captured there).
         engine = AsyncEngine(lambda: _make_engine(model, tokenizer, args.num_blocks, args))
-    serve.run(
-        engine,
+    serve.run(engine, host=args.host, port=args.port, **_server_options(args))
+    return 0
+
+
+def _server_options(args: argparse.Namespace) -> dict:
+    """The HTTP front's settings, the same for one front (serve.run) and several (api_servers.run)."""
+    from hf_paged.frontends.models import DEFAULT_MODEL
+
+    return dict(
         model_name=args.served_model_name or args.model or DEFAULT_MODEL,
-        host=args.host,
-        port=args.port,
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_prompt_tokens=args.max_prompt_tokens,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    return 0
 
 
 def _serve_api_servers(args: argparse.Namespace, serve) -> int:
@@ -504,7 +507,6 @@ def _serve_api_servers(args: argparse.Namespace, serve) -> int:
     Returns the exit status (1: every API server or every engine process died); after a signal, ends the process
     by that signal once everything has stopped, as uvicorn does."""
     from hf_paged.frontends import api_servers
-    from hf_paged.frontends.models import DEFAULT_MODEL
 
     n = args.api_server_count
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -520,16 +522,7 @@ def _serve_api_servers(args: argparse.Namespace, serve) -> int:
         for sock in set(sockets):
             sock.close()
         raise
-    status, received = api_servers.run(
-        engine,
-        sockets,
-        model_name=args.served_model_name or args.model or DEFAULT_MODEL,
-        api_key=args.api_key,
-        max_queue=args.max_queue,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
+    status, received = api_servers.run(engine, sockets, **_server_options(args))
     if received is not None:
         signal.signal(received, signal.SIG_DFL)
         signal.raise_signal(received)
