@@ -147,6 +147,30 @@ def test_concurrent_streams_equal_the_offline_engine_and_spread_over_both_replic
     assert stats.metrics.num_blocks == 2 * 96
 
 
+def test_a_repeated_prompt_goes_to_the_replica_that_cached_it(served):
+    """Sent one after another to an idle engine (equal loads), a prompt goes where it went before, and its second
+    and third prefills come from that replica's prefix cache; least-loaded round-robin would alternate."""
+    engine = served.engine
+    prompt = _prompts(1, seed=7)[0] * 2  # 8..78 tokens: several full blocks of 8
+    params = SamplingParams(max_new_tokens=3, **GREEDY)
+
+    async def main():
+        before = await _idle(engine)
+        for _ in range(3):
+            out = await engine.generate(prompt, params)
+            assert len(out.outputs[0].token_ids) == 3
+        after = await _idle(engine)
+        return before, after
+
+    before, after = _run(main())
+    routed = [a - b for a, b in zip(after.num_routed, before.num_routed, strict=True)]
+    assert sorted(routed) == [0, 3], routed
+    cached = routed.index(3)
+    computed = after.replicas[cached].metrics.num_computed_tokens - before.replicas[cached].metrics.num_computed_tokens
+    assert computed < 3 * len(prompt)  # the second and third prompts hit the cache
+    assert after.replicas[cached].metrics.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("how", ["cancel", "aclose"])
 def test_leaving_a_stream_aborts_it_on_its_replica_and_frees_its_blocks(served, how):
     engine = served.engine

@@ -21,7 +21,10 @@ step with every stream's deltas (made in the replica, where the text is detokeni
 AsyncEngine makes them) and the final RequestOutputs. The front's reader thread hands them to each stream's asyncio
 queue with one ``loop.call_soon_threadsafe`` per message.
 
-Routing: a new request goes to the live replica with the fewest requests in flight; ties go round-robin.
+Routing (hf_paged.engine.routing): a new request goes to the live replica its prompt's leading blocks were sent to
+before (that replica's prefix cache likely holds them), unless it is busier than the least-loaded replica by more
+than a small slack; otherwise, and for a prompt never seen, to the live replica with the fewest requests in flight,
+ties round-robin. Each front remembers only what it routed.
 
 Several fronts (``hf-paged serve --api-server-count N``, hf_paged.frontends.api_servers). Built with
 ``num_fronts=N``, each replica gets N more pipe pairs, one per API-server process: ``front_handoff(f)`` packs front
@@ -56,6 +59,7 @@ from hf_paged.engine.metrics import EngineMetrics
 from hf_paged.engine.outputs import StreamDelta
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.replica import ReplicaLoads, replica_main
+from hf_paged.engine.routing import PrefixRouter
 
 __all__ = ["DataParallelEngine", "DataParallelStats", "FrontHandoff", "ReplicaDeadError"]
 
@@ -244,6 +248,7 @@ class DataParallelEngine(StreamingFront):
         self.tokenizer = limits["tokenizer"]
         self.inputs = InputProcessor(limits["tokenizer"], limits["vocab_size"], limits["max_model_len"],
                                      limits["num_blocks"], limits["block_size"], limits["max_num_seqs"])  # fmt: skip
+        self._router = PrefixRouter(len(self._replicas), limits["block_size"])
         for replica in self._replicas:
             replica.writer = threading.Thread(target=replica.write_loop, name=f"hf_paged-dp{replica.idx}-writer",
                                               daemon=True)  # fmt: skip
@@ -322,11 +327,12 @@ class DataParallelEngine(StreamingFront):
         params, prompt_text, token_ids = self._checked(prompt, params)
         loop = asyncio.get_running_loop()
         request_id = f"dp-{next(self._ids)}" if request_id is None else str(request_id)
+        block_hashes = self._router.block_hashes(token_ids)
         with self._lock:
             self._check_serving()
             if any(request_id in r.live for r in self._replicas):
                 raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
-            replica = self._pick()
+            replica = self._pick(block_hashes)
             record = _Stream(request_id, loop, asyncio.Queue(), replica)
             replica.live[request_id] = record
             replica.num_routed += 1
@@ -408,13 +414,16 @@ class DataParallelEngine(StreamingFront):
         if not any(r.alive for r in self._replicas):
             raise EngineDeadError("every data-parallel replica has died")
 
-    def _pick(self) -> _ReplicaHandle:
-        """The live replica with the fewest requests in flight; among equals, the next in round-robin order."""
+    def _pick(self, block_hashes: list[int]) -> _ReplicaHandle:
+        """The live replica for a prompt with these block hashes (hf_paged.engine.routing): where its prefix went,
+        within the load slack; else the fewest requests in flight, among equals the next in round-robin order."""
         order = self._replicas[self._next :] + self._replicas[: self._next]
         load = (lambda r: len(r.live)) if self._loads is None else self._load
-        replica = min((r for r in order if r.alive), key=load)
-        self._next = (replica.idx + 1) % len(self._replicas)
-        return replica
+        loads = [load(r) if r.alive else 0 for r in self._replicas]
+        idx = self._router.choose([r.idx for r in order if r.alive], loads, block_hashes)
+        self._router.record(idx, block_hashes)
+        self._next = (idx + 1) % len(self._replicas)
+        return self._replicas[idx]
 
     # ---- the reader threads ----------------------------------------------------------------------
 
@@ -442,6 +451,7 @@ class DataParallelEngine(StreamingFront):
             code = replica.process.exitcode
         with self._lock:
             replica.alive = False
+            self._router.forget(replica.idx)
             records, replica.live = list(replica.live.values()), {}
             waiters, replica.stats_waiters = list(replica.stats_waiters.values()), {}
         replica.outbox.put(None)  # ends the writer thread
