@@ -19,7 +19,9 @@ Two kernels:
    and writes ``out`` directly; otherwise it writes a partial (normalized acc, log-sum-exp). A split
    with no tiles (a short sequence, or ``seq_len == 0``) writes the neutral partial (acc 0, lse -inf).
 2. ``_merge_splits_kernel``, grid ``(num_seqs, num_heads)``: log-sum-exp combine of the partials.
-   Rows whose partials are all neutral (``seq_len == 0``, e.g. CUDA-graph padding) get zeros.
+   Rows whose partials are all neutral (``seq_len == 0``, e.g. CUDA-graph padding) get zeros. On SM90+ it is
+   launched with programmatic dependent launch when the split grid is small (its launch overlaps the split
+   kernel; it waits with ``griddepcontrol.wait`` before reading the partials).
 
 With ``prefix_len`` (shared-prefix "cascade" decode, kernels/cascade.py) a third kernel reads the keys below
 ``prefix_len``, which every row shares, once per KV head for all rows; the split kernel then starts each row at
@@ -122,7 +124,10 @@ def _paged_decode_kernel(
     WRITE_OUT: tl.constexpr,  # num_splits == 1: normalize and write out, skip the merge (unless a prefix is set)
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles (MIN_KEYS_PER_SPLIT keys)
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
+    LAUNCH_DEPENDENTS: tl.constexpr,  # the merge is launched with PDL: let it start (it waits for our partials)
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     seq_idx = tl.program_id(0)
     kv_head_idx = tl.program_id(1)
     split_idx = tl.program_id(2)
@@ -275,7 +280,10 @@ def _merge_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     ONE_SPLIT: tl.constexpr,  # num_splits == 1: with no prefix set, the decode kernel wrote out itself
+    WAIT_PRIMARY: tl.constexpr,  # launched with PDL: wait until the decode kernel's partials are in memory
 ):
+    if WAIT_PRIMARY:
+        tl.extra.cuda.gdc_wait()
     seq_idx = tl.program_id(0)
     head_idx = tl.program_id(1)
     num_partials = num_splits
@@ -329,6 +337,19 @@ _PREFIX = Launcher(_shared_prefix_kernel)
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Programmatic dependent launch of the split merge (SM90+): its launch overlaps the split kernel, which a CUDA graph
+# otherwise leaves as a gap between the two (~2 µs at 1 x 4096 on an H100). A module switch for benchmarks.
+USE_PDL = True
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    import triton.language as language
+
+    has_gdc = hasattr(getattr(getattr(language, "extra", None), "cuda", None), "gdc_wait")
+    return has_gdc and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -488,6 +509,18 @@ def paged_decode_triton(
     dot_fp32 = os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16
     write_out = num_splits == 1
     has_prefix = prefix_len is not None
+    # PDL for the merge when it directly follows the split kernel (the prefix kernel sits between them otherwise),
+    # and only while the split grid fits one round of resident programs: the merge's programs, started early, wait
+    # in SM slots that a larger split grid still needs (H100, in a graph: 1 x 512 7.0 -> 6.4 µs, 1 x 4096 13.9 ->
+    # 13.6, but 32 x 512 33.1 -> 34.6; benchmarks/RESULTS.md, sixth session).
+    pdl = (
+        USE_PDL
+        and not write_out
+        and not has_prefix
+        and query.is_cuda
+        and num_seqs * num_kv_heads * num_splits <= PROGRAMS_PER_SM * num_sms
+        and _pdl_supported(query.device.index or 0)
+    )
     block_m = block_m_for(num_seqs * group, head_dim_pad)
     if has_prefix and num_prefix_splits is None:
         num_prefix_splits = choose_num_prefix_splits(
@@ -529,6 +562,7 @@ def paged_decode_triton(
         use_window, use_soft_cap, has_prefix, write_out,
         max(1, MIN_KEYS_PER_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
         dot_fp32,
+        pdl,  # LAUNCH_DEPENDENTS
         num_warps=4,
         num_stages=2,
     )  # fmt: skip
@@ -563,7 +597,9 @@ def paged_decode_triton(
         head_dim, head_dim_pad,
         has_prefix,  # HAS_PREFIX
         write_out,  # ONE_SPLIT
+        pdl,  # WAIT_PRIMARY
         num_warps=4,
         num_stages=3,  # Triton's default on CUDA
+        launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -14,9 +14,9 @@ Triton's specialization may depend on, and nothing cheaper:
     int, do_not_specialize -> (== 1, fits in int32)          Triton: i32 or i64 (and == 1 in some versions)
     float             -> nothing                             Triton: fp32, never specialized
     constexpr         -> the value                           part of Triton's key
-plus num_warps / num_stages and the device. The key may split one Triton specialization into several entries (an
-int's exact value), never merge two, so a key hit always launches the kernel Triton would have launched. A miss
-goes through ``jit_fn[grid](...)`` (which compiles or finds the kernel) and records what it returned.
+plus num_warps / num_stages / launch_pdl and the device. The key may split one Triton specialization into several
+entries (an int's exact value), never merge two, so a key hit always launches the kernel Triton would have
+launched. A miss goes through ``jit_fn[grid](...)`` (which compiles or finds the kernel) and records what it returned.
 
 Where it is off (the standard launch is used): under ``TRITON_INTERPRET=1`` (the CPU tests), with
 ``HF_PAGED_DIRECT_LAUNCH=0``, and on a Triton whose ``CompiledKernel.run`` has another calling convention than the
@@ -88,8 +88,8 @@ class Launcher:
     """Launch ``jit_fn`` with positional arguments, skipping Triton's per-call binding after the first call.
 
     Args:
-        jit_fn: a ``@triton.jit`` kernel. Call as ``launcher(grid, *args, num_warps=..., num_stages=...)`` with
-            every kernel parameter positionally, constexprs included, in the kernel's order.
+        jit_fn: a ``@triton.jit`` kernel. Call as ``launcher(grid, *args, num_warps=..., num_stages=...,
+            launch_pdl=...)`` with every kernel parameter positionally, constexprs included, in the kernel's order.
     """
 
     def __init__(self, jit_fn):
@@ -117,22 +117,28 @@ class Launcher:
         self._stream = driver.active.get_current_stream
         self._check = os.environ.get("HF_PAGED_CHECK_LAUNCH") == "1"
 
-    def __call__(self, grid: tuple, *args, num_warps: int = 4, num_stages: int = 2) -> None:
+    def __call__(self, grid: tuple, *args, num_warps: int = 4, num_stages: int = 2, launch_pdl: bool = False) -> None:
+        # launch_pdl (programmatic dependent launch, SM90+): the kernel may start while the previous one in the stream
+        # runs, and must wait for it (griddepcontrol.wait) before reading what it wrote. Passed only when True, so the
+        # other launches keep the options of Triton versions without it.
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        if launch_pdl:
+            options["launch_pdl"] = True
         if self._enabled is None:
             self._setup()
         if not self._enabled:
-            self.jit_fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            self.jit_fn[grid](*args, **options)
             return
         if self._key_fn is None:
             self._key_fn = _make_key_fn(self.jit_fn, args)
         device = torch.cuda.current_device()
-        key = (device, num_warps, num_stages, self._key_fn(*args))
+        key = (device, num_warps, num_stages, launch_pdl, self._key_fn(*args))
         kernel = self._cache.get(key)
         if kernel is None:
-            self._cache[key] = self.jit_fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            self._cache[key] = self.jit_fn[grid](*args, **options)
             return
         if self._check:
-            expected = self.jit_fn.run(*args, grid=grid, warmup=True, num_warps=num_warps, num_stages=num_stages)
+            expected = self.jit_fn.run(*args, grid=grid, warmup=True, **options)
             if expected is not kernel:
                 raise RuntimeError(
                     f"hf_paged direct launch of {self.jit_fn.__name__}: the cached kernel is not the one Triton "
