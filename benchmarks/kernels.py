@@ -10,6 +10,7 @@ so they compare device time.
 Shared-prefix (cascade) decode, the bench's "prefix" workload at the Qwen3-0.6B shape (16 q / 8 kv heads): 200 rows
 sharing 21 blocks (336 tokens) and 15-125 keys of their own; in-graph µs of one layer's decode without and with
 ``prefix_len`` (kernels/cascade.py predicts ~324 MB -> ~60 MB moved), and the max difference between the two.
+The split merge launched normally vs with programmatic dependent launch (PDL, SM90+), in a graph.
 Prefill (when kernels/prefill.py exists): 4 fresh prompts x 1024 tokens vs causal SDPA.
 
 Prints a markdown block to paste into benchmarks/RESULTS.md; ``--out PATH`` also writes it there.
@@ -121,6 +122,29 @@ def sweep_splits(batch: int, context: int) -> dict[int, float]:
             )
         )  # fmt: skip
     return result
+
+
+PDL_POINTS = ((1, 512), (1, 2048), (1, 4096), (8, 512), (8, 2048), (32, 512))
+
+
+def bench_pdl(l2_bytes: int) -> list[str]:
+    """Markdown rows: in-graph µs of the decode with the split merge launched normally and with programmatic
+    dependent launch (``decode.USE_PDL``; the kernel uses PDL only for small split grids, see decode.py)."""
+    from hf_paged.kernels import decode
+
+    lines = ["### Decode split merge: normal launch vs PDL, in a CUDA graph (µs)", "",
+             "| batch | context | normal | PDL where the heuristic allows it |", "|---:|---:|---:|---:|"]  # fmt: skip
+    saved = decode.USE_PDL
+    try:
+        for batch, context in PDL_POINTS:
+            decode.USE_PDL = False
+            normal = _bench_paged_decode(batch, context, l2_bytes)[3]
+            decode.USE_PDL = True
+            pdl = _bench_paged_decode(batch, context, l2_bytes)[3]
+            lines.append(f"| {batch} | {context} | {normal:.1f} | {pdl:.1f} |")
+    finally:
+        decode.USE_PDL = saved
+    return lines
 
 
 CASCADE_ROWS, CASCADE_HEADS, CASCADE_PREFIX_BLOCKS = 200, 16, 21
@@ -357,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch, context in ((1, 512), (1, 4096), (8, 2048)):
         sweep = sweep_splits(batch, context)
         lines.append(f"| {batch} | {context} | " + " | ".join(f"{sweep[n]:.1f}" for n in SWEEP_SPLITS) + " |")
+    lines += [""] + bench_pdl(l2_bytes)
     lines += [""] + bench_cascade()
     prefill = bench_prefill(gqa_kwargs)
     lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
