@@ -244,7 +244,14 @@ class PagedCache(Cache):
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self._update_layer(key_states, value_states, layer_idx)
+        """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
+        if self._planned:
+            return self._update_planned(key_states, value_states, layer_idx)
+        if torch.compiler.is_compiling():  # the forward context is a context variable, which dynamo cannot read
+            return self._update_from_context_disabled(key_states, value_states, layer_idx)
+        return self._update_from_context(key_states, value_states, layer_idx)  # eager: no disable wrapper
+
+    _update_layer = update  # for _PagedLayer.update (one call frame fewer per layer than a wrapper)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: new row i continues old row beam_idx[i]. Block tables are forked, never copied."""
@@ -738,14 +745,6 @@ class PagedCache(Cache):
             self.pool.reset_prefix_cache()
             self._index_unwritten = False
 
-    def _update_layer(self, key_states, value_states, layer_idx: int):
-        """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
-        if self._planned:
-            return self._update_planned(key_states, value_states, layer_idx)
-        if torch.compiler.is_compiling():  # the forward context is a context variable, which dynamo cannot read
-            return self._update_from_context_disabled(key_states, value_states, layer_idx)
-        return self._update_from_context(key_states, value_states, layer_idx)  # eager: no disable wrapper
-
     def _update_planned(self, key_states, value_states, layer_idx: int):
         """A planned decode step (traced under torch.compile): write at the static slots, return the pools."""
         kv = self.kv
@@ -782,8 +781,12 @@ class PagedCache(Cache):
         if ctx.slot_mapping.device != k_cache.device:  # device_map: this layer lives on another device
             ctx = ctx.on(k_cache.device)
         batch_size, num_kv_heads, query_len, head_dim = shape
-        key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
-        value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        if query_len == 1:  # decode: dropping the size-1 column is a view, at half the host time of the general form
+            key = key_states.view(batch_size, num_kv_heads, head_dim)
+            value = value_states.view(batch_size, num_kv_heads, head_dim)
+        else:
+            key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+            value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         write_kv(key, value, k_cache, v_cache, ctx.slot_mapping)
         if ctx.paged:
             return k_cache, v_cache
