@@ -198,6 +198,11 @@ class PagedCache(Cache):
         # [batch_size, width] int32: the rows' block tables as the last forward planned them (zero-padded; width
         # at least the longest table); None after anything that changes rows outside a forward (reset, crop, ...).
         self._tables: np.ndarray | None = None
+        # What decode steps reuse on the device while it holds: (the _tables array as last copied, that copy), dropped
+        # when _refresh_tables writes into the array (a new array is told apart by identity); and cu_seqlens_q of a
+        # decode step, 0..batch_size.
+        self._device_tables: tuple[np.ndarray, torch.Tensor] | None = None
+        self._decode_cu_seqlens: torch.Tensor | None = None
         self._pending_columns = 0
         self._prepared = False  # rows from prepare() that no forward has fed yet
         # True from the moment blocks enter the prefix index for tokens whose K/V no forward has completed yet
@@ -525,6 +530,7 @@ class PagedCache(Cache):
             paged=paged,
             owner=self,
         )
+        self._device_tables = (block_tables, self._ctx.block_tables)
         return self._ctx
 
     def _begin_decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> ForwardContext | None:
@@ -544,15 +550,23 @@ class PagedCache(Cache):
             return None
         slots, seq_lens, _ = plan
         device = self.kv.k_cache[0].device
+        batch_size = len(self._rows)
+        # Most steps open no block: the block tables and cu_seqlens_q on the device are the last step's.
+        tables = self._device_tables
+        if tables is None or tables[0] is not self._tables:
+            tables = self._device_tables = (self._tables, to_device(self._tables, torch.int32, device))
+        cu_seqlens_q = self._decode_cu_seqlens
+        if cu_seqlens_q is None or cu_seqlens_q.shape[0] != batch_size + 1:
+            cu_seqlens_q = self._decode_cu_seqlens = to_device(np.arange(batch_size + 1), torch.int32, device)
         self._pending_columns = 1
         self._ctx = ForwardContext(
             slot_mapping=to_device(slots, torch.int64, device),
-            block_tables=to_device(self._tables, torch.int32, device),
+            block_tables=tables[1],
             seq_lens=to_device(seq_lens, torch.int32, device),
-            cu_seqlens_q=to_device(np.arange(len(self._rows) + 1), torch.int32, device),
+            cu_seqlens_q=cu_seqlens_q,
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
-            batch_size=len(self._rows),
+            batch_size=batch_size,
             query_len=1,
             paged=True,
             owner=self,
@@ -625,6 +639,7 @@ class PagedCache(Cache):
 
     def _refresh_tables(self, changed: list[int]) -> None:
         """Read the block tables of rows ``changed`` from the pool into the kept [batch_size, width] tables."""
+        self._device_tables = None  # written in place below: its device copy is stale
         tables = [self.pool.get_block_table(self._rows[b].seq_id) for b in changed]
         width = max(len(t) for t in tables)
         if width > self._tables.shape[1]:
