@@ -137,16 +137,15 @@ def write_kv_triton(
         if len(_WRITE_KV_LAUNCHES) >= _MAX_SIGNATURES:  # e.g. prefills of many lengths: start over, rarely
             _WRITE_KV_LAUNCHES.clear()
         _WRITE_KV_LAUNCHES[signature] = launch
-    if launch is _NO_TOKENS:
+    if not launch:  # no tokens
         return
     grid, sizes, num_warps = launch
     _WRITE_KV(grid, key, value, k_cache, v_cache, slot_mapping, *sizes, num_warps=num_warps, num_stages=3)
 
 
-# write_kv_triton's checked signatures -> (grid, strides and sizes of the launch, num_warps), or _NO_TOKENS.
+# write_kv_triton's checked signatures -> (grid, strides and sizes of the launch, num_warps), or () for no tokens.
 _WRITE_KV_LAUNCHES: dict[tuple, tuple] = {}
 _MAX_SIGNATURES = 256
-_NO_TOKENS = ()
 
 
 def _write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tuple:
@@ -172,7 +171,7 @@ def _write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tuple:
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device}, but the cache is on {k_cache.device}")
     if num_tokens == 0:
-        return _NO_TOKENS
+        return ()
 
     row_size = num_kv_heads * head_dim
     tile = min(next_power_of_2(row_size), _MAX_TILE)
