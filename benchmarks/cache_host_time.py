@@ -9,22 +9,35 @@ depth (28 layers) and tiny widths, so the numbers are the per-step Python and di
   number is hf_paged's host work per step (the plan of each forward and the per-layer glue) plus the model;
 - ``plan``: of that, the time in ``PagedCache._begin_forward`` (the per-forward plan: slots, tables, lengths).
 
+``--wrappers`` keeps the kernels' Python wrappers instead of stubbing them: the dispatchers of hf_paged.kernels
+(``write_kv``, ``paged_attention``) take their CUDA branch on these CPU tensors (their source is run with the device
+test flipped, nothing else changed), so the Triton launchers' checks, output and scratch allocations, split
+heuristics and argument packing all run; only ``Launcher.__call__`` (kernels/launch.py: the launch-key lookup and
+``CompiledKernel.run``) is a no-op. What this leaves out of the GPU host's cost: the launch itself, the CUDA
+caching allocator (``torch.empty`` on CPU is cheaper), ``torch.cuda.current_device()`` in ``on_device`` and the SM
+count lookup, which the CPU branch of those helpers skips.
+
 A step's host time runs from the start of one forward to the start of the next (the forward, then generate's
 sampling and input preparation), measured with ``time.process_time``; each run gives the median over its decode
 steps, and the table the minimum over ``--repeats`` runs and, in brackets, their median (on a shared machine other
-processes only ever add time, so the minimum is the steadier number). The CUDA launch cost of the kernels is not in
-these numbers.
+processes only ever add time, so the minimum is the steadier number). The DynamicCache and PagedCache runs
+alternate, so both see the same load. The CUDA launch cost of the kernels is not in these numbers; nor, for
+DynamicCache, is its arithmetic left out: at large batch and prompt its CPU attention and concatenations compute for
+real, so that column is not a host cost there.
 
-Run: python benchmarks/cache_host_time.py [--batch 1 64] [--prompt 512] [--new-tokens 32]
+Run: python benchmarks/cache_host_time.py [--batch 1 64] [--prompt 512] [--new-tokens 32] [--wrappers]
 """
 
 import argparse
 import functools
+import inspect
 import statistics
 import time
 
+import hf_paged.kernels as kernels_module
 import torch
 import transformers
+from hf_paged.kernels import launch as launch_module
 from transformers import DynamicCache
 
 import hf_paged.attention as paged_attention_module
@@ -55,6 +68,25 @@ def stub_kernels() -> None:
     cache_module.write_kv = write_kv
     paged_attention_module.write_kv = write_kv
     paged_attention_module.paged_attention = paged_attention
+
+
+def keep_wrappers() -> None:
+    """Run the kernels' Python wrappers on these CPU tensors with no-op launches (see the module docstring)."""
+
+    def no_launch(self, grid, *args, num_warps=4, num_stages=2):
+        pass
+
+    launch_module.Launcher.__call__ = no_launch
+    # The dispatchers send CPU tensors to the torch references: run their own source with the device test flipped.
+    for name, device_test in (("write_kv", "if k_cache.is_cuda:"), ("paged_attention", "if not query.is_cuda:")):
+        source = inspect.getsource(getattr(kernels_module, name))
+        if source.count(device_test) != 1:
+            raise RuntimeError(f"--wrappers: {name} no longer tests its device with {device_test!r}; update this")
+        scope = dict(vars(kernels_module))
+        exec(source.replace(device_test, device_test.replace("is_cuda", "is_cpu")), scope)  # noqa: S102
+        for module in (kernels_module, cache_module, paged_attention_module):
+            if hasattr(module, name):
+                setattr(module, name, scope[name])
 
 
 class PlanTimer:
@@ -101,15 +133,24 @@ def decode_step_ms(model, make_cache, prompts: torch.Tensor, new_tokens: int, ti
     return steps, plan_steps
 
 
-def step_ms(model, make_cache, prompts, new_tokens: int, repeats: int, timer: PlanTimer | None = None):
-    """Per run, the median host ms of a decode step and of its plan (empty without a timer)."""
-    decode_step_ms(model, make_cache, prompts, 3)  # warm-up
-    steps, plans = [], []
+def step_ms(model, runs: dict, prompts, new_tokens: int, repeats: int, timer: PlanTimer):
+    """Per run, the median host ms of a decode step (and of its plan) of each of ``runs``: name -> (attention
+    implementation, cache factory). The runs alternate, so that every configuration sees the same machine load.
+
+    Returns:
+        {name: (step ms of each run, plan ms of each run)}.
+    """
+    for attn, make_cache in runs.values():  # warm-up
+        model.set_attn_implementation(attn)
+        decode_step_ms(model, make_cache, prompts, 3)
+    result = {name: ([], []) for name in runs}
     for _ in range(repeats):
-        run_steps, run_plans = decode_step_ms(model, make_cache, prompts, new_tokens, timer)
-        steps.append(statistics.median(run_steps))
-        plans.append(statistics.median(run_plans))
-    return steps, (plans if timer else [])
+        for name, (attn, make_cache) in runs.items():
+            model.set_attn_implementation(attn)
+            run_steps, run_plans = decode_step_ms(model, make_cache, prompts, new_tokens, timer)
+            result[name][0].append(statistics.median(run_steps))
+            result[name][1].append(statistics.median(run_plans))
+    return result
 
 
 def _fmt(values: list[float]) -> str:
@@ -123,25 +164,31 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument(
+        "--wrappers", action="store_true", help="keep the kernels' Python wrappers; only the launches are no-ops"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    stub_kernels()
+    if args.wrappers:
+        keep_wrappers()
+    else:
+        stub_kernels()
     timer = PlanTimer()
     model = build_model(args.layers)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.layers} layers, prompt "
           f"{args.prompt}, {args.new_tokens} new tokens, {args.repeats} runs; host ms/step: min (median)")  # fmt: skip
-    print("| batch | DynamicCache + sdpa | PagedCache + paged (no-op kernels) | of which the plan (_begin_forward) |")
+    kernels = "kernel wrappers, no-op launches" if args.wrappers else "no-op kernels"
+    print(f"| batch | DynamicCache + sdpa | PagedCache + paged ({kernels}) | of which the plan (_begin_forward) |")
     print("|---|---|---|---|")
     for batch in args.batch:
         prompts = torch.randint(3, 256, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
         num_blocks = batch * ((args.prompt + args.new_tokens) // 16 + 2)
-        model.set_attn_implementation("sdpa")
-        dynamic, _ = step_ms(model, lambda: DynamicCache(config=model.config), prompts, args.new_tokens, args.repeats)
-        model.set_attn_implementation("paged")
-        paged, plan = step_ms(
-            model, functools.partial(PagedCache, model, num_blocks=num_blocks, block_size=16), prompts,
-            args.new_tokens, args.repeats, timer,
-        )  # fmt: skip
+        runs = {
+            "dynamic": ("sdpa", lambda: DynamicCache(config=model.config)),
+            "paged": ("paged", functools.partial(PagedCache, model, num_blocks=num_blocks, block_size=16)),
+        }
+        result = step_ms(model, runs, prompts, args.new_tokens, args.repeats, timer)
+        (dynamic, _), (paged, plan) = result["dynamic"], result["paged"]
         print(f"| {batch} | {_fmt(dynamic)} | {_fmt(paged)} | {_fmt(plan)} |", flush=True)
 
 

@@ -49,7 +49,7 @@ def paged_attention_forward(
     # disable wrapper, whose frame-hook bookkeeping costs more per layer than the rest of this adapter.
     context_attention = _context_attention_disabled if torch.compiler.is_compiling() else _context_attention
     return context_attention(
-        module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
+        module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs
     )
 
 
@@ -87,15 +87,36 @@ def _check_paged_module(module: torch.nn.Module, dropout: float) -> None:
 
 
 def _context_attention(
-    module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
+    module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs: dict
 ) -> tuple[torch.Tensor, None]:
-    """Every forward but a planned decode step: the step metadata comes from the forward context."""
+    """Every forward but a planned decode step: the step metadata comes from the forward context.
+
+    ``kwargs``: the attention function's other keyword arguments, as a dict (only the fallback reads them).
+    """
     ctx = get_forward_context()
     if ctx is None or not ctx.paged:
         return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
     _check_paged_module(module, dropout)
     batch_size, num_heads, query_len, head_dim = query.shape
     ctx = ctx.on(query.device)
+    if scaling is None:
+        scaling = head_dim**-0.5
+    if (
+        query_len == 1
+        and ctx.token_idx is None
+        and ctx.max_query_len == 1
+        and ctx.kv_caches is None
+        and ctx.decode_seq_lens is None
+    ):
+        # A decode step under PagedCache (the hot path of eager generate): one real token in every row, K/V already
+        # in the pools. The general path below makes the same call, after more branches.
+        out = paged_attention(
+            query.view(batch_size, num_heads, head_dim), key, value, ctx.block_tables, ctx.seq_lens,
+            ctx.cu_seqlens_q, scaling, max_query_len=1, max_seq_len=ctx.max_seq_len,
+            sliding_window=sliding_window or None, soft_cap=softcap or None,
+            prefix_len=ctx.prefix_len if not sliding_window else None, max_prefix_len=ctx.max_prefix_len,
+        )  # fmt: skip
+        return out.view(batch_size, 1, num_heads, head_dim), None
     new_key = new_value = None  # the new tokens' K/V [num_tokens, num_kv_heads, head_dim] (engine path)
     if ctx.kv_caches is not None:  # engine path: no Cache object; write this layer's new K/V here
         k_cache, v_cache = ctx.kv_caches[module.layer_idx]
@@ -104,8 +125,6 @@ def _context_attention(
         new_value = value.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping)
         key, value = k_cache, v_cache
-    if scaling is None:
-        scaling = head_dim**-0.5
     if query_len == 1:
         q = query.reshape(batch_size, num_heads, head_dim)  # [num_tokens, num_heads, head_dim], a view
     else:

@@ -198,6 +198,11 @@ class PagedCache(Cache):
         # [batch_size, width] int32: the rows' block tables as the last forward planned them (zero-padded; width
         # at least the longest table); None after anything that changes rows outside a forward (reset, crop, ...).
         self._tables: np.ndarray | None = None
+        # What decode steps reuse on the device while it holds: (the _tables array as last copied, that copy), dropped
+        # when _refresh_tables writes into the array (a new array is told apart by identity); and cu_seqlens_q of a
+        # decode step, 0..batch_size.
+        self._device_tables: tuple[np.ndarray, torch.Tensor] | None = None
+        self._decode_cu_seqlens: torch.Tensor | None = None
         self._pending_columns = 0
         self._prepared = False  # rows from prepare() that no forward has fed yet
         # True from the moment blocks enter the prefix index for tokens whose K/V no forward has completed yet
@@ -244,7 +249,14 @@ class PagedCache(Cache):
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self._update_layer(key_states, value_states, layer_idx)
+        """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
+        if self._planned:
+            return self._update_planned(key_states, value_states, layer_idx)
+        if torch.compiler.is_compiling():  # the forward context is a context variable, which dynamo cannot read
+            return self._update_from_context_disabled(key_states, value_states, layer_idx)
+        return self._update_from_context(key_states, value_states, layer_idx)  # eager: no disable wrapper
+
+    _update_layer = update  # for _PagedLayer.update (one call frame fewer per layer than a wrapper)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: new row i continues old row beam_idx[i]. Block tables are forked, never copied."""
@@ -518,6 +530,7 @@ class PagedCache(Cache):
             paged=paged,
             owner=self,
         )
+        self._device_tables = (block_tables, self._ctx.block_tables)
         return self._ctx
 
     def _begin_decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> ForwardContext | None:
@@ -537,15 +550,23 @@ class PagedCache(Cache):
             return None
         slots, seq_lens, _ = plan
         device = self.kv.k_cache[0].device
+        batch_size = len(self._rows)
+        # Most steps open no block: the block tables and cu_seqlens_q on the device are the last step's.
+        tables = self._device_tables
+        if tables is None or tables[0] is not self._tables:
+            tables = self._device_tables = (self._tables, to_device(self._tables, torch.int32, device))
+        cu_seqlens_q = self._decode_cu_seqlens
+        if cu_seqlens_q is None or cu_seqlens_q.shape[0] != batch_size + 1:
+            cu_seqlens_q = self._decode_cu_seqlens = to_device(np.arange(batch_size + 1), torch.int32, device)
         self._pending_columns = 1
         self._ctx = ForwardContext(
             slot_mapping=to_device(slots, torch.int64, device),
-            block_tables=to_device(self._tables, torch.int32, device),
+            block_tables=tables[1],
             seq_lens=to_device(seq_lens, torch.int32, device),
-            cu_seqlens_q=to_device(np.arange(len(self._rows) + 1), torch.int32, device),
+            cu_seqlens_q=cu_seqlens_q,
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
-            batch_size=len(self._rows),
+            batch_size=batch_size,
             query_len=1,
             paged=True,
             owner=self,
@@ -618,6 +639,7 @@ class PagedCache(Cache):
 
     def _refresh_tables(self, changed: list[int]) -> None:
         """Read the block tables of rows ``changed`` from the pool into the kept [batch_size, width] tables."""
+        self._device_tables = None  # written in place below: its device copy is stale
         tables = [self.pool.get_block_table(self._rows[b].seq_id) for b in changed]
         width = max(len(t) for t in tables)
         if width > self._tables.shape[1]:
@@ -738,14 +760,6 @@ class PagedCache(Cache):
             self.pool.reset_prefix_cache()
             self._index_unwritten = False
 
-    def _update_layer(self, key_states, value_states, layer_idx: int):
-        """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
-        if self._planned:
-            return self._update_planned(key_states, value_states, layer_idx)
-        if torch.compiler.is_compiling():  # the forward context is a context variable, which dynamo cannot read
-            return self._update_from_context_disabled(key_states, value_states, layer_idx)
-        return self._update_from_context(key_states, value_states, layer_idx)  # eager: no disable wrapper
-
     def _update_planned(self, key_states, value_states, layer_idx: int):
         """A planned decode step (traced under torch.compile): write at the static slots, return the pools."""
         kv = self.kv
@@ -782,8 +796,12 @@ class PagedCache(Cache):
         if ctx.slot_mapping.device != k_cache.device:  # device_map: this layer lives on another device
             ctx = ctx.on(k_cache.device)
         batch_size, num_kv_heads, query_len, head_dim = shape
-        key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
-        value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        if query_len == 1:  # decode: dropping the size-1 column is a view, at half the host time of the general form
+            key = key_states.view(batch_size, num_kv_heads, head_dim)
+            value = value_states.view(batch_size, num_kv_heads, head_dim)
+        else:
+            key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+            value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         write_kv(key, value, k_cache, v_cache, ctx.slot_mapping)
         if ctx.paged:
             return k_cache, v_cache

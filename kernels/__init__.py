@@ -11,6 +11,8 @@ through the custom ops of kernels/ops.py, on the CPU through traceable torch ref
 and ``copy_blocks`` are for eager callers (the reference loops on host copies of the lengths).
 """
 
+from types import SimpleNamespace
+
 import torch
 
 from . import ops  # noqa: F401  (registers the custom ops torch.ops.hf_paged.*)
@@ -28,6 +30,20 @@ __all__ = [
     "paged_decode_ref",
 ]
 
+_triton_modules: SimpleNamespace | None = None
+
+
+def _triton() -> SimpleNamespace:
+    """The Triton launchers' modules (cache_ops, decode, prefill), imported at the first CUDA call: CPU callers never
+    load Triton. Kept here because a function-level ``from .decode import ...`` costs about 1 µs a call, which eager
+    decoding pays per layer."""
+    global _triton_modules
+    if _triton_modules is None:
+        from . import cache_ops, decode, prefill
+
+        _triton_modules = SimpleNamespace(cache_ops=cache_ops, decode=decode, prefill=prefill)
+    return _triton_modules
+
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -41,10 +57,8 @@ def write_kv(
         if torch.compiler.is_compiling():  # an opaque op: dynamo does not trace the launcher's host code
             torch.ops.hf_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
-        from .cache_ops import write_kv_triton
-
         with on_device(k_cache):  # Triton launches on the current device
-            write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+            _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:  # traced under torch.compile only when every slot is >= 0 (see write_kv_ref)
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
@@ -59,10 +73,8 @@ def copy_blocks(
     if src.numel() == 0:
         return
     if k_cache.is_cuda:
-        from .cache_ops import copy_blocks_triton
-
         with on_device(k_cache):
-            copy_blocks_triton(k_cache, v_cache, src, dst)
+            _triton().cache_ops.copy_blocks_triton(k_cache, v_cache, src, dst)
     else:
         copy_blocks_ref(k_cache, v_cache, src, dst)
 
@@ -126,16 +138,12 @@ def paged_attention(
     # Triton launches on the current device: with accelerate's device_map, layers live on several GPUs.
     with on_device(query):
         if max_query_len == 1:
-            from .decode import paged_decode_triton
-
-            return paged_decode_triton(
+            return _triton().decode.paged_decode_triton(
                 query, k_cache, v_cache, block_tables, seq_lens, scale,
                 max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
                 prefix_len=prefix_len, max_prefix_len=max_prefix_len,
             )  # fmt: skip
-        from .prefill import paged_prefill_triton
-
-        return paged_prefill_triton(
+        return _triton().prefill.paged_prefill_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
             out=out, key=key, value=value,

@@ -121,6 +121,35 @@ def write_kv_triton(
     Raises:
         ValueError: on a shape, dtype or device mismatch.
     """
+    # The checks (_write_kv_launch) read nothing but this signature, so one that passed them once passes them again:
+    # they and the launch's non-tensor arguments are computed once per signature (eager decode calls this once per
+    # layer per step with the same one). A new shape, stride, dtype or device misses and is checked in full.
+    signature = (
+        key.shape, key.stride(), key.dtype, key.device,
+        value.shape, value.stride(), value.dtype, value.device,
+        k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+        v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+        slot_mapping.shape, slot_mapping.dtype, slot_mapping.device,
+    )  # fmt: skip
+    launch = _WRITE_KV_LAUNCHES.get(signature)
+    if launch is None:
+        launch = _write_kv_launch(key, value, k_cache, v_cache, slot_mapping)  # raises on a bad signature
+        if len(_WRITE_KV_LAUNCHES) >= _MAX_SIGNATURES:  # e.g. prefills of many lengths: start over, rarely
+            _WRITE_KV_LAUNCHES.clear()
+        _WRITE_KV_LAUNCHES[signature] = launch
+    if not launch:  # no tokens
+        return
+    grid, sizes, num_warps = launch
+    _WRITE_KV(grid, key, value, k_cache, v_cache, slot_mapping, *sizes, num_warps=num_warps, num_stages=3)
+
+
+# write_kv_triton's checked signatures -> (grid, strides and sizes of the launch, num_warps), or () for no tokens.
+_WRITE_KV_LAUNCHES: dict[tuple, tuple] = {}
+_MAX_SIGNATURES = 256
+
+
+def _write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tuple:
+    """Check write_kv_triton's arguments; return its launch's grid, non-tensor arguments and num_warps."""
     _check_cache_pair(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if key.dim() != 3 or tuple(key.shape[1:]) != (num_kv_heads, head_dim):
@@ -142,19 +171,12 @@ def write_kv_triton(
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device}, but the cache is on {k_cache.device}")
     if num_tokens == 0:
-        return
+        return ()
 
     row_size = num_kv_heads * head_dim
     tile = min(next_power_of_2(row_size), _MAX_TILE)
-    grid = (num_tokens, cdiv(row_size, tile))
-    _WRITE_KV(
-        grid,
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(),
-        head_dim, row_size, block_size, tile,
-        num_warps=4 if tile >= 1024 else 1 if tile <= 128 else 2,
-        num_stages=3,  # Triton's default on CUDA; a loop-free kernel
-    )  # fmt: skip
+    sizes = (*key.stride(), *value.stride(), *k_cache.stride(), head_dim, row_size, block_size, tile)
+    return (num_tokens, cdiv(row_size, tile)), sizes, (4 if tile >= 1024 else 1 if tile <= 128 else 2)
 
 
 @triton.jit

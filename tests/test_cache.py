@@ -288,6 +288,29 @@ def test_decode_fast_path_plans_what_the_general_plan_does(monkeypatch, mode):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (step, name, x, y)
 
 
+def test_decode_steps_reuse_the_device_block_tables():
+    """A decode step whose rows open no block reuses the last step's device block tables (and every decode step the
+    same cu_seqlens_q); a step that opens one copies the new tables (the contexts above check their values)."""
+    model = tiny_model("llama")
+    cache = PagedCache(model, num_blocks=32, block_size=8)
+    contexts = _record_contexts(cache)
+    _generate(model, cache, max_new_tokens=20, min_new_tokens=20)
+    decode = contexts[1:]
+    assert len(decode) == 19 and all(ctx.max_query_len == 1 for ctx in decode)
+    assert all(ctx.cu_seqlens_q is decode[0].cu_seqlens_q for ctx in decode[1:])
+    num_reused = 0
+    for before, ctx in zip(contexts, decode, strict=False):
+        same = ctx.block_tables.shape == before.block_tables.shape and torch.equal(
+            ctx.block_tables, before.block_tables
+        )
+        if ctx.block_tables is before.block_tables:
+            num_reused += 1
+        else:
+            assert not same  # copied only when a row opened a block
+    assert num_reused >= 19 - 3 * len(IDS)  # 20 tokens of block size 8 open at most 3 blocks per row
+    assert_cache_released(cache)
+
+
 def test_sinks_are_found_as_parameter_or_attribute():
     from hf_paged.attention import _has_sinks
 

@@ -161,6 +161,56 @@ def test_write_kv_rejects_bad_arguments():
         write_kv_triton(key, key, k_cache, v_cache[:, :, :1], slots)
 
 
+def test_write_kv_checks_every_new_signature():
+    """The checks run once per signature (shapes, strides, dtypes, devices): a call that differs from a checked one in
+    any of them is checked again and raises as before; a checked one still writes its own tensors' values."""
+    from hf_paged.kernels import cache_ops
+
+    k_cache, v_cache = _poisoned_cache(2, 8, 2, 64, torch.float16)
+    key = torch.randn(4, 2, 64, dtype=torch.float16, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    write_kv_triton(key, key, k_cache, v_cache, slots)  # checked and remembered
+    assert any(sig[0] == key.shape and sig[8] == k_cache.shape for sig in cache_ops._WRITE_KV_LAUNCHES)
+    with pytest.raises(ValueError, match=r"key must be \[num_tokens, num_kv_heads=2, head_dim=64\]"):
+        write_kv_triton(key[..., :32], key[..., :32], k_cache, v_cache, slots)  # shape
+    with pytest.raises(ValueError, match=r"v_cache strides .* must equal k_cache strides"):  # strides
+        write_kv_triton(key, key, k_cache, v_cache.transpose(0, 1).contiguous().transpose(0, 1), slots)
+    with pytest.raises(
+        ValueError, match=r"key/value dtype must be one of .* and equal, got torch.float16 / torch.float32"
+    ):
+        write_kv_triton(key, key.float(), k_cache, v_cache, slots)  # dtype
+    with pytest.raises(ValueError, match=r"slot_mapping dtype must be torch.int32 or torch.int64, got torch.float32"):
+        write_kv_triton(key, key, k_cache, v_cache, slots.float())
+    with pytest.raises(ValueError, match=r"slot_mapping is on meta, but the cache is on"):  # device
+        write_kv_triton(key, key, k_cache, v_cache, slots.to("meta"))
+    with pytest.raises(ValueError, match=r"value is on meta, but the cache is on"):
+        write_kv_triton(key, key.to("meta"), k_cache, v_cache, slots)
+    # The checked signature with other values (nothing but the signature is remembered): written as the reference.
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    other_key, other_slots = torch.randn_like(key), torch.tensor([9, 3, -1, 12], device=DEVICE)
+    write_kv_ref(other_key, -other_key, expected_k, expected_v, other_slots)
+    write_kv_triton(other_key, -other_key, k_cache, v_cache, other_slots)
+    _assert_same(k_cache, expected_k)
+    _assert_same(v_cache, expected_v)
+
+
+def test_write_kv_signature_memory_is_bounded(monkeypatch):
+    from hf_paged.kernels import cache_ops
+
+    monkeypatch.setattr(cache_ops, "_WRITE_KV_LAUNCHES", {})
+    monkeypatch.setattr(cache_ops, "_MAX_SIGNATURES", 2)
+    k_cache, v_cache = _poisoned_cache(4, 8, 2, 64, torch.float32)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for num_tokens in (1, 2, 3, 0, 1):  # five calls, four signatures
+        key = torch.randn(num_tokens, 2, 64, device=DEVICE)
+        slots = torch.arange(num_tokens, device=DEVICE) + 8 * num_tokens
+        write_kv_triton(key, key * 2, k_cache, v_cache, slots)
+        write_kv_ref(key, key * 2, expected_k, expected_v, slots)
+        assert len(cache_ops._WRITE_KV_LAUNCHES) <= 2
+    _assert_same(k_cache, expected_k)
+    _assert_same(v_cache, expected_v)
+
+
 def test_copy_blocks_rejects_bad_arguments():
     k_cache, v_cache = _poisoned_cache(4, 8, 2, 64, torch.float16)
     src = torch.tensor([0, 1])
