@@ -334,6 +334,17 @@ _MERGE = Launcher(_merge_splits_kernel)
 _PREFIX = Launcher(_shared_prefix_kernel)
 
 
+# Read once: the interpreter is chosen when the process starts (Triton reads the variable at import too).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [1, 1, 1, 1] and [1, 1, 1] tensors on ``device``: the partial pointers a one-split launch never reads."""
+    return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device), torch.empty((1, 1, 1), dtype=torch.float32,
+                                                                                       device=device)  # fmt: skip
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -506,7 +517,7 @@ def paged_decode_triton(
     use_window = sliding_window is not None and sliding_window > 0
     use_soft_cap = soft_cap is not None and soft_cap > 0
     # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
-    dot_fp32 = os.environ.get("TRITON_INTERPRET") == "1" and query.dtype == torch.bfloat16
+    dot_fp32 = query.dtype == torch.bfloat16 and _INTERPRETED
     write_out = num_splits == 1
     has_prefix = prefix_len is not None
     # PDL for the merge when it directly follows the split kernel (the prefix kernel sits between them otherwise),
@@ -535,9 +546,8 @@ def paged_decode_triton(
     num_partials = num_splits + num_prefix_splits
 
     if write_out and not has_prefix:
-        # Unused placeholders: the kernel never touches them when WRITE_OUT.
-        partial_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
+        # Unused placeholders: the kernel never touches them when WRITE_OUT (kept per device: no allocation a call).
+        partial_acc, partial_lse = _placeholders(query.device)
     else:
         # Allocated per call; inside the engine's CUDA graphs that happens once, at capture (the graph's pool).
         partial_acc = torch.empty(
