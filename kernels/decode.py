@@ -494,30 +494,51 @@ def paged_decode_triton(
     Raises:
         ValueError: On a shape, dtype, device or range mismatch (the message names the value).
     """
-    _check_args(
-        query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
-        num_prefix_splits,
+    # The checks and every launch argument fixed by the arguments' shapes, strides, dtypes and devices are computed
+    # once per such signature (eager decoding calls this once per layer per step with the same one); the values
+    # that change per call (lengths, split counts) are checked on every call.
+    signature = (
+        query.shape, query.stride(), query.dtype, query.device,
+        k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+        v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+        block_tables.shape, block_tables.stride(), block_tables.dtype, block_tables.device,
+        seq_lens.shape, seq_lens.dtype, seq_lens.device,
+        None if out is None else (out.shape, out.dtype, out.device),
+        None if prefix_len is None else (prefix_len.shape, prefix_len.dtype, prefix_len.device),
+        scale, sliding_window, soft_cap,
     )  # fmt: skip
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    plan = _PLANS.get(signature)
+    if (
+        plan is None
+        or max_seq_len < 0
+        or (num_splits is not None and not 1 <= num_splits <= MAX_NUM_SPLITS)
+        or (num_prefix_splits is not None and not 1 <= num_prefix_splits <= MAX_NUM_SPLITS)
+    ):
+        _check_args(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            max_seq_len,
+            num_splits,
+            out,
+            prefix_len,
+            sliding_window,
+            num_prefix_splits,
+        )  # fmt: skip  (raises on anything wrong)
+        if plan is None:
+            if len(_PLANS) >= _MAX_PLANS:  # e.g. many batch sizes: start over, rarely
+                _PLANS.clear()
+            plan = _PLANS[signature] = _Plan(query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap)
+    num_seqs, num_heads, head_dim, num_kv_heads = plan.num_seqs, plan.num_heads, plan.head_dim, plan.num_kv_heads
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else DEFAULT_NUM_SMS
+    num_sms = plan.num_sms
     if num_splits is None:
         num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms)
-
-    head_dim_pad = max(16, next_power_of_2(head_dim))
-    # 64 keys per tile streams enough bytes per iteration; halve it at head_dim 256 to keep the
-    # K/V tiles in registers. A power of two, so with block_size >= BLOCK_N (a power of two times
-    # a multiple of BLOCK_N) a tile never crosses a block and needs one block-table entry.
-    block_n = 32 if head_dim_pad > 128 else 64
-    use_window = sliding_window is not None and sliding_window > 0
-    use_soft_cap = soft_cap is not None and soft_cap > 0
-    # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
-    dot_fp32 = query.dtype == torch.bfloat16 and _INTERPRETED
     write_out = num_splits == 1
     has_prefix = prefix_len is not None
     # PDL for the merge when it directly follows the split kernel (the prefix kernel sits between them otherwise),
@@ -525,18 +546,16 @@ def paged_decode_triton(
     # in SM slots that a larger split grid still needs (H100, in a graph: 1 x 512 7.0 -> 6.4 µs, 1 x 4096 13.9 ->
     # 13.6, but 32 x 512 33.1 -> 34.6; benchmarks/RESULTS.md, sixth session).
     pdl = (
-        USE_PDL
+        plan.pdl_ok
+        and USE_PDL
         and not write_out
         and not has_prefix
-        and query.is_cuda
         and num_seqs * num_kv_heads * num_splits <= PROGRAMS_PER_SM * num_sms
-        and _pdl_supported(query.device.index or 0)
     )
-    block_m = block_m_for(num_seqs * group, head_dim_pad)
     if has_prefix and num_prefix_splits is None:
         num_prefix_splits = choose_num_prefix_splits(
             max_seq_len if max_prefix_len is None else max_prefix_len,
-            cdiv(num_seqs * group, block_m),
+            cdiv(num_seqs * plan.group, plan.block_m),
             num_kv_heads,
             num_sms,
         )
@@ -550,49 +569,35 @@ def paged_decode_triton(
         partial_acc, partial_lse = _placeholders(query.device)
     else:
         # Allocated per call; inside the engine's CUDA graphs that happens once, at capture (the graph's pool).
-        partial_acc = torch.empty(
-            (num_seqs, num_heads, num_partials, head_dim), dtype=torch.float32, device=query.device
-        )
-        partial_lse = torch.empty((num_seqs, num_heads, num_partials), dtype=torch.float32, device=query.device)
+        device = query.device
+        partial_acc = torch.empty((num_seqs, num_heads, num_partials, head_dim), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((num_seqs, num_heads, num_partials), dtype=torch.float32, device=device)
+    partial_strides = (*partial_acc.stride(), *partial_lse.stride())
+    out_strides = out.stride()
 
     _DECODE(
         (num_seqs, num_kv_heads, num_splits),
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
-        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        *partial_acc.stride(), *partial_lse.stride(),
+        *plan.strides, *out_strides, *partial_strides,
         num_splits,
-        float(scale) * _LOG2E,  # scale_log2
-        float(scale) / soft_cap if use_soft_cap else 0.0,  # cap_in
-        float(soft_cap) * _LOG2E if use_soft_cap else 0.0,  # cap_out
-        int(sliding_window) if use_window else 0,
-        group,  # GROUP
-        max(16, next_power_of_2(group)),  # GROUP_PAD
-        head_dim, head_dim_pad, block_size, block_n,
-        block_size % block_n == 0,  # ONE_BLOCK_PER_TILE
-        use_window, use_soft_cap, has_prefix, write_out,
-        max(1, MIN_KEYS_PER_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
-        dot_fp32,
+        *plan.decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
+        has_prefix, write_out,
+        plan.min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
         pdl,  # LAUNCH_DEPENDENTS
         num_warps=4,
         num_stages=2,
     )  # fmt: skip
     if has_prefix:
         _PREFIX(
-            (cdiv(num_seqs * group, block_m), num_kv_heads, num_prefix_splits),
+            (cdiv(num_seqs * plan.group, plan.block_m), num_kv_heads, num_prefix_splits),
             query, k_cache, v_cache, block_tables, seq_lens, prefix_len, partial_acc, partial_lse,
-            *query.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(1),
-            *partial_acc.stride(), *partial_lse.stride(),
-            num_seqs * group,  # num_rows
+            *plan.strides[:-2], plan.strides[-1],  # query, k_cache, v_cache; block_tables' column stride
+            *partial_strides,
+            num_seqs * plan.group,  # num_rows
             num_prefix_splits,
             num_splits,  # split_offset: the decode kernel's partials come first
-            float(scale) * _LOG2E,  # scale_log2
-            float(scale) / soft_cap if use_soft_cap else 0.0,  # cap_in
-            float(soft_cap) * _LOG2E if use_soft_cap else 0.0,  # cap_out
-            group, head_dim, head_dim_pad, block_size, block_m, block_n,  # GROUP .. BLOCK_N
-            block_size % block_n == 0,  # ONE_BLOCK_PER_TILE
-            use_soft_cap,
-            max(1, MIN_KEYS_PER_PREFIX_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
-            dot_fp32,
+            *plan.prefix_args,  # scale_log2 .. MIN_TILES_PER_SPLIT
+            plan.dot_fp32,
             num_warps=4,
             num_stages=2,
         )  # fmt: skip
@@ -601,10 +606,10 @@ def paged_decode_triton(
     _MERGE(
         (num_seqs, num_heads),
         partial_acc, partial_lse, prefix_len, out,
-        *partial_acc.stride(), *partial_lse.stride(), *out.stride(),
+        *partial_strides, *out_strides,
         num_splits, num_prefix_splits,
         next_power_of_2(num_partials),  # NUM_SPLITS_PAD
-        head_dim, head_dim_pad,
+        head_dim, plan.head_dim_pad,
         has_prefix,  # HAS_PREFIX
         write_out,  # ONE_SPLIT
         pdl,  # WAIT_PRIMARY
@@ -613,3 +618,53 @@ def paged_decode_triton(
         launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+# paged_decode_triton's checked argument signatures -> their _Plan.
+_PLANS: dict[tuple, "_Plan"] = {}
+_MAX_PLANS = 256
+
+
+class _Plan:
+    """What paged_decode_triton's launches need that depends only on a checked argument signature."""
+
+    __slots__ = ("num_seqs", "num_heads", "head_dim", "num_kv_heads", "group", "num_sms", "head_dim_pad", "block_m",
+                 "strides", "decode_args", "prefix_args", "min_tiles", "dot_fp32", "pdl_ok")  # fmt: skip
+
+    def __init__(self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap):
+        self.num_seqs, self.num_heads, self.head_dim = query.shape
+        block_size, self.num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = self.group = self.num_heads // self.num_kv_heads
+        self.num_sms = _num_sms(query.device.index or 0) if query.is_cuda else DEFAULT_NUM_SMS
+        head_dim_pad = self.head_dim_pad = max(16, next_power_of_2(self.head_dim))
+        # 64 keys per tile streams enough bytes per iteration; halve it at head_dim 256 to keep the
+        # K/V tiles in registers. A power of two, so with block_size >= BLOCK_N (a power of two times
+        # a multiple of BLOCK_N) a tile never crosses a block and needs one block-table entry.
+        block_n = 32 if head_dim_pad > 128 else 64
+        use_window = sliding_window is not None and sliding_window > 0
+        use_soft_cap = soft_cap is not None and soft_cap > 0
+        scale_args = (
+            float(scale) * _LOG2E,  # scale_log2
+            float(scale) / soft_cap if use_soft_cap else 0.0,  # cap_in
+            float(soft_cap) * _LOG2E if use_soft_cap else 0.0,  # cap_out
+        )
+        one_block_per_tile = block_size % block_n == 0
+        self.strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
+        self.decode_args = (
+            *scale_args,
+            int(sliding_window) if use_window else 0,
+            group, max(16, next_power_of_2(group)),  # GROUP, GROUP_PAD
+            self.head_dim, head_dim_pad, block_size, block_n, one_block_per_tile,
+            use_window, use_soft_cap,
+        )  # fmt: skip
+        self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
+        self.prefix_args = (
+            *scale_args,
+            group, self.head_dim, head_dim_pad, block_size, self.block_m, block_n,  # GROUP .. BLOCK_N
+            one_block_per_tile, use_soft_cap,
+            max(1, MIN_KEYS_PER_PREFIX_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
+        )  # fmt: skip
+        self.min_tiles = max(1, MIN_KEYS_PER_SPLIT // block_n)
+        # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
+        self.dot_fp32 = query.dtype == torch.bfloat16 and _INTERPRETED
+        self.pdl_ok = query.is_cuda and _pdl_supported(query.device.index or 0)

@@ -284,3 +284,26 @@ def test_argument_errors():
         paged_decode_triton(query[..., :32], *args, max_seq_len=9)
     with pytest.raises(ValueError, match=r"out must match query"):
         paged_decode_triton(query, *args, max_seq_len=9, out=torch.empty_like(query[:1]))
+
+
+@needs_triton
+def test_checks_after_a_good_call_of_the_same_signature():
+    """Checks are kept per argument signature (shapes, strides, dtypes, devices): a signature that passed once still
+    has its per-call values checked, and any change of a checked field is checked again."""
+    query, k_cache, v_cache, block_tables, seq_lens = _make_inputs([5, 9], 4, 2, 32, 16, torch.float32)
+    args = (k_cache, v_cache, block_tables, seq_lens, 0.125)
+    paged_decode_triton(query, *args, max_seq_len=9)  # good: its signature's plan is kept
+    with pytest.raises(ValueError, match=r"max_seq_len must be >= 0, got -1"):
+        paged_decode_triton(query, *args, max_seq_len=-1)
+    with pytest.raises(ValueError, match=r"num_splits must be in \[1, 64\] or None, got 65"):
+        paged_decode_triton(query, *args, max_seq_len=9, num_splits=65)
+    with pytest.raises(ValueError, match=r"seq_lens must be int32"):
+        paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens.long(), 0.125, max_seq_len=9)
+    with pytest.raises(ValueError, match=r"out must match query"):
+        paged_decode_triton(query, *args, max_seq_len=9, out=torch.empty_like(query).half())
+    prefix = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    paged_decode_triton(query, *args, max_seq_len=9, prefix_len=prefix)  # good, another signature
+    with pytest.raises(ValueError, match=r"prefix_len \(cascade\) does not support sliding_window=4"):
+        paged_decode_triton(query, *args, max_seq_len=9, prefix_len=prefix, sliding_window=4)
+    with pytest.raises(ValueError, match=r"num_prefix_splits must be in \[1, 64\] or None, got 0"):
+        paged_decode_triton(query, *args, max_seq_len=9, prefix_len=prefix, num_prefix_splits=0)
