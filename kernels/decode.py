@@ -59,6 +59,19 @@ MAX_NUM_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 64
 # Programs to aim for per SM: about two waves at two resident programs per SM.
 PROGRAMS_PER_SM = 4
+# Launch settings of the split kernel, from a sweep on the H100 in a CUDA graph (benchmarks/RESULTS.md, seventh
+# session: keys per tile x keys per split x programs per SM x warps, then stages and merge warps). Short splits (at
+# most SHORT_SPLIT_KEYS keys each: small batches over long contexts) run 32-key tiles pipelined over 3 stages (1 x
+# 4096: 13.5 -> 11.3 µs); long ones (large batches: one split, a long loop) keep 64-key tiles and 2 stages, which
+# the short settings slow down (256 x 4096: 1426 -> 1566 µs). Swept at head_dim 128 only: other head dims keep
+# one setting (_Plan). The merge gets a warp per MERGE_VALUES_PER_WARP partial values of a head (1 warp for up to
+# 32 partials at head_dim 128, 2 for 64; was 4 warps always: 1 x 4096 12.2 -> 11.4 µs, 8 x 2048 30.7 -> 29.7).
+SHORT_SPLIT_KEYS = 256
+SHORT_BLOCK_N, SHORT_NUM_STAGES = 32, 3
+LONG_BLOCK_N, LONG_NUM_STAGES = 64, 2
+DECODE_NUM_WARPS = 4
+MERGE_VALUES_PER_WARP = 32 * 128  # 128 fp32 values a thread
+MERGE_MAX_NUM_WARPS = 4
 # SM count used when no CUDA device is present (TRITON_INTERPRET=1 runs); an H100 SXM has 132.
 DEFAULT_NUM_SMS = 132
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -575,17 +588,18 @@ def paged_decode_triton(
     partial_strides = (*partial_acc.stride(), *partial_lse.stride())
     out_strides = out.stride()
 
+    decode_args, min_tiles, num_stages = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
     _DECODE(
         (num_seqs, num_kv_heads, num_splits),
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
         *plan.strides, *out_strides, *partial_strides,
         num_splits,
-        *plan.decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
+        *decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
         has_prefix, write_out,
-        plan.min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
+        min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
         pdl,  # LAUNCH_DEPENDENTS
-        num_warps=4,
-        num_stages=2,
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=num_stages,
     )  # fmt: skip
     if has_prefix:
         _PREFIX(
@@ -603,17 +617,18 @@ def paged_decode_triton(
         )  # fmt: skip
     elif write_out:
         return out
+    num_partials_pad = next_power_of_2(num_partials)
     _MERGE(
         (num_seqs, num_heads),
         partial_acc, partial_lse, prefix_len, out,
         *partial_strides, *out_strides,
         num_splits, num_prefix_splits,
-        next_power_of_2(num_partials),  # NUM_SPLITS_PAD
+        num_partials_pad,  # NUM_SPLITS_PAD
         head_dim, plan.head_dim_pad,
         has_prefix,  # HAS_PREFIX
         write_out,  # ONE_SPLIT
         pdl,  # WAIT_PRIMARY
-        num_warps=4,
+        num_warps=min(MERGE_MAX_NUM_WARPS, max(1, num_partials_pad * plan.head_dim_pad // MERGE_VALUES_PER_WARP)),
         num_stages=3,  # Triton's default on CUDA
         launch_pdl=pdl,
     )  # fmt: skip
@@ -629,7 +644,7 @@ class _Plan:
     """What paged_decode_triton's launches need that depends only on a checked argument signature."""
 
     __slots__ = ("num_seqs", "num_heads", "head_dim", "num_kv_heads", "group", "num_sms", "head_dim_pad", "block_m",
-                 "strides", "decode_args", "prefix_args", "min_tiles", "dot_fp32", "pdl_ok")  # fmt: skip
+                 "strides", "variants", "prefix_args", "dot_fp32", "pdl_ok")  # fmt: skip
 
     def __init__(self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap):
         self.num_seqs, self.num_heads, self.head_dim = query.shape
@@ -637,10 +652,12 @@ class _Plan:
         group = self.group = self.num_heads // self.num_kv_heads
         self.num_sms = _num_sms(query.device.index or 0) if query.is_cuda else DEFAULT_NUM_SMS
         head_dim_pad = self.head_dim_pad = max(16, next_power_of_2(self.head_dim))
-        # 64 keys per tile streams enough bytes per iteration; halve it at head_dim 256 to keep the
-        # K/V tiles in registers. A power of two, so with block_size >= BLOCK_N (a power of two times
-        # a multiple of BLOCK_N) a tile never crosses a block and needs one block-table entry.
-        block_n = 32 if head_dim_pad > 128 else 64
+        # Keys per tile (a power of two, so with block_size >= BLOCK_N, a power of two times a multiple of BLOCK_N,
+        # a tile never crosses a block and needs one block-table entry). At head_dim 128 (where the settings were
+        # swept) per call: SHORT_BLOCK_N and 3 stages for short splits, LONG_BLOCK_N otherwise (SHORT_SPLIT_KEYS).
+        # Other head dims keep the earlier settings, as the shared-prefix kernel does: 64 keys, 32 above head_dim
+        # 128 (the K/V tiles stay in registers), 2 stages.
+        prefix_block_n = 32 if head_dim_pad > 128 else 64
         use_window = sliding_window is not None and sliding_window > 0
         use_soft_cap = soft_cap is not None and soft_cap > 0
         scale_args = (
@@ -648,23 +665,33 @@ class _Plan:
             float(scale) / soft_cap if use_soft_cap else 0.0,  # cap_in
             float(soft_cap) * _LOG2E if use_soft_cap else 0.0,  # cap_out
         )
-        one_block_per_tile = block_size % block_n == 0
         self.strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
-        self.decode_args = (
-            *scale_args,
-            int(sliding_window) if use_window else 0,
-            group, max(16, next_power_of_2(group)),  # GROUP, GROUP_PAD
-            self.head_dim, head_dim_pad, block_size, block_n, one_block_per_tile,
-            use_window, use_soft_cap,
+        # (decode_args, MIN_TILES_PER_SPLIT, num_stages) for short splits, then for long ones.
+        self.variants = tuple(
+            (
+                (
+                    *scale_args,
+                    int(sliding_window) if use_window else 0,
+                    group, max(16, next_power_of_2(group)),  # GROUP, GROUP_PAD
+                    self.head_dim, head_dim_pad, block_size,
+                    block_n, block_size % block_n == 0,  # BLOCK_N, ONE_BLOCK_PER_TILE
+                    use_window, use_soft_cap,
+                ),
+                max(1, MIN_KEYS_PER_SPLIT // block_n),
+                num_stages,
+            )
+            for block_n, num_stages in (
+                (SHORT_BLOCK_N, SHORT_NUM_STAGES) if head_dim_pad == 128 else (prefix_block_n, LONG_NUM_STAGES),
+                (LONG_BLOCK_N, LONG_NUM_STAGES) if head_dim_pad == 128 else (prefix_block_n, LONG_NUM_STAGES),
+            )
         )  # fmt: skip
         self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
         self.prefix_args = (
             *scale_args,
-            group, self.head_dim, head_dim_pad, block_size, self.block_m, block_n,  # GROUP .. BLOCK_N
-            one_block_per_tile, use_soft_cap,
-            max(1, MIN_KEYS_PER_PREFIX_SPLIT // block_n),  # MIN_TILES_PER_SPLIT
+            group, self.head_dim, head_dim_pad, block_size, self.block_m, prefix_block_n,  # GROUP .. BLOCK_N
+            block_size % prefix_block_n == 0, use_soft_cap,  # ONE_BLOCK_PER_TILE, USE_SOFT_CAP
+            max(1, MIN_KEYS_PER_PREFIX_SPLIT // prefix_block_n),  # MIN_TILES_PER_SPLIT
         )  # fmt: skip
-        self.min_tiles = max(1, MIN_KEYS_PER_SPLIT // block_n)
         # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
         self.dot_fp32 = query.dtype == torch.bfloat16 and _INTERPRETED
         self.pdl_ok = query.is_cuda and _pdl_supported(query.device.index or 0)
