@@ -1,22 +1,67 @@
 #!/usr/bin/env bash
-# One device-machine session: GPU tests of the kernels, PagedCache and the engine (CUDA graphs, start-up warm-up,
-# async scheduling and replay are GPU-only paths), then the benchmarks.
-# Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR]
+# The device-machine run: GPU tests of the kernels, PagedCache and the engine (CUDA graphs, start-up warm-up,
+# async scheduling and replay are GPU-only paths), then the benchmarks. In parts, each sized for one call of at
+# most 10 minutes (the device tool's limit; a part's own timeouts add up to less):
+#   tests     kernel tests with every direct launch checked against Triton's own lookup (HF_PAGED_CHECK_LAUNCH=1),
+#             PagedCache's CUDA/compile tests, the engine's tests on CUDA                                   (~5 min)
+#   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
+#   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
+#   generate  benchmarks/generate.py --quick (Qwen3-0.6B, 1x512 and 32x512, greedy and beams4, every system)  (~5 min)
+#   grid-qwen / grid-llama   issue 14's generate grid for one model shape: 4 points x 3 modes x 4 systems (StaticCache
+#             and compiled PagedCache compile per point)                                                   (~9 min)
+#   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
+#   all       tests, kernels, generate (the default; longer than one call)
+# Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR] [PART ...]
 set -uo pipefail
 out=${1:-${OUT:-/tmp/hf_paged_out}}
+shift || true
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(all)
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
 # The image has no network: install without build isolation (its setuptools), else import through a link.
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || ln -sfn ../kernels hf_paged/kernels
 python3 -c "import hf_paged.kernels" || exit 1
-HF_PAGED_CHECK_LAUNCH=1 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py tests/test_cache_ops.py tests/test_prefill.py tests/test_decode.py \
-    2>&1 | tail -15 | tee "$out/tests.txt"
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py -k cuda -W ignore::FutureWarning 2>&1 | tail -8 | tee -a "$out/tests.txt"
-# The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
-HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_async.py \
-    tests/test_engine_reliability.py tests/test_graph_steps.py -W ignore::FutureWarning 2>&1 | tail -12 | tee -a "$out/tests.txt"
-timeout 120 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40
-# --quick: Qwen3-0.6B, 1x512 and 32x512, greedy and beams 4, all systems; the full grid (both shapes, 4 points,
-# 3 modes, StaticCache compiles per shape) takes far longer: run it on its own.
-timeout 900 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
+
+run_tests() {
+    HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py \
+        tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tail -4 | tee "$out/tests.txt"
+    HF_PAGED_CHECK_LAUNCH=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 | tail -4 \
+        | tee -a "$out/tests.txt"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_cache_compile.py \
+        -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tail -4 | tee -a "$out/tests.txt"
+    # The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
+    HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_engine.py tests/test_async.py tests/test_engine_reliability.py tests/test_graph_steps.py \
+        tests/test_engine_cascade.py -W ignore::FutureWarning 2>&1 | tail -6 | tee -a "$out/tests.txt"
+}
+
+grid() {  # grid SHAPE: every point, mode and system of issue 14's grid for one model shape
+    timeout 560 python3 benchmarks/generate.py --shapes "$1" --points 1x512 8x1024 32x512 64x512 \
+        --modes greedy samples4 beams4 --systems dynamic static paged paged-compiled --new-tokens 32 --repeats 3 \
+        --out "$out/grid-$1.md" 2>&1 | grep -v Warning | tail -50
+}
+
+for part in "${parts[@]}"; do
+    case "$part" in
+        tests) run_tests ;;
+        kernels) timeout 150 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40 ;;
+        engine)
+            timeout 200 python3 -m hf_paged.frontends.bench --workload nano --systems hf_paged --repeats 3 \
+                --out "$out/nano.md" 2>&1 | grep -v Warning | tail -4
+            timeout 200 python3 -m hf_paged.frontends.bench --workload prefix --systems hf_paged,hf_paged_no_prefix \
+                --repeats 3 --out "$out/prefix.md" 2>&1 | grep -v Warning | tail -5
+            ;;
+        generate) timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25 ;;
+        grid-qwen) grid qwen3-0.6b ;;
+        grid-llama) grid llama-8b ;;
+        profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
+        all)
+            run_tests
+            timeout 150 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40
+            timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
+            ;;
+        *) echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen, grid-llama, profile, all)" >&2; exit 2 ;;
+    esac
+done
