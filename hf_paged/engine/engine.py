@@ -410,19 +410,26 @@ class ContinuousBatcher:
                 launched.event.synchronize()
                 launched.token_time = time.monotonic()
             tokens, lps, top_lps, top_ids = (t.tolist() if t is not None else None for t in launched.host)
-            sampled = []
-            for row, (seq, request) in enumerate(zip(launched.rows, launched.requests, strict=True)):
-                k = request.params.logprobs
-                logprob = top = None
-                if k is not None:
-                    logprob = lps[row]
-                    top = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
-                sampled.append(SampledToken(seq, tokens[row], logprob, top))
+            if lps is None:  # no row asked for logprobs (the sampler computes none then)
+                sampled = [SampledToken(seq, token) for seq, token in zip(launched.rows, tokens, strict=True)]
+            else:
+                sampled = []
+                for row, (seq, request) in enumerate(zip(launched.rows, launched.requests, strict=True)):
+                    k = request.params.logprobs
+                    logprob = top = None
+                    if k is not None:
+                        logprob = lps[row]
+                        top = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+                    sampled.append(SampledToken(seq, tokens[row], logprob, top))
             applied = self.scheduler.update_from_output(sampled, launched.deferred, launched.token_time)
         self._metrics.num_generated_tokens += len(applied)
-        for request, seq in applied:
-            touched[request.request_id] = request
-            self._end_on_stop_string(request, seq)
+        if self.detokenizer.tokenizer is None:  # no text to make nor stop strings to find (without a tokenizer)
+            for request, _ in applied:
+                touched[request.request_id] = request
+        else:
+            for request, seq in applied:
+                touched[request.request_id] = request
+                self._end_on_stop_string(request, seq)
         for request_id, rows in launched.beam_rows.items():
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
