@@ -657,7 +657,11 @@ class _Plan:
         # swept) per call: SHORT_BLOCK_N and 3 stages for short splits, LONG_BLOCK_N otherwise (SHORT_SPLIT_KEYS).
         # Other head dims keep the earlier settings, as the shared-prefix kernel does: 64 keys, 32 above head_dim
         # 128 (the K/V tiles stay in registers), 2 stages.
-        prefix_block_n = 32 if head_dim_pad > 128 else 64
+        base_block_n = 32 if head_dim_pad > 128 else 64
+        if head_dim_pad == 128:
+            settings = ((SHORT_BLOCK_N, SHORT_NUM_STAGES), (LONG_BLOCK_N, LONG_NUM_STAGES))
+        else:
+            settings = ((base_block_n, LONG_NUM_STAGES),) * 2
         use_window = sliding_window is not None and sliding_window > 0
         use_soft_cap = soft_cap is not None and soft_cap > 0
         scale_args = (
@@ -680,17 +684,14 @@ class _Plan:
                 max(1, MIN_KEYS_PER_SPLIT // block_n),
                 num_stages,
             )
-            for block_n, num_stages in (
-                (SHORT_BLOCK_N, SHORT_NUM_STAGES) if head_dim_pad == 128 else (prefix_block_n, LONG_NUM_STAGES),
-                (LONG_BLOCK_N, LONG_NUM_STAGES) if head_dim_pad == 128 else (prefix_block_n, LONG_NUM_STAGES),
-            )
+            for block_n, num_stages in settings
         )  # fmt: skip
         self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
         self.prefix_args = (
             *scale_args,
-            group, self.head_dim, head_dim_pad, block_size, self.block_m, prefix_block_n,  # GROUP .. BLOCK_N
-            block_size % prefix_block_n == 0, use_soft_cap,  # ONE_BLOCK_PER_TILE, USE_SOFT_CAP
-            max(1, MIN_KEYS_PER_PREFIX_SPLIT // prefix_block_n),  # MIN_TILES_PER_SPLIT
+            group, self.head_dim, head_dim_pad, block_size, self.block_m, base_block_n,  # GROUP .. BLOCK_N
+            block_size % base_block_n == 0, use_soft_cap,  # ONE_BLOCK_PER_TILE, USE_SOFT_CAP
+            max(1, MIN_KEYS_PER_PREFIX_SPLIT // base_block_n),  # MIN_TILES_PER_SPLIT
         )  # fmt: skip
         # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
         self.dot_fp32 = query.dtype == torch.bfloat16 and _INTERPRETED

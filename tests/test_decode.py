@@ -226,11 +226,23 @@ def test_long_and_short_contexts_share_a_split_grid(num_splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("num_splits", [1, 2, 3])
-def test_short_and_long_split_settings(num_splits):
+@pytest.mark.parametrize("num_splits, block_n, num_stages", [(1, 64, 2), (2, 64, 2), (3, 32, 3)])
+def test_short_and_long_split_settings(num_splits, block_n, num_stages, monkeypatch):
     """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take 64-key
-    tiles (long splits), three splits of at most 256 keys take 32-key tiles; both give the reference's result."""
+    tiles over 2 stages (long splits), three splits of at most 256 keys 32-key tiles over 3; both give the
+    reference's result."""
+    from hf_paged.kernels import decode
+
+    launches = []
+    launch = decode._DECODE
+
+    def recording(grid, *args, **options):
+        launches.append((args[decode._paged_decode_kernel.arg_names.index("BLOCK_N")], options["num_stages"]))
+        return launch(grid, *args, **options)
+
+    monkeypatch.setattr(decode, "_DECODE", recording)
     _check([1, 17, 300, 700], 4, 2, 128, 16, torch.float32, num_splits=num_splits)
+    assert launches == [(block_n, num_stages)]
 
 
 @needs_triton

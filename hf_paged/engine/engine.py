@@ -423,12 +423,10 @@ class ContinuousBatcher:
                     sampled.append(SampledToken(seq, tokens[row], logprob, top))
             applied = self.scheduler.update_from_output(sampled, launched.deferred, launched.token_time)
         self._metrics.num_generated_tokens += len(applied)
-        if self.detokenizer.tokenizer is None:  # no text to make nor stop strings to find (without a tokenizer)
-            for request, _ in applied:
-                touched[request.request_id] = request
-        else:
-            for request, seq in applied:
-                touched[request.request_id] = request
+        detokenize = self.detokenizer.tokenizer is not None  # without one: no text to make, no stop string to find
+        for request, seq in applied:
+            touched[request.request_id] = request
+            if detokenize:
                 self._end_on_stop_string(request, seq)
         for request_id, rows in launched.beam_rows.items():
             request = self.requests.get(request_id)
