@@ -5,13 +5,18 @@ device tool's H100 hosts, ~3 ms of it on the GPU), and the CPU harness (``cache_
 only a CUDA host pays: Triton's launcher, the CUDA caching allocator, device-to-host reads. This script runs one
 grid cell of ``generate.py`` for both systems, alternating (step times: median and every step), then one more call
 of each under ``torch.profiler`` (CPU and CUDA activities) and prints the operators by self CPU time, with the
-summed device time, so the two systems' host costs can be compared op by op.
+summed device time, so the two systems' host costs can be compared op by op; ``--python`` profiles the Python
+functions instead (cProfile, by own time).
 
 Run (CUDA): python benchmarks/generate_profile.py [--shape qwen3-0.6b] [--batch 64] [--prompt 512] [--mode greedy]
+    [--python]
 """
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 
@@ -33,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2, help="timed calls per system before the profiled one")
     parser.add_argument("--rows", type=int, default=25, help="operators printed per system")
+    parser.add_argument(
+        "--python",
+        action="store_true",
+        help="profile the Python functions (cProfile, by own "
+        "time) instead of torch's operators: where the host's time goes inside the step",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the costs it looks for are the CUDA host's)")
@@ -46,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             steps = generate.generate_once(model, system, prompts, args.new_tokens, args.mode)[2]
             print(f"{system}: step ms median {statistics.median(steps):.2f}; steps {[round(x, 1) for x in steps]}")
+    if args.python:
+        for system in systems:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            steps = generate.generate_once(model, system, prompts, args.new_tokens, args.mode)[2]
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
+            print(f"\n== {system} (cProfile): step ms median {statistics.median(steps):.2f}")
+            print(text.getvalue())
+        return 0
     for system in systems:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             steps = generate.generate_once(model, system, prompts, args.new_tokens, args.mode)[2]

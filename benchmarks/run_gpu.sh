@@ -7,8 +7,9 @@
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
 #   generate  benchmarks/generate.py --quick (Qwen3-0.6B, 1x512 and 32x512, greedy and beams4, every system)  (~5 min)
-#   grid-qwen / grid-llama   issue 14's generate grid for one model shape: 4 points x 3 modes x 4 systems (StaticCache
-#             and compiled PagedCache compile per point)                                                   (~9 min)
+#   grid-qwen-a / grid-qwen-b / grid-llama-a / grid-llama-b   issue 14's generate grid, two points of one model shape
+#             per part (qwen: 1x512 8x1024 / 32x512 64x512; llama: 1x512 32x512 / 8x1024 64x512), 3 modes x 4 systems
+#             (StaticCache and compiled PagedCache compile per point; three Qwen points overran 9 min)     (~5-8 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   all       tests, kernels, generate (the default; longer than one call)
 # Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR] [PART ...]
@@ -24,23 +25,29 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || ln -sfn ../kernels hf_paged/kernels
 python3 -c "import hf_paged.kernels" || exit 1
 
-run_tests() {
+run_tests() {  # the summary lines here; every failure's traceback in $out/tests-*.log
     HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py \
-        tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tail -4 | tee "$out/tests.txt"
-    HF_PAGED_CHECK_LAUNCH=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 | tail -4 \
-        | tee -a "$out/tests.txt"
+        tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tee "$out/tests-kernels.log" | tail -4 \
+        | tee "$out/tests.txt"
+    HF_PAGED_CHECK_LAUNCH=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 \
+        | tee "$out/tests-prefill.log" | tail -4 | tee -a "$out/tests.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_cache_compile.py \
-        -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tail -4 | tee -a "$out/tests.txt"
+        -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tee "$out/tests-cache.log" | tail -4 \
+        | tee -a "$out/tests.txt"
     # The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
     HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
         tests/test_engine.py tests/test_async.py tests/test_engine_reliability.py tests/test_graph_steps.py \
-        tests/test_engine_cascade.py -W ignore::FutureWarning 2>&1 | tail -6 | tee -a "$out/tests.txt"
+        tests/test_engine_cascade.py -W ignore::FutureWarning -rf 2>&1 | tee "$out/tests-engine.log" | tail -6 \
+        | tee -a "$out/tests.txt"
 }
 
-grid() {  # grid SHAPE: every point, mode and system of issue 14's grid for one model shape
-    timeout 560 python3 benchmarks/generate.py --shapes "$1" --points 1x512 8x1024 32x512 64x512 \
+grid() {  # grid SHAPE NAME POINT...: every mode and system of issue 14's grid at these points of one model shape
+    local shape=$1 name=$2
+    shift 2
+    # The rows print as they finish: a part cut by its timeout still reports what it measured.
+    timeout 560 python3 benchmarks/generate.py --shapes "$shape" --points "$@" \
         --modes greedy samples4 beams4 --systems dynamic static paged paged-compiled --new-tokens 32 --repeats 3 \
-        --out "$out/grid-$1.md" 2>&1 | grep -v Warning | tail -50
+        --out "$out/$name.md" 2>&1 | grep "^|" | tee "$out/$name.rows"
 }
 
 for part in "${parts[@]}"; do
@@ -54,14 +61,20 @@ for part in "${parts[@]}"; do
                 --repeats 3 --out "$out/prefix.md" 2>&1 | grep -v Warning | tail -5
             ;;
         generate) timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25 ;;
-        grid-qwen) grid qwen3-0.6b ;;
-        grid-llama) grid llama-8b ;;
+        grid-qwen-a) grid qwen3-0.6b grid-qwen-a 1x512 8x1024 ;;
+        grid-qwen-b) grid qwen3-0.6b grid-qwen-b 32x512 64x512 ;;
+        grid-llama-a) grid llama-8b grid-llama-a 1x512 32x512 ;;
+        grid-llama-b) grid llama-8b grid-llama-b 8x1024 64x512 ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
             timeout 150 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
-        *) echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen, grid-llama, profile, all)" >&2; exit 2 ;;
+        *)
+            echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
+                "grid-llama-a, grid-llama-b, profile, all)" >&2
+            exit 2
+            ;;
     esac
 done
