@@ -14,12 +14,16 @@ same workload shape through the engine on the CPU with a one-layer tiny model, t
   queuing the token copy), ``process`` (reading tokens back, applying them, stop checks);
 - ``model``: the tiny model's forward on the CPU (torch reference attention: not a GPU figure).
 
+``--workload decode``: 256 requests with prompts of 10-29 random tokens and 120 output tokens each (greedy,
+``ignore_eos``): ~250 sequences decoding one token a step, the host's per-sequence cost at full batch.
+
 No tokenizer by default, as ``hf-paged bench`` runs (``--tokenizer`` adds the per-token detokenization of a
 character tokenizer). The engine's defaults otherwise (2048-token budget, 256 sequences, block size 16). Figures
 are the median over ``--repeats`` runs of the per-step means; run it on a quiet machine and compare runs of one
 session only.
 
-Run: python benchmarks/engine_host_time.py [--requests 200] [--repeats 3] [--tokenizer]
+Run: python benchmarks/engine_host_time.py [--workload prefix|decode] [--requests N] [--repeats 3] [--tokenizer]
+     [--async-scheduling]
 """
 
 import argparse
@@ -52,10 +56,11 @@ def _timed(obj, name: str, totals: dict, key: str) -> None:
     setattr(obj, name, wrapper)
 
 
-def run_once(num_requests: int, tokenizer: bool, seed: int) -> dict[str, float]:
-    """One engine over the prefix workload's shape; ms per step of each phase."""
+def run_once(workload: str, num_requests: int, tokenizer: bool, seed: int, async_scheduling: bool) -> dict[str, float]:
+    """One engine over a workload's shape; ms per step of each phase."""
     model = tiny_model("llama", num_hidden_layers=1)
-    engine = ContinuousBatcher(model, char_tokenizer() if tokenizer else None, num_blocks=20000, block_size=16)
+    engine = ContinuousBatcher(model, char_tokenizer() if tokenizer else None, num_blocks=20000, block_size=16,
+                               async_scheduling=async_scheduling)  # fmt: skip
     totals: dict[str, float] = collections.defaultdict(float)
     _timed(engine.scheduler, "schedule", totals, "schedule")
     _timed(engine.runner, "execute", totals, "execute")
@@ -63,11 +68,16 @@ def run_once(num_requests: int, tokenizer: bool, seed: int) -> dict[str, float]:
     _timed(engine, "_launch", totals, "launch")
     _timed(engine, "_process", totals, "process")
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, 96) for _ in range(341)]
-    for _ in range(num_requests):
-        prompt = prefix + [rng.randrange(3, 96) for _ in range(rng.randrange(10, 41))]
-        num_out = rng.randrange(20, 81)
-        engine.add_request(prompt, SamplingParams(max_new_tokens=num_out, ignore_eos=True, temperature=0.0))
+    if workload == "prefix":
+        prefix = [rng.randrange(3, 96) for _ in range(341)]
+        for _ in range(num_requests):
+            prompt = prefix + [rng.randrange(3, 96) for _ in range(rng.randrange(10, 41))]
+            num_out = rng.randrange(20, 81)
+            engine.add_request(prompt, SamplingParams(max_new_tokens=num_out, ignore_eos=True, temperature=0.0))
+    else:
+        for _ in range(num_requests):
+            prompt = [rng.randrange(3, 96) for _ in range(rng.randrange(10, 30))]
+            engine.add_request(prompt, SamplingParams(max_new_tokens=120, ignore_eos=True, temperature=0.0))
     steps = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -84,15 +94,21 @@ def run_once(num_requests: int, tokenizer: bool, seed: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--workload", choices=("prefix", "decode"), default="prefix")
+    parser.add_argument("--requests", type=int, default=None, help="default: 200 (prefix), 256 (decode)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--async-scheduling", action="store_true", help="as on CUDA: placeholders, deferred steps")
     parser.add_argument("--tokenizer", action="store_true", help="detokenize every token (a character tokenizer)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    runs = [run_once(args.requests, args.tokenizer, seed=0) for _ in range(args.repeats)]
+    num_requests = args.requests or (200 if args.workload == "prefix" else 256)
+    runs = [
+        run_once(args.workload, num_requests, args.tokenizer, 0, args.async_scheduling) for _ in range(args.repeats)
+    ]
     keys = ("host", "schedule", "prepare", "launch", "process", "model")
-    print(f"{args.requests} requests, prefix workload shape, {runs[0]['steps']} steps; ms per step, median of "
-          f"{args.repeats} runs (min-max)")  # fmt: skip
+    mode = ", async scheduling" if args.async_scheduling else ""
+    print(f"{num_requests} requests, {args.workload} workload shape{mode}, {runs[0]['steps']} steps; ms per step, "
+          f"median of {args.repeats} runs (min-max)")  # fmt: skip
     print("| " + " | ".join(keys) + " |")
     print("|" + "---:|" * len(keys))
     cells = []
