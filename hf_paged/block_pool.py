@@ -178,7 +178,8 @@ class BlockPool:
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens the sequence has slots for (its prompt plus every ``append``)."""
-        return self._get_seq(seq_id).num_tokens
+        seq = self._seqs.get(seq_id)  # once per sequence per step: _get_seq's call only for the error
+        return seq.num_tokens if seq is not None else self._get_seq(seq_id).num_tokens
 
     def ref_count(self, block_id: BlockId) -> int:
         return self._get_block(block_id).ref_count

@@ -78,18 +78,18 @@ class KVManager:
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
         """Make the first ``num_tokens`` tokens of ``seq`` have slots; the copy-on-write pairs, or None if short."""
-        have = self.pool.num_tokens(seq.seq_id)
-        num_new = num_tokens - have
-        if num_new <= 0:
+        pool, seq_id = self.pool, seq.seq_id
+        have = pool.num_tokens(seq_id)
+        if num_tokens <= have:
             return []
-        old_len = -(-have // self.block_size)
-        pairs = self.pool.append(seq.seq_id, num_new)
+        pairs = pool.append(seq_id, num_tokens - have)
         if pairs is None:
             return None
-        if pairs or -(-num_tokens // self.block_size) > old_len:  # the table changed (most steps: it did not)
+        bs = self.block_size
+        old_len = -(-have // bs)
+        if pairs or -(-num_tokens // bs) > old_len:  # the table changed (most steps: it did not)
             first = old_len - 1 if pairs else old_len  # copy-on-write replaced the last block
-            table = self.pool.get_block_table(seq.seq_id)
-            self._updates.append((seq.seq_id, first, table[first:]))
+            self._updates.append((seq_id, first, pool.get_block_table(seq_id)[first:]))
         return pairs
 
     def cache(self, seq: Sequence, num_tokens: int) -> None:
@@ -102,6 +102,15 @@ class KVManager:
         if num_tokens // self.block_size > seq.num_hashed_blocks:  # a block filled up: O(1) on most steps
             self.pool.cache_blocks(seq.seq_id, seq.token_ids, num_tokens)
             seq.num_hashed_blocks = num_tokens // self.block_size
+
+    def cache_all(self, seqs: list[Sequence]) -> None:
+        """``cache(seq, len(seq.token_ids))`` for each of ``seqs`` in order (a step's decode rows), in one loop."""
+        bs = self.block_size
+        for seq in seqs:
+            num_tokens = len(seq.token_ids) - seq.num_inflight  # seq.num_known_tokens
+            if num_tokens // bs > seq.num_hashed_blocks:
+                self.pool.cache_blocks(seq.seq_id, seq.token_ids, num_tokens)
+                seq.num_hashed_blocks = num_tokens // bs
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (ref += 1); a shared partial block is copied when written."""

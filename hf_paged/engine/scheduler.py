@@ -182,24 +182,32 @@ class Scheduler:
         step = _Step()
         # 1. decode: one token per live sequence, oldest request first.
         computing: list[Request] = []
+        running = self.running  # a request preempted here leaves this list (the same idx is then the next one)
+        append_slots = self.kv.append_slots
+        chunks = step.chunks  # every chunk of this phase is one decode token
         idx = 0
-        while idx < len(self.running):
-            request = self.running[idx]
-            seqs = _schedulable(request)
-            if len(seqs) == 1:  # the common case, without the generic loops below
+        while idx < len(running):
+            request = running[idx]
+            seqs = request.seqs
+            if len(seqs) == 1:  # the common case (one sequence), inlined: no property, no list, no generic loop
                 seq = seqs[0]
-                if len(seq.token_ids) - seq.num_computed != 1:
+                if seq.finish_reason is not None or seq.last_inflight:
+                    idx += 1  # nothing to compute (see ``_schedulable``)
+                    continue
+                end = len(seq.token_ids)
+                if end - seq.num_computed != 1:
                     computing.append(request)
                     idx += 1
                     continue
-                pairs = self.kv.append_slots(seq, len(seq.token_ids))
-                if pairs is None and not self._reserve(request, seqs, (len(seq.token_ids),), step):
+                pairs = append_slots(seq, end)
+                if pairs is None and not self._reserve(request, seqs, (end,), step):
                     continue  # preempted itself: the same idx is the next request
                 if pairs:
                     step.copies.extend((src, dst, request) for src, dst in pairs)
-                step.add(request, seq, 1)
+                chunks.append((request, seq, 1))
                 idx += 1
                 continue
+            seqs = _schedulable(request)
             if any(len(seq.token_ids) - seq.num_computed != 1 for seq in seqs):
                 computing.append(request)
                 idx += 1
@@ -207,8 +215,9 @@ class Scheduler:
             if not self._reserve(request, seqs, [len(seq.token_ids) for seq in seqs], step):
                 continue  # this request was preempted (removed from running): the same idx is the next one
             for seq in seqs:
-                step.add(request, seq, 1)
+                chunks.append((request, seq, 1))
             idx += 1
+        step.num_tokens = step.num_decode = len(chunks)
         budget = self.max_num_batched_tokens - step.num_tokens
         # 2. running requests still computing tokens (chunked prefill, recompute).
         for request in computing:
@@ -333,14 +342,15 @@ class Scheduler:
         Each sequence gets a ``PLACEHOLDER`` the next step's input reads from row ``i`` on the device;
         ``update_from_output`` fills it in once the id is on the host.
         """
+        seqs, max_len = self._seqs, self.max_len
         for row, seq in enumerate(rows):
-            seq.token_ids.append(PLACEHOLDER)
+            token_ids = seq.token_ids
+            token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1
             seq.sample_row = row
-            request = self._seqs[seq.seq_id][1]
-            seq.last_inflight = (
-                seq.num_output_tokens >= request.params.max_new_tokens or len(seq.token_ids) >= self.max_len
-            )
+            max_new_tokens = seqs[seq.seq_id][1].params.max_new_tokens
+            # len(token_ids) - num_prompt_tokens: seq.num_output_tokens, placeholders included
+            seq.last_inflight = len(token_ids) - seq.num_prompt_tokens >= max_new_tokens or len(token_ids) >= max_len
 
     def update_from_output(
         self, sampled: list[SampledToken], deferred: bool, token_time: float | None = None
@@ -358,22 +368,24 @@ class Scheduler:
         """
         applied = []
         now = time.monotonic() if token_time is None else token_time
+        get_entry, check_stop, finished = self._seqs.get, self._check_stop, Status.FINISHED
         j = 0
         while j < len(sampled):
-            seq = sampled[j].seq
-            entry = self._seqs.get(seq.seq_id)
-            request = entry[1] if entry is not None else None
-            if request is None or request.is_finished or seq.is_finished:
+            row = sampled[j]
+            seq = row.seq
+            entry = get_entry(seq.seq_id)
+            if entry is None or entry[1].status is finished or seq.finish_reason is not None:
                 j += 1  # aborted, or ended by the previous step's token: this one is discarded
                 continue
+            request = entry[1]
             if request.forked:  # the common case: one row, one sequence
-                row = sampled[j]
+                token_ids = seq.token_ids
                 if deferred:
-                    seq.token_ids[len(seq.token_ids) - seq.num_inflight] = row.token_id  # the oldest placeholder
+                    token_ids[len(token_ids) - seq.num_inflight] = row.token_id  # the oldest placeholder
                     seq.num_inflight -= 1
                 else:
-                    seq.token_ids.append(row.token_id)
-                self._check_stop(request, seq, row, now)
+                    token_ids.append(row.token_id)
+                check_stop(request, seq, row, now)
                 applied.append((request, seq))
                 j += 1
                 continue
@@ -411,14 +423,16 @@ class Scheduler:
             seq.cumulative_logprob += row.logprob
         if row.top_logprobs is not None:
             seq.logprobs.append(row.top_logprobs)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        num_out = seq.num_output_tokens - seq.num_inflight  # up to and including this token
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        num_known = len(seq.token_ids) - seq.num_inflight  # seq.num_known_tokens
+        num_out = num_known - seq.num_prompt_tokens  # up to and including this token
         if token in self.eos_token_ids and not params.ignore_eos and num_out >= params.min_tokens:
             self.finish_seq(seq, "stop")
         elif token in params.stop_token_ids and num_out >= params.min_tokens:
             self.finish_seq(seq, "stop", token)
-        elif num_out >= params.max_new_tokens or seq.num_known_tokens >= self.max_len:
+        elif num_out >= params.max_new_tokens or num_known >= self.max_len:
             self.finish_seq(seq, "length")
 
     def apply_beam_step(self, request: Request, result: BeamStep) -> None:
@@ -446,11 +460,15 @@ class Scheduler:
 
 
 class _Step:
-    """A SchedulerOutput under construction: chunks may still be dropped (preemption) until ``build``."""
+    """A SchedulerOutput under construction: chunks may still be dropped (preemption) until ``build``.
+
+    ``chunks[:num_decode]`` are decode chunks: one token each, the sequence's last one, which samples.
+    """
 
     def __init__(self):
         self.chunks: list[tuple[Request, Sequence, int]] = []  # (request, sequence, num_new_tokens)
         self.num_tokens = 0
+        self.num_decode = 0  # leading chunks that are decode tokens (set after the decode phase)
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.copies: list[tuple[int, int, Request]] = []  # copy-on-write (src, dst, the request that asked)
@@ -461,16 +479,33 @@ class _Step:
         self.num_tokens += num_new
 
     def drop(self, request: Request) -> None:
-        """Forget ``request``'s chunks and copy-on-write copies (it is being preempted)."""
-        self.chunks = [c for c in self.chunks if c[0] is not request]
+        """Forget ``request``'s chunks and copy-on-write copies (it is being preempted). Lists change in place."""
+        self.num_decode -= sum(c[0] is request for c in self.chunks[: self.num_decode])
+        self.chunks[:] = [c for c in self.chunks if c[0] is not request]
         self.num_tokens = sum(c[2] for c in self.chunks)
-        self.copies = [c for c in self.copies if c[2] is not request]
+        self.copies[:] = [c for c in self.copies if c[2] is not request]
 
     def build(self, kv: KVManager) -> SchedulerOutput:
         """The final step: its sequences advance and their newly full blocks enter the prefix index."""
         out = SchedulerOutput(swap_out=self.swap_out, swap_in=self.swap_in, copies=[c[:2] for c in self.copies],
                               preempted=self.preempted)  # fmt: skip
-        for request, seq, num_new in self.chunks:
+        num_decode = self.num_decode
+        if num_decode:
+            # Decode chunks in bulk (most steps are only these): chunk i is token ``len(token_ids) - 1`` of its
+            # sequence, at flat index i; it samples; it is a placeholder iff that is the sequence's one in flight.
+            decode = self.chunks[:num_decode]
+            seqs = [c[1] for c in decode]
+            out.seq_ids = [seq.seq_id for seq in seqs]
+            out.request_ids = [c[0].request_id for c in decode]
+            out.num_computed = [seq.num_computed for seq in seqs]
+            out.num_new_tokens = [1] * num_decode
+            out.input_token_ids = [seq.token_ids[-1] for seq in seqs]
+            out.placeholders = [(i, seq.sample_row) for i, seq in enumerate(seqs) if seq.num_inflight == 1]
+            out.sample_idx = list(range(num_decode))
+            for seq in seqs:
+                seq.num_computed += 1
+            kv.cache_all(seqs)
+        for request, seq, num_new in self.chunks[num_decode:]:
             start = seq.num_computed
             end = start + num_new
             if seq.num_inflight and start <= len(seq.token_ids) - seq.num_inflight < end:
