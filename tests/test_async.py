@@ -130,6 +130,65 @@ def test_abort_with_a_token_in_flight():
     assert_engine_drained(engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_sampling_rows_are_reused_only_while_the_step_sequences_stay_the_same(async_scheduling):
+    """The engine reuses a step's sampler rows for the next step while the step's sequences are the same; a finish,
+    an abort, an admission or a preemption rebuilds them. The sampler always gets the rows a rebuild would give,
+    and the outputs equal those of an engine that rebuilds them every step."""
+    prompts = _prompts()
+    config = dict(num_blocks=14, max_num_batched_tokens=32, max_num_seqs=8)  # a small pool: preemptions
+
+    def run(reuse: bool):
+        engine = _engine(async_scheduling, **config)
+        launch, sampling_rows, sample = engine._launch, engine._sampling_rows, engine.sampler
+        record = {"rebuilt": [], "changed": [], "key": None}
+
+        def checked_launch(sched, logits):
+            if not reuse:
+                engine._rows = None
+            key = (list(sched.seq_ids), list(sched.sample_idx))
+            record["changed"].append(key != record["key"])
+            record["key"] = key
+            record["sched"] = sched
+            return launch(sched, logits)
+
+        def counted_sampling_rows(sched):
+            record["rebuilt"].append(len(record["changed"]) - 1)
+            return sampling_rows(sched)
+
+        def checked_sample(logits, params, outputs, prompts_, generators, eos_token_ids, plan):
+            fresh = sampling_rows(record["sched"])
+            assert (params, outputs, prompts_, generators) == (fresh.params, fresh.outputs, fresh.prompts,
+                                                               fresh.generators)  # fmt: skip
+            assert engine._rows is None or engine._rows.seqs == fresh.seqs
+            return sample(logits, params, outputs, prompts_, generators, eos_token_ids, plan)
+
+        engine._launch, engine._sampling_rows, engine.sampler = checked_launch, counted_sampling_rows, checked_sample
+        lengths = (3, 9, 20, 30, 12)
+        rids = [
+            engine.add_request(p, SamplingParams(max_new_tokens=m, **GREEDY))
+            for p, m in zip(prompts[:5], lengths, strict=True)
+        ]
+        last = {}
+        for step in range(200):
+            if step == 5:
+                engine.abort(rids[1])
+            if step == 8:
+                rids.append(engine.add_request(prompts[5], SamplingParams(max_new_tokens=6, **GREEDY)))
+            last |= {o.request_id: o for o in engine.step()}
+            if not engine.has_unfinished_requests():
+                break
+        assert_engine_drained(engine)
+        return {r: last[r].outputs[0].token_ids for r in rids}, record, engine.metrics().num_preemptions
+
+    outputs, record, num_preemptions = run(reuse=True)
+    changed = [i for i, c in enumerate(record["changed"]) if c]
+    assert record["rebuilt"] == changed  # rebuilt exactly when the step's sequences changed
+    assert len(changed) < len(record["changed"]) / 2  # and reused on most steps
+    assert num_preemptions > 0
+    assert outputs == run(reuse=False)[0]
+
+
 def test_stream_delivers_every_token_once():
     prompt = _prompts()[2]
     params = SamplingParams(max_new_tokens=11, **GREEDY)

@@ -47,7 +47,7 @@ from hf_paged.engine.outputs import Detokenizer, StreamCursor, StreamDelta, requ
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestOutput
 from hf_paged.engine.request import Sequence as Seq
-from hf_paged.engine.sampler import Sampler
+from hf_paged.engine.sampler import RowPlan, Sampler, plan_rows
 from hf_paged.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from hf_paged.model_info import ModelInfo
 from hf_paged.transfer import to_device
@@ -150,6 +150,7 @@ class ContinuousBatcher:
             async_scheduling = self.runner.device.type == "cuda"
         self.async_scheduling = bool(async_scheduling)
         self._inflight: _Launched | None = None  # the step queued last, not processed yet
+        self._rows: _Rows | None = None  # the last step's sampling rows, while reusable (see _Rows)
         self._lock = threading.RLock()  # held by the thread inside the engine
         self._aborts: collections.deque[str] = collections.deque()  # abort() from any thread lands here
         self._unreported: dict[str, Request] = {}  # finished outside a step (aborts): reported by the next step
@@ -308,6 +309,7 @@ class ContinuousBatcher:
     def _recover(self) -> None:
         """After a failed step: the scheduler requeues every request; those it left with no live sequence end."""
         self._inflight = None
+        self._rows = None  # every sequence is requeued: nothing of the failed step's rows is kept
         self.scheduler.recover()
         for request in list(self.requests.values()):
             if request.is_finished:
@@ -364,32 +366,21 @@ class ContinuousBatcher:
         scheduling is on and every sampling row is a plain sample: no beam search, no prompt that forks into
         ``n`` samples, no penalty or ``min_tokens`` (they need the previous token on the host).
         """
-        launched = _Launched(deferred=self.async_scheduling)
-        row_idx, row_params, outputs, prompts, generators = [], [], [], [], []
-        for r, i in enumerate(sched.sample_idx):
-            seq, request = self.scheduler.get(sched.seq_ids[i])
-            if request.is_beam_search:
-                launched.beam_rows.setdefault(request.request_id, []).append(r)
-                launched.deferred = False
-                continue
-            copies = 1 if request.forked else request.params.n  # the prompt's row is sampled n times
-            history = request.needs_history
-            launched.deferred = launched.deferred and copies == 1 and not history
-            for _ in range(copies):
-                row_idx.append(r)
-                row_params.append(request.params)
-                # The output so far matters only to penalties and min_tokens; copying it costs O(length).
-                outputs.append(seq.output_token_ids if history else ())
-                prompts.append(request.prompt_token_ids)
-                generators.append(request.generator)
-                launched.rows.append(seq)
-                launched.requests.append(request)
-        if launched.beam_rows:
+        rows = self._rows
+        if rows is None or rows.seq_ids != sched.seq_ids or rows.sample_idx != sched.sample_idx:
+            rows = self._sampling_rows(sched)
+            self._rows = rows if rows.reusable else None
+        launched = _Launched(deferred=self.async_scheduling and rows.deferrable, rows=rows.seqs,
+                             requests=rows.requests, beam_rows=rows.beam_rows)  # fmt: skip
+        if rows.beam_rows:
             launched.logits = logits
-        if row_idx:
-            identity = len(row_idx) == logits.shape[0] and row_idx == list(range(len(row_idx)))
-            row_logits = logits if identity else logits[to_device(row_idx, torch.int64, logits.device)]
-            out = self.sampler(row_logits, row_params, outputs, prompts, generators, self.eos_token_ids)
+        if rows.row_idx:
+            identity = rows.identity and len(rows.row_idx) == logits.shape[0]
+            row_logits = logits if identity else logits[to_device(rows.row_idx, torch.int64, logits.device)]
+            if rows.plan is None or rows.plan.device_type != row_logits.device.type:
+                rows.plan = plan_rows(rows.params, rows.generators, row_logits.device)
+            out = self.sampler(row_logits, rows.params, rows.outputs, rows.prompts, rows.generators,
+                               self.eos_token_ids, rows.plan)  # fmt: skip
             self._sync.broadcast(out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)
             launched.token_ids = out.token_ids
             launched.host = [_to_host(t) for t in (out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)]
@@ -401,6 +392,43 @@ class ContinuousBatcher:
         if launched.deferred:
             self.scheduler.add_placeholders(launched.rows)
         return launched
+
+    def _sampling_rows(self, sched: SchedulerOutput) -> "_Rows":
+        """The sampler's rows of a step (see ``_launch``), and whether the next step may reuse them."""
+        get = self.scheduler.get
+        seq_ids = sched.seq_ids
+        pairs = [get(seq_ids[i]) for i in sched.sample_idx]
+        rows = _Rows(list(seq_ids), list(sched.sample_idx))
+        if all(r.forked and not r.needs_history and r.params.beam_width == 1 for _, r in pairs):
+            # The common case: one row per sequence, each a plain sample of fixed inputs (reusable).
+            rows.seqs = [seq for seq, _ in pairs]
+            rows.requests = requests = [r for _, r in pairs]
+            rows.row_idx = list(range(len(pairs)))
+            rows.params = [r.params for r in requests]
+            rows.outputs = [()] * len(pairs)
+            rows.prompts = [r.prompt_token_ids for r in requests]
+            rows.generators = [r.generator for r in requests]
+            rows.identity = rows.deferrable = rows.reusable = True
+            return rows
+        for r, (seq, request) in enumerate(pairs):
+            if request.is_beam_search:
+                rows.beam_rows.setdefault(request.request_id, []).append(r)
+                rows.deferrable = False
+                continue
+            copies = 1 if request.forked else request.params.n  # the prompt's row is sampled n times
+            history = request.needs_history
+            rows.deferrable = rows.deferrable and copies == 1 and not history
+            for _ in range(copies):
+                rows.row_idx.append(r)
+                rows.params.append(request.params)
+                # The output so far matters only to penalties and min_tokens; copying it costs O(length).
+                rows.outputs.append(seq.output_token_ids if history else ())
+                rows.prompts.append(request.prompt_token_ids)
+                rows.generators.append(request.generator)
+                rows.seqs.append(seq)
+                rows.requests.append(request)
+        rows.identity = rows.row_idx == list(range(len(pairs)))
+        return rows
 
     def _process(self, launched: "_Launched", touched: dict[str, Request]) -> None:
         """Read a launched step's tokens back (the one wait on the device) and apply them."""
@@ -423,17 +451,24 @@ class ContinuousBatcher:
                     sampled.append(SampledToken(seq, tokens[row], logprob, top))
             applied = self.scheduler.update_from_output(sampled, launched.deferred, launched.token_time)
         self._metrics.num_generated_tokens += len(applied)
+        # A request can lose its last live sequence only here: one of its rows ended (a stop, the length, a stop
+        # string) or its beam search did. Those are the requests to finish (every other touched one either has a
+        # live sequence or was finished already: aborts, preemptions, the step processed before this one).
+        ended: dict[str, Request] = {}
         detokenize = self.detokenizer.tokenizer is not None  # without one: no text to make, no stop string to find
         for request, seq in applied:
             touched[request.request_id] = request
             if detokenize:
                 self._end_on_stop_string(request, seq)
+            if seq.finish_reason is not None:
+                ended[request.request_id] = request
         for request_id, rows in launched.beam_rows.items():
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
                 self._beam_step(request, launched.logits[to_device(rows, torch.int64, launched.logits.device)])
                 touched[request_id] = request
-        for request in touched.values():
+                ended[request_id] = request
+        for request in ended.values():
             if not request.is_finished and not request.live_seqs:
                 self.scheduler.finish(request)
 
@@ -630,6 +665,34 @@ class _Launched:
     host: list | None = None  # host copies of (token_ids, logprobs, top_logprobs, top_token_ids) (pinned on CUDA)
     event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
     token_time: float | None = None  # time.monotonic() when the tokens reached the host (first-token metrics)
+
+
+@dataclass
+class _Rows:
+    """The sampling rows of a step: what ``_launch`` derives from the step's sequences and their requests.
+
+    Reused for the next step while its ``seq_ids`` and ``sample_idx`` are the same lists (one C-level compare) and
+    ``reusable``: every row is then one plain sample of a sequence whose inputs do not change between steps (no
+    beams, no prompt forking into ``n`` samples, no penalties or ``min_tokens``, whose rows copy the output so
+    far). Sequence ids are never reused and a sequence belongs to one request for life, so equal ids mean the same
+    sequences, requests, parameters, prompts and generators: any change of the running set (an admission, a
+    finish, an abort, a preemption, a fork, a beam step) changes ``seq_ids`` and rebuilds the rows.
+    """
+
+    seq_ids: list[int]  # [num_seqs] the step's sequences (the reuse key, with sample_idx)
+    sample_idx: list[int]  # [num_logits] the step's sampling sequences
+    row_idx: list[int] = field(default_factory=list)  # [num_rows] the logits row of each sampler row
+    params: list = field(default_factory=list)  # [num_rows] SamplingParams
+    outputs: list = field(default_factory=list)  # [num_rows] output so far (penalties, min_tokens), else ()
+    prompts: list = field(default_factory=list)  # [num_rows] prompt token ids
+    generators: list = field(default_factory=list)  # [num_rows] torch.Generator of a seeded request, else None
+    seqs: list = field(default_factory=list)  # [num_rows] Sequence of each row
+    requests: list = field(default_factory=list)  # [num_rows] Request of each row
+    beam_rows: dict[str, list[int]] = field(default_factory=dict)  # request id -> its rows of the logits
+    identity: bool = False  # row_idx is range(num_logits): the sampler takes the logits as they are
+    deferrable: bool = True  # every row is a plain sample: the step may be processed after the next is queued
+    reusable: bool = False  # see the class doc
+    plan: RowPlan | None = None  # the sampler's checked summary of params and generators, made on first use
 
 
 def _graphs_on(config: EngineConfig, info: ModelInfo) -> bool:

@@ -31,6 +31,60 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # [num_seqs, max_k], int64: the tokens of top_logprobs
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """What the sampler derives from its rows' parameters and generators alone, checked once (``plan_rows``).
+
+    A caller whose rows do not change between calls (the engine, while a step's sequences stay the same) passes
+    the plan back in, and the sampler then does no per-row Python work for the stages no row uses.
+    """
+
+    num_rows: int
+    device_type: str  # the device type the generators were checked against (the logits')
+    max_num_logprobs: int | None  # the most ``logprobs`` any row asks for; None: no row does
+    use_penalties: bool  # some row has a repetition, frequency or presence penalty
+    use_min_tokens: bool  # some row has ``min_tokens`` > 0
+    sample_rows: list[int]  # rows that sample (not greedy), ascending
+
+
+def plan_rows(
+    params: Sequence[SamplingParams],  # [num_seqs]
+    generators: Sequence[torch.Generator | None],  # [num_seqs]
+    device: torch.device,  # the logits' device
+) -> RowPlan:
+    """Check each row's parameters and generator for the sampler and summarise them (see ``RowPlan``).
+
+    Raises:
+        ValueError: If a row uses beam search, or a seeded row that samples has no generator or one on another
+            device than ``device``.
+    """
+    for i, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        if p.beam_width > 1:
+            raise ValueError(
+                f"row {i} uses beam search (beam_width={p.beam_width}); beams are ranked by the engine's beam "
+                "search (hf_paged.engine.beam_search), the Sampler only samples"
+            )
+        if p.is_greedy:
+            continue
+        if p.seed is not None and generator is None:
+            raise ValueError(f"row {i} has seed={p.seed} but no generator; pass torch.Generator(device).manual_seed")
+        if generator is not None and generator.device.type != device.type:
+            raise ValueError(
+                f"row {i}'s generator is on {generator.device}, the logits on {device}; "
+                "make the generator on the logits' device"
+            )
+    return RowPlan(
+        num_rows=len(params),
+        device_type=device.type,
+        max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        use_penalties=any(
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+        ),
+        use_min_tokens=any(p.min_tokens > 0 for p in params),
+        sample_rows=[i for i, p in enumerate(params) if not p.is_greedy],
+    )
+
+
 class Sampler:
     """Batched sampling for rows with mixed SamplingParams (stateless).
 
@@ -61,6 +115,7 @@ class Sampler:
         prompt_token_ids: Sequence[Sequence[int]],  # [num_seqs][num_prompt_tokens of the row]
         generators: Sequence[torch.Generator | None],  # [num_seqs]
         eos_token_ids: Iterable[int] = (),
+        plan: RowPlan | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -72,6 +127,8 @@ class Sampler:
             generators: A generator on the logits' device for each seeded row, else None. Rows may
                 share one (a request's ``n`` samples); they then draw from it in row order.
             eos_token_ids: The model's EOS ids, masked while a row is under its ``min_tokens``.
+            plan: ``plan_rows(params, generators, logits.device)`` of these very rows, made by an earlier call
+                (default: made and checked now).
 
         Returns:
             SamplerOutput with the tokens on the logits' device.
@@ -82,14 +139,18 @@ class Sampler:
         """
         _check_inputs(logits, params, output_token_ids, prompt_token_ids, generators)
         device = logits.device
+        if plan is None or plan.num_rows != len(params) or plan.device_type != device.type:
+            plan = plan_rows(params, generators, device)
         logits = logits.to(torch.float32, copy=True)
-        max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        max_num_logprobs = plan.max_num_logprobs
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_num_logprobs is not None else None
 
-        logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)
-        _apply_min_tokens(logits, params, output_token_ids, eos_token_ids)
+        if plan.use_penalties:
+            logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)
+        if plan.use_min_tokens:
+            _apply_min_tokens(logits, params, output_token_ids, eos_token_ids)
 
-        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        sample_rows = plan.sample_rows
         if len(sample_rows) < len(params):
             token_ids = logits.argmax(dim=-1)
         if sample_rows:
@@ -116,6 +177,7 @@ def _check_inputs(
     prompt_token_ids: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
 ) -> None:
+    """The shapes and lengths of the inputs (each row's parameters are checked by ``plan_rows``)."""
     if logits.dim() != 2:
         raise ValueError(f"`logits` must be 2-D [num_seqs, vocab_size], got shape {tuple(logits.shape)}")
     num_seqs = logits.shape[0]
@@ -127,21 +189,6 @@ def _check_inputs(
     ):
         if len(rows) != num_seqs:
             raise ValueError(f"`{name}` must have one entry per logits row ({num_seqs}), got {len(rows)}")
-    for i, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if p.beam_width > 1:
-            raise ValueError(
-                f"row {i} uses beam search (beam_width={p.beam_width}); beams are ranked by the engine's beam "
-                "search (hf_paged.engine.beam_search), the Sampler only samples"
-            )
-        if p.is_greedy:
-            continue
-        if p.seed is not None and generator is None:
-            raise ValueError(f"row {i} has seed={p.seed} but no generator; pass torch.Generator(device).manual_seed")
-        if generator is not None and generator.device.type != logits.device.type:
-            raise ValueError(
-                f"row {i}'s generator is on {generator.device}, the logits on {logits.device}; "
-                "make the generator on the logits' device"
-            )
 
 
 def _token_counts(
