@@ -38,7 +38,8 @@ attention calls ``paged_decode`` (a custom op over the Triton kernel on CUDA, a 
 The token ids come back to the host at the next host call (the next plan, ``reset``, ``crop``, a beam reorder),
 when the blocks they filled enter the prefix index. The pool tensors must keep their address between compiled
 steps: a growing pool is sized once, at the prefill, for every row's real tokens up to max_cache_len columns (left
-padding takes no slot), and a planned step never grows it. Modes: greedy, sampling and ``num_return_sequences``
+padding takes no slot; generate's copies of one prompt, for ``num_return_sequences`` or beams, count its full
+blocks once), and a planned step never grows it. Modes: greedy, sampling and ``num_return_sequences``
 compile; transformers runs beam search and assisted generation (crop) eagerly, beam steps through the same planned
 path; any forward not planned ahead (prefills, verification forwards, chunked prefill) is planned by the hook as
 without max_cache_len (eager; inside a compiled call, behind graph breaks).
@@ -218,6 +219,7 @@ class PagedCache(Cache):
         self._ids_pending = False  # the last planned step's token ids are still only on the device
         self._rows_to_index: list[int] = []  # rows whose last planned token filled a block: indexed once ids are in
         self._pool_frozen = False  # while planning ahead: the pool must not grow (compiled graphs keep its address)
+        self._presize_left: int | None = None  # columns left after a fresh prefill, until _start_rows sizes the pool
         self._marked_pool: torch.Tensor | None = None
         _install_hooks(model)
 
@@ -278,6 +280,7 @@ class PagedCache(Cache):
         self._free_rows(self._rows)
         self._rows = []
         self._num_columns = 0
+        self._presize_left = None
         self._left_padded = True
         self._tables = None
         self._prepared = False
@@ -940,13 +943,18 @@ class PagedCache(Cache):
         """Grow a growing pool, before the prefill, to what every row needs to reach ``max_cache_len`` columns.
 
         Row b ends with at most its real tokens after this forward plus the columns left up to max_cache_len, so
-        the rows never hold more than the sum of those rounded up to blocks (shared prompt blocks and beams only
-        lower it), and the planned decode steps never grow the pool (a compiled graph keeps its address). Left
-        padding takes no slot. One allocation: the prefill's own reservation then finds its blocks free.
+        the rows never hold more than the sum of those rounded up to blocks, and the planned decode steps never
+        grow the pool (a compiled graph keeps its address). Left padding takes no slot. One allocation: the
+        prefill's own reservation then finds its blocks free. Fresh rows (the first forward of a call) are sized
+        where their prompts are known, in ``_start_rows``: rows with the same prompt (generate's copies for
+        ``num_return_sequences`` and beams) share its full blocks (``_fresh_rows_blocks``).
         """
         if self._max_num_blocks is None:
             return
         batch_size, query_len = shape
+        if not self._rows:
+            self._presize_left = max(0, self._max_cache_len - self._num_columns - query_len)
+            return
         if mask is not None and mask.dim() == 2 and mask.shape[1] >= query_len:
             new_real = mask[:, -query_len:].to("cpu", torch.bool).numpy().sum(axis=1)
         else:
@@ -955,6 +963,18 @@ class PagedCache(Cache):
         past_real = [rows[b * len(rows) // batch_size].num_computed if rows else 0 for b in range(batch_size)]
         left = max(0, self._max_cache_len - self._num_columns - query_len)
         target = sum(-(-(int(p) + int(n) + left) // self.block_size) for p, n in zip(past_real, new_real, strict=True))
+        self._grow_to(target, batch_size)
+
+    def _fresh_rows_blocks(self, prompt_lens: list[int], copies: list[int], left: int) -> int:
+        """The most blocks fresh rows can hold up to ``left`` more tokens each: ``copies[d]`` rows share prompt d
+        (``prompt_lens[d]`` real tokens), whose full blocks they share for life (a full block is never written
+        again), while each row's partial prompt block (copied when first written) and later blocks are its own.
+        Beams keep the bound: a reorder only re-shares blocks, and each beam still owns at most its own tail."""
+        bs = self.block_size
+        return sum(n // bs + k * (-(-(n + left) // bs) - n // bs) for n, k in zip(prompt_lens, copies, strict=True))
+
+    def _grow_to(self, target: int, batch_size: int) -> None:
+        """Grow the pool in one allocation to ``target`` blocks (``_presize``), or raise if its cap is lower."""
         if target > self._max_num_blocks:
             raise MemoryError(
                 f"PagedCache needs {target} blocks of {self.block_size} tokens for {batch_size} rows to reach "
@@ -1005,9 +1025,21 @@ class PagedCache(Cache):
         batch_size, length = shape
         if self._max_num_blocks is not None:  # a growing pool: room for every distinct prompt at once
             num_tokens = mask.sum(axis=1) if mask is not None else np.full(batch_size, length)
-            distinct = {(tuple(input_ids[b][mask[b]] if mask is not None else input_ids[b]) if input_ids is not None
-                         else b): int(num_tokens[b]) for b in range(batch_size)}  # fmt: skip
-            self._reserve(sum(-(-n // self.block_size) for n in distinct.values()))
+            distinct: dict = {}  # prompt (or row, without ids) -> [real tokens, rows with it]
+            for b in range(batch_size):
+                n = int(num_tokens[b])
+                # Keyed as the rows below fork: by prompt; a row without ids or without a real token starts alone.
+                key = (
+                    b
+                    if input_ids is None or not n
+                    else tuple(input_ids[b][mask[b]] if mask is not None else input_ids[b])
+                )
+                distinct.setdefault(key, [n, 0])[1] += 1
+            left, self._presize_left = self._presize_left, None
+            if left is not None:  # planned decode steps follow (max_cache_len): size the pool for all of them now
+                lens, copies = zip(*distinct.values(), strict=True)
+                self._grow_to(self._fresh_rows_blocks(list(lens), list(copies), left), batch_size)
+            self._reserve(sum(-(-n // self.block_size) for n, _ in distinct.values()))
         first_of: dict[tuple, _Row] = {}
         rows: list[_Row] = []
         for b in range(batch_size):

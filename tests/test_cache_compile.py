@@ -191,3 +191,28 @@ def test_custom_ops_trace_whole_and_match_the_reference():
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     expected = paged_decode_ref(query, k_ref, v_ref, tables, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["samples", "beams"])
+def test_copies_of_a_prompt_share_its_full_blocks_in_the_presized_pool(mode):
+    """With max_cache_len the pool is sized once, at the prefill, for every planned step: generate's copies of a
+    prompt (num_return_sequences, beams) share its full blocks for life, so they are counted once; each copy's
+    partial block and new blocks are its own (StaticCache would reserve max_cache_len for every copy)."""
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, 96, (2, 19), generator=gen)  # 2 full blocks of 8 + a partial block of 3
+    if mode == "samples":
+        kwargs = dict(do_sample=True, temperature=0.9, num_return_sequences=4)
+    else:
+        kwargs = dict(do_sample=False, num_beams=4, num_return_sequences=2)
+    kwargs.update(input_ids=prompts, max_new_tokens=10, min_new_tokens=10)
+    torch.manual_seed(5)
+    expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
+    cache = PagedCache(model, block_size=8, max_cache_len=29)
+    torch.manual_seed(5)
+    assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
+    # Per prompt: its 2 full blocks once, and 4 copies x (ceil(29 / 8) - 2) = 8 own blocks: 2 x 10, where one row per
+    # copy up to max_cache_len would take 8 x 4 = 32.
+    assert cache.pool.num_blocks == 2 * (2 + 4 * 2)
+    assert cache.peak_used_blocks <= cache.pool.num_blocks
+    assert_cache_released(cache)
