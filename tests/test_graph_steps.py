@@ -186,3 +186,29 @@ def test_failed_default_compile_falls_back_to_eager(monkeypatch):
     with pytest.raises(RuntimeError, match="inductor could not compile"):  # asked for explicitly: no fallback
         monkeypatch.setattr(model_runner.torch, "compile", broken_compile)
         _engine(tiny_model(), graphs=True, compile_model="layers", **config)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs are captured on CUDA only (HF_PAGED_TEST_DEVICE=cuda)")
+def test_no_garbage_collection_while_capturing(monkeypatch):
+    """A collection inside a capture can free an unreachable engine's CUDA graphs, whose reset invalidates the
+    capture (the GPU run's intermittent "operation failed due to a previous error during capture", after engines
+    of earlier tests were left in reference cycles): the collector is off during every capture, back on after."""
+    import gc
+
+    seen = []
+    static_forward = model_runner.ModelRunner._static_forward
+
+    def recording(self, bucket):
+        forward = static_forward(self, bucket)
+
+        def wrapped():
+            if torch.cuda.is_current_stream_capturing():
+                seen.append(gc.isenabled())
+            return forward()
+
+        return wrapped
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_static_forward", recording)
+    engine = _engine(tiny_model(), graphs=True, num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4)
+    assert seen and not any(seen), seen  # one entry per captured bucket
+    assert len(seen) == len(engine.runner._graphs) and gc.isenabled()

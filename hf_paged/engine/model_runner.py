@@ -37,6 +37,8 @@ and an input token that the previous step sampled but the host has not seen yet 
 scheduling) is copied into the input ids on the device from that step's sampled-token tensor.
 """
 
+import gc
+
 import numpy as np
 import torch
 
@@ -469,8 +471,18 @@ class ModelRunner:
             forward()  # compiles Triton kernels, creates cuBLAS handles, outside the capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = forward()
+        # No garbage collection inside the capture: collecting an unreachable engine frees its CUDA graphs, and a
+        # graph's reset is not permitted while a stream captures: it invalidates this capture ("operation failed
+        # due to a previous error during capture"; seen in the GPU test run, engines of earlier tests in cycles).
+        # torch.cuda.graph collects once itself, before the capture begins.
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                logits = forward()
+        finally:
+            if gc_enabled:
+                gc.enable()
         self._graph_pool = graph.pool()
         self._graphs[bucket] = (graph, logits)
 
