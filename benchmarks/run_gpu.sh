@@ -3,7 +3,7 @@
 # async scheduling and replay are GPU-only paths), then the benchmarks. In parts, each sized for one call of at
 # most 10 minutes (the device tool's limit; a part's own timeouts add up to less):
 #   tests     kernel tests with every direct launch checked against Triton's own lookup (HF_PAGED_CHECK_LAUNCH=1),
-#             PagedCache's CUDA/compile tests, the engine's tests on CUDA                                   (~5 min)
+#             PagedCache's CUDA/compile tests, the engine's tests on CUDA                                   (~9 min)
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
 #   generate  benchmarks/generate.py --quick (Qwen3-0.6B, 1x512 and 32x512, greedy and beams4, every system)  (~5 min)
@@ -29,7 +29,7 @@ run_tests() {  # the summary lines here; every failure's traceback in $out/tests
     HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py \
         tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tee "$out/tests-kernels.log" | tail -4 \
         | tee "$out/tests.txt"
-    HF_PAGED_CHECK_LAUNCH=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 \
+    HF_PAGED_CHECK_LAUNCH=1 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 \
         | tee "$out/tests-prefill.log" | tail -4 | tee -a "$out/tests.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_cache_compile.py \
         -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tee "$out/tests-cache.log" | tail -4 \
