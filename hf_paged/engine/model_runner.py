@@ -474,7 +474,7 @@ class ModelRunner:
         # No garbage collection inside the capture: collecting an unreachable engine frees its CUDA graphs, and a
         # graph's reset is not permitted while a stream captures: it invalidates this capture ("operation failed
         # due to a previous error during capture"; seen in the GPU test run, engines of earlier tests in cycles).
-        # torch.cuda.graph collects once itself, before the capture begins.
+        # What is unreachable meanwhile is collected after the capture, by the next automatic collection.
         gc_enabled = gc.isenabled()
         gc.disable()
         try:
