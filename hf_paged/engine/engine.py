@@ -48,7 +48,7 @@ from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestOutput
 from hf_paged.engine.request import Sequence as Seq
 from hf_paged.engine.sampler import RowPlan, Sampler, plan_rows
-from hf_paged.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
 from hf_paged.model_info import ModelInfo
 from hf_paged.transfer import to_device
 
@@ -438,18 +438,18 @@ class ContinuousBatcher:
                 launched.event.synchronize()
                 launched.token_time = time.monotonic()
             tokens, lps, top_lps, top_ids = (t.tolist() if t is not None else None for t in launched.host)
-            if lps is None:  # no row asked for logprobs (the sampler computes none then)
-                sampled = [SampledToken(seq, token) for seq, token in zip(launched.rows, tokens, strict=True)]
-            else:
-                sampled = []
-                for row, (seq, request) in enumerate(zip(launched.rows, launched.requests, strict=True)):
+            logprobs = None  # None: no row asked for logprobs (the sampler computes none then)
+            if lps is not None:
+                logprobs = []
+                for row, request in enumerate(launched.requests):
                     k = request.params.logprobs
-                    logprob = top = None
+                    entry = None
                     if k is not None:
-                        logprob = lps[row]
-                        top = {tokens[row]: lps[row]} | dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
-                    sampled.append(SampledToken(seq, tokens[row], logprob, top))
-            applied = self.scheduler.update_from_output(sampled, launched.deferred, launched.token_time)
+                        top = dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+                        entry = lps[row], {tokens[row]: lps[row]} | top  # the sampled token first, then the top k
+                    logprobs.append(entry)
+            applied = self.scheduler.update_from_output(launched.rows, tokens, launched.deferred, launched.token_time,
+                                                        logprobs)  # fmt: skip
         self._metrics.num_generated_tokens += len(applied)
         # A request can lose its last live sequence only here: one of its rows ended (a stop, the length, a stop
         # string) or its beam search did. Those are the requests to finish (every other touched one either has a

@@ -37,12 +37,17 @@ class Sequence:
     token (the next forward reads its input id from there, on the device). ``last_inflight``: the
     newest placeholder is this sequence's last token (``max_new_tokens`` or the context end): the
     scheduler gives it no more slots.
+
+    ``max_num_tokens``: the length at which the sequence ends (prompt + ``max_new_tokens``, capped by the
+    model's context), set by ``Scheduler.add`` (which knows the context) and copied by ``fork``; None until
+    then. It lets the per-step paths test the length limit with one compare.
     """
 
     def __init__(self, token_ids: list[int], num_prompt_tokens: int):
         self.seq_id = next(_seq_ids)
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
+        self.max_num_tokens: int | None = None  # set by Scheduler.add (see the class doc)
         self.num_computed = 0
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []  # per output token: {token_id: logprob} incl. alternatives
@@ -87,6 +92,7 @@ class Sequence:
         if self.num_inflight:
             raise RuntimeError("bug in hf_paged: a sequence with tokens in flight cannot be forked")
         child = Sequence(list(self.token_ids), self.num_prompt_tokens)
+        child.max_num_tokens = self.max_num_tokens
         child.num_computed = self.num_computed
         child.num_hashed_blocks = self.num_hashed_blocks
         child.num_detokenized = self.num_detokenized

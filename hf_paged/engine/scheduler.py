@@ -50,16 +50,6 @@ class SchedulerOutput:
         return not self.seq_ids
 
 
-@dataclass
-class SampledToken:
-    """One row the sampler produced, as the host reads it back."""
-
-    seq: Sequence  # the sequence that sampled (a prompt sampled n times gives n rows with the same seq)
-    token_id: int
-    logprob: float | None = None  # log-prob of token_id (when the request asked for logprobs)
-    top_logprobs: dict[int, float] | None = None  # {token_id: logprob} incl. the sampled one, when asked
-
-
 class Scheduler:
     """FCFS continuous batching with a token budget, chunked prefill and all-or-nothing preemption.
 
@@ -116,7 +106,9 @@ class Scheduler:
     # ---- queue ------------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        max_new_tokens = request.params.max_new_tokens
         for seq in request.seqs:
+            seq.max_num_tokens = min(seq.num_prompt_tokens + max_new_tokens, self.max_len)
             self._seqs[seq.seq_id] = (seq, request)
         self.waiting.append(request)
 
@@ -342,65 +334,77 @@ class Scheduler:
         Each sequence gets a ``PLACEHOLDER`` the next step's input reads from row ``i`` on the device;
         ``update_from_output`` fills it in once the id is on the host.
         """
-        seqs, max_len = self._seqs, self.max_len
         for row, seq in enumerate(rows):
             token_ids = seq.token_ids
             token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1
             seq.sample_row = row
-            max_new_tokens = seqs[seq.seq_id][1].params.max_new_tokens
-            # len(token_ids) - num_prompt_tokens: seq.num_output_tokens, placeholders included
-            seq.last_inflight = len(token_ids) - seq.num_prompt_tokens >= max_new_tokens or len(token_ids) >= max_len
+            seq.last_inflight = len(token_ids) >= seq.max_num_tokens  # prompt + max_new_tokens, or the context
 
     def update_from_output(
-        self, sampled: list[SampledToken], deferred: bool, token_time: float | None = None
+        self,
+        rows: list[Sequence],
+        token_ids: list[int],
+        deferred: bool,
+        token_time: float | None = None,
+        logprobs: list[tuple[float, dict[int, float]] | None] | None = None,
     ) -> list[tuple[Request, Sequence]]:
         """Apply a step's sampled tokens: fork a prompt's ``n`` samples, check stops and lengths, free what ended.
 
         Args:
-            sampled: the rows in order; the rows of a prompt that forks into ``n`` samples are consecutive.
+            rows: [num_rows] the sequence that sampled each row, in order; a prompt that forks into ``n`` samples
+                gives ``n`` consecutive rows with the same sequence.
+            token_ids: [num_rows] the sampled token of each row.
             deferred: the step's sequences hold placeholders for these tokens (async scheduling).
             token_time: ``time.monotonic()`` when the tokens reached the host (default: now). A deferred step is
                 applied one forward after its tokens were sampled: the first-token time must not include it.
+            logprobs: None when no row asked for logprobs; else [num_rows] ``(logprob of the token, {token_id:
+                logprob} of the top ones incl. it)`` of each row that asked, None for the others.
 
         Returns:
             (request, sequence) of every token applied, in row order (sequences it finished included).
         """
         applied = []
         now = time.monotonic() if token_time is None else token_time
-        get_entry, check_stop, finished = self._seqs.get, self._check_stop, Status.FINISHED
-        j = 0
-        while j < len(sampled):
-            row = sampled[j]
-            seq = row.seq
+        get_entry, check_stop, finished, eos = self._seqs.get, self._check_stop, Status.FINISHED, self.eos_token_ids
+        next_row = 0  # rows before it were applied with their prompt's fork
+        for j, (seq, token) in enumerate(zip(rows, token_ids, strict=True)):
+            if j < next_row:
+                continue
             entry = get_entry(seq.seq_id)
             if entry is None or entry[1].status is finished or seq.finish_reason is not None:
-                j += 1  # aborted, or ended by the previous step's token: this one is discarded
-                continue
+                continue  # aborted, or ended by the previous step's token: this one is discarded
             request = entry[1]
-            if request.forked:  # the common case: one row, one sequence
-                token_ids = seq.token_ids
-                if deferred:
-                    token_ids[len(token_ids) - seq.num_inflight] = row.token_id  # the oldest placeholder
-                    seq.num_inflight -= 1
-                else:
-                    token_ids.append(row.token_id)
-                check_stop(request, seq, row, now)
-                applied.append((request, seq))
-                j += 1
+            if not request.forked:  # a prompt's first tokens: it forks into its n samples, one row each
+                next_row = j + request.params.n
+                children = self._fork_samples(request, seq, request.params.n)
+                for row, child in zip(range(j, next_row), children, strict=True):
+                    child_ids = child.token_ids
+                    if deferred:
+                        child_ids[len(child_ids) - child.num_inflight] = token_ids[row]  # the oldest placeholder
+                        child.num_inflight -= 1
+                    else:
+                        child_ids.append(token_ids[row])
+                    check_stop(request, child, token_ids[row], logprobs[row] if logprobs is not None else None, now)
+                    applied.append((request, child))
                 continue
-            group = request.params.n
-            seqs = self._fork_samples(request, seq, group)
-            for row, child in zip(sampled[j : j + group], seqs, strict=True):
-                if deferred:
-                    pos = len(child.token_ids) - child.num_inflight  # the oldest placeholder
-                    child.token_ids[pos] = row.token_id
-                    child.num_inflight -= 1
-                else:
-                    child.token_ids.append(row.token_id)
-                self._check_stop(request, child, row, now)
-                applied.append((request, child))
-            j += group
+            # The common case, one row for one sequence: the full check only for a token that can end it or count
+            # (a stop id, the length limit, the request's first token, logprobs), with the fewest lookups.
+            seq_ids = seq.token_ids
+            if deferred:
+                seq_ids[len(seq_ids) - seq.num_inflight] = token  # the oldest placeholder
+                seq.num_inflight -= 1
+            else:
+                seq_ids.append(token)
+            if (
+                logprobs is not None
+                or token in eos
+                or len(seq_ids) - seq.num_inflight >= seq.max_num_tokens
+                or request.metrics.first_token_time is None
+                or token in request.params.stop_token_ids
+            ):
+                check_stop(request, seq, token, logprobs[j] if logprobs is not None else None, now)
+            applied.append((request, seq))
         return applied
 
     def _fork_samples(self, request: Request, seq: Sequence, n: int) -> list[Sequence]:
@@ -415,14 +419,14 @@ class Scheduler:
         request.forked = True
         return children
 
-    def _check_stop(self, request: Request, seq: Sequence, row: SampledToken, now: float) -> None:
-        """Account for ``row.token_id``, just placed in ``seq``: logprobs, stop token, length."""
+    def _check_stop(
+        self, request: Request, seq: Sequence, token: int, logprobs: tuple[float, dict[int, float]] | None, now: float
+    ) -> None:
+        """Account for ``token``, just placed in ``seq``: logprobs (``update_from_output``'s), stop token, length."""
         params = request.params
-        token = row.token_id
-        if row.logprob is not None:
-            seq.cumulative_logprob += row.logprob
-        if row.top_logprobs is not None:
-            seq.logprobs.append(row.top_logprobs)
+        if logprobs is not None:
+            seq.cumulative_logprob += logprobs[0]
+            seq.logprobs.append(logprobs[1])
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
