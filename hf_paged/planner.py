@@ -108,7 +108,9 @@ def to_context(plan: ForwardPlan, device: torch.device, **kwargs) -> ForwardCont
 class BlockTables:
     """The runner's persistent copy of the block tables, one row per sequence, kept from the scheduler's diffs.
 
-    ``apply`` costs O(changed entries); ``gather`` copies the rows of one step with one numpy index.
+    ``apply`` costs O(changed entries); ``gather`` copies the rows of one step with one numpy index. The row
+    indices of the last ``gather`` are kept for the next one with the same sequence ids (a decode step's are the
+    step before's): they stay valid while no row is taken or freed, and ``apply`` drops them when one is.
 
     Args:
         max_blocks_per_seq: the table width (the longest sequence's blocks).
@@ -120,6 +122,7 @@ class BlockTables:
         self.lens = np.zeros(num_rows, dtype=np.int64)  # blocks in each row's table
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._gathered: tuple[list[int], np.ndarray] | None = None  # (seq_ids, their rows) of the last gather
 
     def apply(self, updates: list[tuple[int, int, list[int] | None]]) -> None:
         """Apply (seq_id, first index, block ids) diffs in order; block ids None frees the sequence's row."""
@@ -128,10 +131,12 @@ class BlockTables:
                 row = self._row_of.pop(seq_id, None)
                 if row is not None:
                     self._free_rows.append(row)
+                    self._gathered = None  # the row may go to another sequence, this one may get another row
                 continue
             row = self._row_of.get(seq_id)
             if row is None:
                 row = self._row_of[seq_id] = self._take_row()
+                self._gathered = None
             end = first + len(block_ids)
             if end > self.max_blocks_per_seq:
                 raise RuntimeError(f"bug in hf_paged: seq {seq_id} has {end} blocks, over {self.max_blocks_per_seq}")
@@ -140,7 +145,12 @@ class BlockTables:
 
     def gather(self, seq_ids: list[int]) -> np.ndarray:
         """[num_seqs, max_blocks] int32: the tables of ``seq_ids``, as wide as the longest of them."""
-        rows = np.fromiter((self._row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        gathered = self._gathered
+        if gathered is not None and gathered[0] == seq_ids:
+            rows = gathered[1]
+        else:
+            rows = np.fromiter((self._row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+            self._gathered = (list(seq_ids), rows)
         width = max(1, int(self.lens[rows].max())) if len(rows) else 1
         return self.tables[rows, :width]
 

@@ -212,3 +212,33 @@ def test_no_garbage_collection_while_capturing(monkeypatch):
     engine = _engine(tiny_model(), graphs=True, num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4)
     assert seen and not any(seen), seen  # one entry per captured bucket
     assert len(seen) == len(engine.runner._graphs) and gc.isenabled()
+
+
+def test_block_tables_gather_rows_follow_taken_and_freed_rows():
+    """gather keeps the last step's row indices while its sequence ids repeat; a row taken or freed drops them."""
+    from hf_paged.planner import BlockTables
+
+    tables = BlockTables(max_blocks_per_seq=4, num_rows=4)
+    tables.apply([(1, 0, [10]), (2, 0, [20, 21]), (3, 0, [30])])  # rows: 1->0, 2->1, 3->2
+    assert tables.gather([2, 3]).tolist() == [[20, 21], [30, 0]]
+    tables.apply([(2, 2, [22])])  # an append: same rows, wider table
+    assert tables.gather([2, 3]).tolist() == [[20, 21, 22], [30, 0, 0]]
+    # Sequence 2 freed (preempted) and back with new blocks in the same step's diffs: free rows 1 then 0, so it
+    # takes row 0, while row 1 still holds its old blocks. Same ids as the last gather, other rows.
+    tables.apply([(2, 0, None), (1, 0, None), (2, 0, [40])])
+    assert tables.gather([2, 3]).tolist() == [[40], [30]]
+
+
+def test_placeholder_indices_are_reused_only_while_equal():
+    """The runner's placeholder index tensors come back for an equal list of placeholders, never for another."""
+    runner = ContinuousBatcher(tiny_model(), num_blocks=16, block_size=8).runner
+    prev = torch.tensor([100, 101, 102], device=DEVICE)
+    for placeholders, expected in [
+        ([(0, 0), (2, 1)], [100, 7, 101]),
+        ([(0, 0), (2, 1)], [100, 7, 101]),  # equal: reused
+        ([(0, 1), (2, 0)], [101, 7, 100]),  # same length and first entry, other rows
+        ([(1, 2)], [-1, 102, -1]),
+    ]:
+        input_ids = torch.tensor([-1, 7 if len(placeholders) == 2 else -1, -1], device=DEVICE)
+        runner._fill_placeholders(input_ids, placeholders, prev)
+        assert input_ids.tolist() == expected

@@ -184,6 +184,9 @@ class ModelRunner:
         self._graph_pool = None
         self._capture_stream = None
         self._static: StaticInputs | None = None
+        # (placeholders, source rows, input indices) of the last step with placeholders: a decode step's are
+        # those of the step before while its sequences stay the same, so their index tensors are made once.
+        self._placeholder_idx: tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -241,9 +244,19 @@ class ModelRunner:
             return
         if prev_sampled is None:
             raise RuntimeError("bug in hf_paged: a step input is a placeholder but no previous tokens were given")
-        dst, src = zip(*placeholders, strict=True)
-        values = prev_sampled.index_select(0, to_device(src, torch.int64, prev_sampled.device)).to(input_ids.device)
-        input_ids.index_copy_(0, to_device(dst, torch.int64, input_ids.device), values)
+        cached = self._placeholder_idx
+        if (
+            cached is None
+            or cached[0] != placeholders
+            or cached[1].device != prev_sampled.device
+            or cached[2].device != input_ids.device
+        ):
+            dst, src = zip(*placeholders, strict=True)
+            src_t = to_device(src, torch.int64, prev_sampled.device)
+            dst_t = to_device(dst, torch.int64, input_ids.device)
+            cached = self._placeholder_idx = (list(placeholders), src_t, dst_t)  # never written: reused while equal
+        _, src_t, dst_t = cached
+        input_ids.index_copy_(0, dst_t, prev_sampled.index_select(0, src_t).to(input_ids.device))
 
     def _cascade_prefix_len(self, plan: ForwardPlan, num_decode: int) -> int:
         """Tokens the step's first ``num_decode`` (single-token) rows read through shared-prefix decode; 0 = none.
