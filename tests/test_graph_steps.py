@@ -188,7 +188,10 @@ def test_failed_default_compile_falls_back_to_eager(monkeypatch):
         _engine(tiny_model(), graphs=True, compile_model="layers", **config)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs are captured on CUDA only (HF_PAGED_TEST_DEVICE=cuda)")
+@pytest.mark.skipif(
+    DEVICE != "cuda",
+    reason="CUDA graphs are captured on CUDA only: runs on the device machine (benchmarks/run_gpu.sh tests)",
+)
 def test_no_garbage_collection_while_capturing(monkeypatch):
     """A collection inside a capture can free an unreachable engine's CUDA graphs, whose reset invalidates the
     capture (the GPU run's intermittent "operation failed due to a previous error during capture", after engines
