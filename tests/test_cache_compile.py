@@ -193,7 +193,7 @@ def test_custom_ops_trace_whole_and_match_the_reference():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["samples", "beams"])
+@pytest.mark.parametrize("mode", ["samples", "beams", "padded-duplicates"])
 def test_copies_of_a_prompt_share_its_full_blocks_in_the_presized_pool(mode):
     """With max_cache_len the pool is sized once, at the prefill, for every planned step: generate's copies of a
     prompt (num_return_sequences, beams) share its full blocks for life, so they are counted once; each copy's
@@ -203,8 +203,12 @@ def test_copies_of_a_prompt_share_its_full_blocks_in_the_presized_pool(mode):
     prompts = torch.randint(3, 96, (2, 19), generator=gen)  # 2 full blocks of 8 + a partial block of 3
     if mode == "samples":
         kwargs = dict(do_sample=True, temperature=0.9, num_return_sequences=4)
-    else:
+    elif mode == "beams":
         kwargs = dict(do_sample=False, num_beams=4, num_return_sequences=2)
+    else:  # the user's batch repeats a prompt, left-padded, and each row gets 2 samples: 4 copies of it again
+        prompts = torch.cat([torch.zeros(1, 2, dtype=torch.long), prompts[:1, :17]], dim=1).repeat(2, 1)
+        kwargs = dict(do_sample=True, temperature=0.9, num_return_sequences=2,
+                      attention_mask=torch.tensor([[0, 0] + [1] * 17] * 2))  # fmt: skip
     kwargs.update(input_ids=prompts, max_new_tokens=10, min_new_tokens=10)
     torch.manual_seed(5)
     expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
@@ -212,7 +216,8 @@ def test_copies_of_a_prompt_share_its_full_blocks_in_the_presized_pool(mode):
     torch.manual_seed(5)
     assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
     # Per prompt: its 2 full blocks once, and 4 copies x (ceil(29 / 8) - 2) = 8 own blocks: 2 x 10, where one row per
-    # copy up to max_cache_len would take 8 x 4 = 32.
-    assert cache.pool.num_blocks == 2 * (2 + 4 * 2)
+    # copy up to max_cache_len would take 8 x 4 = 32. Padded duplicates: one prompt of 17 real tokens (2 full blocks),
+    # 4 copies x (ceil(27 / 8) - 2) = 8: 10 blocks, where 4 x 4 = 16 before (padding takes no slot either way).
+    assert cache.pool.num_blocks == (10 if mode == "padded-duplicates" else 2 * (2 + 4 * 2))
     assert cache.peak_used_blocks <= cache.pool.num_blocks
     assert_cache_released(cache)
