@@ -390,16 +390,16 @@ class Scheduler:
                 continue
             # The common case, one row for one sequence: the full check only for a token that can end it or count
             # (a stop id, the length limit, the request's first token, logprobs), with the fewest lookups.
-            seq_ids = seq.token_ids
+            ids = seq.token_ids
             if deferred:
-                seq_ids[len(seq_ids) - seq.num_inflight] = token  # the oldest placeholder
+                ids[len(ids) - seq.num_inflight] = token  # the oldest placeholder
                 seq.num_inflight -= 1
             else:
-                seq_ids.append(token)
-            if (
+                ids.append(token)
+            if (  # every condition _check_stop acts on: keep the two in step
                 logprobs is not None
                 or token in eos
-                or len(seq_ids) - seq.num_inflight >= seq.max_num_tokens
+                or len(ids) - seq.num_inflight >= seq.max_num_tokens
                 or request.metrics.first_token_time is None
                 or token in request.params.stop_token_ids
             ):
@@ -422,7 +422,10 @@ class Scheduler:
     def _check_stop(
         self, request: Request, seq: Sequence, token: int, logprobs: tuple[float, dict[int, float]] | None, now: float
     ) -> None:
-        """Account for ``token``, just placed in ``seq``: logprobs (``update_from_output``'s), stop token, length."""
+        """Account for ``token``, just placed in ``seq``: logprobs (``update_from_output``'s), stop token, length.
+
+        ``update_from_output`` calls it for a plain row only when one of these can apply (its filter lists them).
+        """
         params = request.params
         if logprobs is not None:
             seq.cumulative_logprob += logprobs[0]
