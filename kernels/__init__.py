@@ -96,6 +96,8 @@ def paged_attention(
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' V
     prefix_len: torch.Tensor | None = None,  # [1], int32: keys every row shares (cascade decode); None = none
     max_prefix_len: int | None = None,
+    slot_mapping: torch.Tensor | None = None,  # [num_tokens], int32/int64: write key/value here first; -1 = skip
+    min_keys_per_split: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -105,6 +107,14 @@ def paged_attention(
     ``key``/``value`` (optional, already written to the cache): the prefill kernel reads a fresh
     sequence's K/V (no cached context) from them instead of through the block table, which is faster;
     the result is the same.
+
+    ``slot_mapping`` (with ``key``/``value``, not yet in the cache): write them at these slots first, as
+    ``write_kv`` does, then attend. On CUDA a decode batch does both in one kernel (the decode program that reads
+    a row's last position writes it and takes its K/V from registers); other batches write, then attend. Not with
+    ``prefix_len``.
+
+    ``min_keys_per_split`` (decode batches on CUDA): the fewest keys a context split gets; eager callers, whose GPU
+    waits for the host, pass more than the default for fewer splits (one split needs no merge launch).
 
     ``prefix_len`` (decode batches only: ``max_query_len == 1``, no sliding window): shared-prefix ("cascade")
     decode, kernels/cascade.py. The keys below it are read once per KV head for all rows, through row 0's block
@@ -122,7 +132,13 @@ def paged_attention(
                 f"prefix_len (cascade) does not support sliding_window={sliding_window}: pass prefix_len=None for "
                 "sliding-window layers"
             )
+    if slot_mapping is not None and (key is None or value is None):
+        raise ValueError("slot_mapping (write key/value first) needs key and value, got key or value None")
+    if slot_mapping is not None and prefix_len is not None:
+        raise ValueError("slot_mapping (write key/value first) does not go with prefix_len (cascade decode)")
     if not query.is_cuda:
+        if slot_mapping is not None:
+            write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
         if prefix_len is not None:  # the decode reference reads the prefix through row 0's table, as the kernels do
             result = paged_decode_ref(
                 query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=soft_cap, prefix_len=prefix_len
@@ -138,11 +154,18 @@ def paged_attention(
     # Triton launches on the current device: with accelerate's device_map, layers live on several GPUs.
     with on_device(query):
         if max_query_len == 1:
+            if slot_mapping is not None and key.dtype != k_cache.dtype:  # the fused write stores the cache's dtype
+                _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+                key = value = slot_mapping = None
             return _triton().decode.paged_decode_triton(
                 query, k_cache, v_cache, block_tables, seq_lens, scale,
                 max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
                 prefix_len=prefix_len, max_prefix_len=max_prefix_len,
+                new_key=None if slot_mapping is None else key, new_value=None if slot_mapping is None else value,
+                slot_mapping=slot_mapping, min_keys_per_split=min_keys_per_split,
             )  # fmt: skip
+        if slot_mapping is not None:
+            _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return _triton().prefill.paged_prefill_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,

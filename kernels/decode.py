@@ -93,6 +93,9 @@ def _paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]; written only when WRITE_OUT (and no prefix this step)
     partial_acc_ptr,  # [num_seqs, num_heads, num_partials, head_dim], fp32; slots [0, num_splits) are ours
     partial_lse_ptr,  # [num_seqs, num_heads, num_partials], fp32 (log2 domain)
+    new_k_ptr,  # [num_seqs, num_kv_heads, head_dim]: FUSED_WRITE: each row's new key (its last position's)
+    new_v_ptr,  # [num_seqs, num_kv_heads, head_dim]: FUSED_WRITE: each row's new value
+    slot_ptr,  # [num_seqs], int32/int64: FUSED_WRITE: the slot the new K/V go to (-1 = not written)
     # strides
     stride_qs,
     stride_qh,
@@ -117,6 +120,12 @@ def _paged_decode_kernel(
     stride_pls,
     stride_plh,
     stride_plp,
+    stride_nks,
+    stride_nkh,
+    stride_nkd,
+    stride_nvs,
+    stride_nvh,
+    stride_nvd,
     # sizes
     num_splits,
     scale_log2,  # softmax scale * log2(e): scores live in the log2 domain so exp2 can be used
@@ -138,6 +147,9 @@ def _paged_decode_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles (MIN_KEYS_PER_SPLIT keys)
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
     LAUNCH_DEPENDENTS: tl.constexpr,  # the merge is launched with PDL: let it start (it waits for our partials)
+    # The new token's K/V come in new_k/new_v instead of the cache: the program whose split holds position
+    # seq_len - 1 writes them at their slot and attends to them from registers; the cache is read below it only.
+    FUSED_WRITE: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -146,6 +158,9 @@ def _paged_decode_kernel(
     split_idx = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq_idx)
+    read_hi = seq_len  # keys read from the cache: [lo, read_hi)
+    if FUSED_WRITE:
+        read_hi = seq_len - 1  # the new token's K/V are not in the cache yet: new_k/new_v hold them
     lo = 0
     if USE_WINDOW:
         # Position seq_len - 1 sees j with (seq_len - 1) - j < window, i.e. j >= seq_len - window.
@@ -191,8 +206,8 @@ def _paged_decode_kernel(
 
     for tile_idx in range(split_tile_lo, split_tile_hi):
         key_idx = tile_idx * BLOCK_N + offs_n  # [BLOCK_N] positions in the sequence
-        # Keys outside [lo, seq_len) are masked: their table entries may be stale or unallocated.
-        n_mask = (key_idx < seq_len) & (key_idx >= lo)
+        # Keys outside [lo, read_hi) are masked: their table entries may be stale or unallocated.
+        n_mask = (key_idx < read_hi) & (key_idx >= lo)
         if ONE_BLOCK_PER_TILE:
             # The whole tile sits in one cache block; its first key may be below lo (window), but
             # the tile holds key lo or later, so the block-table entry is live.
@@ -234,6 +249,35 @@ def _paged_decode_kernel(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
+
+    if FUSED_WRITE:
+        last_tile = (seq_len - 1) // BLOCK_N
+        if (seq_len > 0) & (last_tile >= split_tile_lo) & (last_tile < split_tile_hi):  # our split holds it
+            # nk, nv: [HEAD_DIM_PAD], the cache's dtype
+            nk = tl.load(new_k_ptr + seq_idx * stride_nks + kv_head_idx * stride_nkh + offs_d * stride_nkd,
+                         mask=d_mask, other=0.0)  # fmt: skip
+            nv = tl.load(new_v_ptr + seq_idx * stride_nvs + kv_head_idx * stride_nvh + offs_d * stride_nvd,
+                         mask=d_mask, other=0.0)  # fmt: skip
+            slot = tl.load(slot_ptr + seq_idx).to(tl.int64)
+            if slot >= 0:
+                tl.store(k_head_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+                         + offs_d * stride_kd, nk, mask=d_mask)  # fmt: skip
+                tl.store(v_head_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+                         + offs_d * stride_vd, nv, mask=d_mask)  # fmt: skip
+            # The new key's score for each query row ([GROUP_PAD]), as the tile loop scores a key (fp32 products of
+            # the stored dtype), then one more online-softmax step.
+            s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], axis=1)
+            if USE_SOFT_CAP:
+                s_new = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s_new) + 1.0))
+            else:
+                s_new = s_new * scale_log2
+            m_new = tl.maximum(m_i, s_new)  # finite
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)  # [GROUP_PAD]
+            l_i = l_i * alpha + p_new
+            # p rounded to the value dtype, as the loop's p @ v takes it
+            acc = acc * alpha[:, None] + p_new.to(nv.dtype).to(tl.float32)[:, None] * nv.to(tl.float32)[None, :]
+            m_i = m_new
 
     # l_i == 0 only for an empty split (no tiles): acc is 0 there, so out / lse become 0 / -inf.
     has_keys = l_i > 0.0
@@ -376,7 +420,9 @@ def _pdl_supported(device_index: int) -> bool:
     return has_gdc and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+def choose_num_splits(
+    max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int, min_keys_per_split: int | None = None
+) -> int:
     """Host-side split heuristic for the decode kernel (no device sync, so CUDA-graph safe).
 
     Aim for ``PROGRAMS_PER_SM * num_sms`` programs (about two waves) across ``num_seqs *
@@ -389,19 +435,22 @@ def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sm
         num_seqs: Number of sequences (query rows) in the batch.
         num_kv_heads: KV heads of the cache.
         num_sms: Streaming multiprocessors of the device.
+        min_keys_per_split: Keys each split gets at least (default ``MIN_KEYS_PER_SPLIT``; a smaller value is
+            raised to it).
 
     Returns:
         The number of splits, in ``[1, MAX_NUM_SPLITS]``.
     """
     base_programs = max(num_seqs * num_kv_heads, 1)
     wanted = cdiv(PROGRAMS_PER_SM * num_sms, base_programs)
-    by_context = max(cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), 1)
+    min_keys = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else max(min_keys_per_split, MIN_KEYS_PER_SPLIT)
+    by_context = max(cdiv(max_seq_len, min_keys), 1)
     return max(1, min(wanted, by_context, MAX_NUM_SPLITS))
 
 
 def _check_args(
     query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
-    num_prefix_splits,
+    num_prefix_splits, new_key=None, new_value=None, slot_mapping=None,
 ) -> None:  # fmt: skip
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -445,6 +494,32 @@ def _check_args(
         )
     if num_prefix_splits is not None and not 1 <= num_prefix_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"num_prefix_splits must be in [1, {MAX_NUM_SPLITS}] or None, got {num_prefix_splits}")
+    fused = (new_key is not None, new_value is not None, slot_mapping is not None)
+    if any(fused):
+        if not all(fused):
+            raise ValueError(
+                "new_key, new_value and slot_mapping go together (the fused K/V write), got "
+                f"new_key={'set' if fused[0] else None}, new_value={'set' if fused[1] else None}, "
+                f"slot_mapping={'set' if fused[2] else None}"
+            )
+        if prefix_len is not None:
+            raise ValueError("new_key/new_value (the fused K/V write) do not go with prefix_len (cascade decode)")
+        kv_shape = (num_seqs, num_kv_heads, head_dim)
+        for name, t in (("new_key", new_key), ("new_value", new_value)):
+            if tuple(t.shape) != kv_shape or t.dtype != k_cache.dtype or t.device != query.device:
+                raise ValueError(
+                    f"{name} must be {k_cache.dtype} [num_seqs, num_kv_heads, head_dim] = {list(kv_shape)} on "
+                    f"{query.device}, got {t.dtype} {list(t.shape)} on {t.device}"
+                )
+        if (
+            slot_mapping.dtype not in (torch.int32, torch.int64)
+            or tuple(slot_mapping.shape) != (num_seqs,)
+            or slot_mapping.device != query.device
+        ):
+            raise ValueError(
+                f"slot_mapping must be int32/int64 [num_seqs={num_seqs}] on {query.device}, got {slot_mapping.dtype} "
+                f"{list(slot_mapping.shape)} on {slot_mapping.device}"
+            )
     if prefix_len is not None:
         if prefix_len.dtype != torch.int32 or prefix_len.numel() != 1 or prefix_len.device != query.device:
             raise ValueError(
@@ -474,6 +549,10 @@ def paged_decode_triton(
     prefix_len: torch.Tensor | None = None,  # [1], int32: keys shared by every row (cascade); 0 or None = none
     max_prefix_len: int | None = None,
     num_prefix_splits: int | None = None,
+    new_key: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim]
+    new_value: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor | None = None,  # [num_seqs], int32/int64; -1 = not written
+    min_keys_per_split: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: each sequence's last token over its paged context (flash-decoding).
 
@@ -500,6 +579,12 @@ def paged_decode_triton(
         max_prefix_len: Host-side bound of ``prefix_len``; only picks ``num_prefix_splits`` (default: max_seq_len).
         num_prefix_splits: Force the shared-prefix kernel's split count; None picks it with
             ``choose_num_prefix_splits``.
+        new_key, new_value, slot_mapping: The new token's K/V (position ``seq_lens[s] - 1``), not yet in the cache:
+            written at ``slot_mapping`` (``write_kv``'s semantics) by the same kernel, which attends to them from
+            registers (one launch instead of a write and a decode). All three or none; not with ``prefix_len``.
+        min_keys_per_split: Give each split at least this many keys when picking ``num_splits`` (default
+            ``MIN_KEYS_PER_SPLIT``). Eager callers, whose GPU waits for the host's next launch, pass more: fewer
+            splits, and one split writes ``out`` itself (no merge launch, no partial buffers).
 
     Returns:
         out: [num_seqs, num_heads, head_dim] in query's dtype.
@@ -518,6 +603,12 @@ def paged_decode_triton(
         seq_lens.shape, seq_lens.dtype, seq_lens.device,
         None if out is None else (out.shape, out.dtype, out.device),
         None if prefix_len is None else (prefix_len.shape, prefix_len.dtype, prefix_len.device),
+        None if new_key is None else (
+            new_key.shape, new_key.stride(), new_key.dtype, new_key.device,
+            None if new_value is None else (new_value.shape, new_value.stride(), new_value.dtype, new_value.device),
+            None if slot_mapping is None else (slot_mapping.shape, slot_mapping.dtype, slot_mapping.device),
+        ),
+        new_value is None, slot_mapping is None,
         scale, sliding_window, soft_cap,
     )  # fmt: skip
     plan = _PLANS.get(signature)
@@ -539,11 +630,16 @@ def paged_decode_triton(
             prefix_len,
             sliding_window,
             num_prefix_splits,
+            new_key,
+            new_value,
+            slot_mapping,
         )  # fmt: skip  (raises on anything wrong)
         if plan is None:
             if len(_PLANS) >= _MAX_PLANS:  # e.g. many batch sizes: start over, rarely
                 _PLANS.clear()
-            plan = _PLANS[signature] = _Plan(query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap)
+            plan = _PLANS[signature] = _Plan(
+                query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap, new_key, new_value
+            )
     num_seqs, num_heads, head_dim, num_kv_heads = plan.num_seqs, plan.num_heads, plan.head_dim, plan.num_kv_heads
     if out is None:
         out = torch.empty_like(query)
@@ -551,7 +647,7 @@ def paged_decode_triton(
         return out
     num_sms = plan.num_sms
     if num_splits is None:
-        num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms)
+        num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms, min_keys_per_split)
     write_out = num_splits == 1
     has_prefix = prefix_len is not None
     # PDL for the merge when it directly follows the split kernel (the prefix kernel sits between them otherwise),
@@ -589,15 +685,20 @@ def paged_decode_triton(
     out_strides = out.stride()
 
     decode_args, min_tiles, num_stages = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
+    fused = new_key is not None
+    if not fused:  # placeholder pointers: never read without FUSED_WRITE
+        new_key, new_value, slot_mapping = query, query, seq_lens
     _DECODE(
         (num_seqs, num_kv_heads, num_splits),
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
-        *plan.strides, *out_strides, *partial_strides,
+        new_key, new_value, slot_mapping,
+        *plan.strides, *out_strides, *partial_strides, *plan.new_kv_strides,
         num_splits,
         *decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
         has_prefix, write_out,
         min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
         pdl,  # LAUNCH_DEPENDENTS
+        fused,  # FUSED_WRITE
         num_warps=DECODE_NUM_WARPS,
         num_stages=num_stages,
     )  # fmt: skip
@@ -644,9 +745,9 @@ class _Plan:
     """What paged_decode_triton's launches need that depends only on a checked argument signature."""
 
     __slots__ = ("num_seqs", "num_heads", "head_dim", "num_kv_heads", "group", "num_sms", "head_dim_pad", "block_m",
-                 "strides", "variants", "prefix_args", "dot_fp32", "pdl_ok")  # fmt: skip
+                 "strides", "variants", "prefix_args", "dot_fp32", "pdl_ok", "new_kv_strides")  # fmt: skip
 
-    def __init__(self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap):
+    def __init__(self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap, new_key, new_value):
         self.num_seqs, self.num_heads, self.head_dim = query.shape
         block_size, self.num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = self.group = self.num_heads // self.num_kv_heads
@@ -670,6 +771,7 @@ class _Plan:
             float(soft_cap) * _LOG2E if use_soft_cap else 0.0,  # cap_out
         )
         self.strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
+        self.new_kv_strides = (0,) * 6 if new_key is None else (*new_key.stride(), *new_value.stride())
         # (decode_args, MIN_TILES_PER_SPLIT, num_stages) for short splits, then for long ones.
         self.variants = tuple(
             (

@@ -9,8 +9,9 @@ import os
 
 import pytest
 import torch
+from hf_paged.kernels import paged_attention
 from hf_paged.kernels.decode import MAX_NUM_SPLITS, choose_num_splits, paged_decode_triton
-from hf_paged.kernels.reference import paged_attention_ref
+from hf_paged.kernels.reference import paged_attention_ref, write_kv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -327,3 +328,117 @@ def test_checks_after_a_good_call_of_the_same_signature():
         paged_decode_triton(query, *args, max_seq_len=9, prefix_len=prefix, sliding_window=4)
     with pytest.raises(ValueError, match=r"num_prefix_splits must be in \[1, 64\] or None, got 0"):
         paged_decode_triton(query, *args, max_seq_len=9, prefix_len=prefix, num_prefix_splits=0)
+
+
+def _fused_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Inputs of a decode step whose new tokens are not in the cache yet: their slots hold NaN (the kernel must take
+    them from new_key/new_value), zero-length rows get slot -1. Returns the _make_inputs tensors plus new_key,
+    new_value [num_seqs, num_kv_heads, head_dim] (strided views, as an attention layer hands them over) and
+    slot_mapping [num_seqs] int64."""
+    query, k_cache, v_cache, block_tables, seq_lens_t = _make_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
+    )
+    slots = []
+    for s, seq_len in enumerate(seq_lens):
+        if seq_len == 0:
+            slots.append(-1)
+            continue
+        pos = seq_len - 1
+        block = int(block_tables[s, pos // block_size])
+        slots.append(block * block_size + pos % block_size)
+        k_cache[block, pos % block_size] = float("nan")
+        v_cache[block, pos % block_size] = float("nan")
+    torch.manual_seed(seed + 1)
+    # [batch, num_kv_heads, 1, head_dim] -> [batch, num_kv_heads, head_dim]: not contiguous across heads
+    states = torch.randn(len(seq_lens), num_kv_heads, 2, head_dim).to(dtype).to(DEVICE)
+    new_key, new_value = states[:, :, 0], states[:, :, 1]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    return query, k_cache, v_cache, block_tables, seq_lens_t, new_key, new_value, slot_mapping
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype, block_size, num_splits, window, cap",
+    [
+        (torch.float32, 16, None, None, None),
+        (torch.bfloat16, 16, 1, None, None),
+        (torch.float16, 16, 3, None, None),
+        (torch.bfloat16, 24, 8, None, None),  # the per-key block-table path, most splits empty
+        (torch.float16, 64, 2, 7, None),
+        (torch.bfloat16, 16, 3, None, 5.0),
+    ],
+)
+def test_fused_kv_write(dtype, block_size, num_splits, window, cap):
+    """new_key/new_value/slot_mapping: the kernel writes the new token's K/V at its slot and attends to them; the
+    result and the cache equal write_kv followed by the decode (the reference). The new tokens sit first in a tile
+    (65, 33), alone (1), mid-tile and at a block's end (64); a zero-length row writes nothing."""
+    seq_lens = [1, 17, 64, 150, 65, 33, 0]
+    query, k_cache, v_cache, block_tables, seq_lens_t, new_key, new_value, slots = _fused_inputs(
+        seq_lens, 8, 2, 64, block_size, dtype
+    )
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_ref(new_key, new_value, k_ref, v_ref, slots)
+    scale = 64**-0.5
+    out = paged_decode_triton(
+        query, k_cache, v_cache, block_tables, seq_lens_t, scale, max_seq_len=150, num_splits=num_splits,
+        sliding_window=window, soft_cap=cap, new_key=new_key, new_value=new_value, slot_mapping=slots,
+    )  # fmt: skip
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0)  # the new slots, nothing else
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0)
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_ref, v_ref, block_tables, seq_lens_t, cu_seqlens_q, scale, window, cap)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@needs_triton
+def test_fused_kv_write_through_paged_attention():
+    """paged_attention(key=, value=, slot_mapping=) on a decode batch writes the new K/V and attends to them (on CUDA
+    through the fused kernel, on the CPU through write_kv and the reference): the same cache and output as both
+    done one after the other."""
+    seq_lens = [3, 40, 16]
+    query, k_cache, v_cache, block_tables, seq_lens_t, new_key, new_value, slots = _fused_inputs(
+        seq_lens, 4, 2, 32, 16, torch.float32
+    )
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_ref(new_key, new_value, k_ref, v_ref, slots)
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    out = paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens_t, cu_seqlens_q, 0.2, max_query_len=1, max_seq_len=40,
+        key=new_key, value=new_value, slot_mapping=slots, min_keys_per_split=4096,
+    )  # fmt: skip
+    ref = paged_attention_ref(query, k_ref, v_ref, block_tables, seq_lens_t, cu_seqlens_q, 0.2)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"slot_mapping \(write key/value first\) needs key and value"):
+        paged_attention(query, k_cache, v_cache, block_tables, seq_lens_t, cu_seqlens_q, 0.2, slot_mapping=slots)
+
+
+@needs_triton
+def test_fused_kv_write_argument_errors():
+    query, k_cache, v_cache, block_tables, seq_lens, new_key, new_value, slots = _fused_inputs(
+        [5, 9], 4, 2, 32, 16, torch.float32
+    )
+    args = (query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match=r"new_key, new_value and slot_mapping go together"):
+        paged_decode_triton(*args, max_seq_len=9, new_key=new_key, new_value=new_value)
+    with pytest.raises(ValueError, match=r"new_value must be torch.float32 \[num_seqs, num_kv_heads, head_dim\]"):
+        paged_decode_triton(*args, max_seq_len=9, new_key=new_key, new_value=new_value[:1], slot_mapping=slots)
+    with pytest.raises(ValueError, match=r"new_key must be torch.float32"):
+        paged_decode_triton(*args, max_seq_len=9, new_key=new_key.half(), new_value=new_value, slot_mapping=slots)
+    with pytest.raises(ValueError, match=r"slot_mapping must be int32/int64 \[num_seqs=2\]"):
+        paged_decode_triton(*args, max_seq_len=9, new_key=new_key, new_value=new_value, slot_mapping=slots.float())
+    prefix = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"do not go with prefix_len"):
+        paged_decode_triton(
+            *args, max_seq_len=9, new_key=new_key, new_value=new_value, slot_mapping=slots, prefix_len=prefix
+        )
+
+
+def test_min_keys_per_split():
+    """More keys per split, fewer splits (an eager caller's choice); never fewer keys than the default minimum."""
+    assert choose_num_splits(512, 1, 8, 132) == 8
+    assert choose_num_splits(512, 1, 8, 132, min_keys_per_split=2048) == 1
+    assert choose_num_splits(4096, 1, 8, 132, min_keys_per_split=2048) == 2
+    assert choose_num_splits(512, 1, 8, 132, min_keys_per_split=1) == 8  # raised to MIN_KEYS_PER_SPLIT
+    assert choose_num_splits(8192, 64, 8, 132, min_keys_per_split=2048) == choose_num_splits(8192, 64, 8, 132)

@@ -51,9 +51,9 @@ def test_key_of_unspecialized_ints_keeps_only_their_class():
     acc, lse = torch.zeros(2, 4, 5, 8), torch.zeros(2, 4, 5)
 
     def args(num_splits, stride_bts):
-        return (q, kc, kc, tables, lens, lens, q, acc, lse, *q.stride(), *kc.stride(), *kc.stride(), stride_bts, 1,
-                *q.stride(), *acc.stride(), *lse.stride(), num_splits, 0.5, 0.0, 0.0, 0,
-                2, 16, 8, 16, 4, 64, False, False, False, False, False, 1, False, False)  # fmt: skip
+        return (q, kc, kc, tables, lens, lens, q, acc, lse, q, q, lens, *q.stride(), *kc.stride(), *kc.stride(),
+                stride_bts, 1, *q.stride(), *acc.stride(), *lse.stride(), *(0,) * 6, num_splits, 0.5, 0.0, 0.0, 0,
+                2, 16, 8, 16, 4, 64, False, False, False, False, False, 1, False, False, False)  # fmt: skip
 
     key_fn = launch._make_key_fn(_paged_decode_kernel, args(5, 3))
     assert key_fn(*args(5, 3)) == key_fn(*args(7, 40))  # num_splits and stride_bts are do_not_specialize
