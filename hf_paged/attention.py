@@ -21,6 +21,10 @@ from hf_paged.context import ForwardContext, get_forward_context
 from hf_paged.kernels import paged_attention, paged_decode, write_kv
 
 ATTN_NAME = "paged"
+# Eager decode (PagedCache under generate, not compiled): the GPU waits for the host's launches, so each context
+# split streams at least this many keys (one split up to 2048 keys: no merge launch, no partial buffers); at batch
+# 1 x 2048 one split of 8 KV heads reads 8 MB in tens of µs, against ~1 ms of host time a layer.
+EAGER_MIN_KEYS_PER_SPLIT = 2048
 # The forward kwarg that carries a planned decode step's static ForwardContext (set by PagedCache's decoder hook).
 PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
 
@@ -108,15 +112,26 @@ def _context_attention(
         and ctx.kv_caches is None
         and ctx.decode_seq_lens is None
     ):
-        # A decode step under PagedCache (the hot path of eager generate): one real token in every row, K/V already
-        # in the pools. The general path below makes the same call, after more branches.
+        # A decode step under PagedCache (the hot path of eager generate): one real token in every row, its K/V left
+        # by update() in ctx.pending_kv (or already in the pools): one decode launch writes and reads them.
+        pending = ctx.pending_kv
+        new_key = new_value = slots = None
+        if pending is not None:
+            if pending[0] is key and ctx.prefix_len is None:
+                ctx.pending_kv = None
+                new_key, new_value, slots = pending[2], pending[3], ctx.slot_mapping
+            else:  # not this layer's pools (not expected): write them the separate way
+                ctx.flush_pending_kv()
         out = paged_attention(
             query.view(batch_size, num_heads, head_dim), key, value, ctx.block_tables, ctx.seq_lens,
             ctx.cu_seqlens_q, scaling, max_query_len=1, max_seq_len=ctx.max_seq_len,
             sliding_window=sliding_window or None, soft_cap=softcap or None,
             prefix_len=ctx.prefix_len if not sliding_window else None, max_prefix_len=ctx.max_prefix_len,
+            key=new_key, value=new_value, slot_mapping=slots, min_keys_per_split=EAGER_MIN_KEYS_PER_SPLIT,
         )  # fmt: skip
         return out.view(batch_size, 1, num_heads, head_dim), None
+    if ctx.pending_kv is not None:  # a deferred write the fast path did not take (not expected)
+        ctx.flush_pending_kv()
     new_key = new_value = None  # the new tokens' K/V [num_tokens, num_kv_heads, head_dim] (engine path)
     if ctx.kv_caches is not None:  # engine path: no Cache object; write this layer's new K/V here
         k_cache, v_cache = ctx.kv_caches[module.layer_idx]

@@ -573,6 +573,7 @@ class PagedCache(Cache):
             query_len=1,
             paged=True,
             owner=self,
+            defer_kv_write=True,
         )
         return self._ctx
 
@@ -744,6 +745,8 @@ class PagedCache(Cache):
         )
 
     def _end_forward(self, completed: bool) -> None:
+        if self._ctx is not None:
+            self._ctx.flush_pending_kv()  # a deferred K/V write no attention took (not expected): keep the cache whole
         self._num_columns += self._pending_columns
         self._pending_columns = 0
         self._ctx = None
@@ -802,6 +805,11 @@ class PagedCache(Cache):
         if query_len == 1:  # decode: dropping the size-1 column is a view, at half the host time of the general form
             key = key_states.view(batch_size, num_kv_heads, head_dim)
             value = value_states.view(batch_size, num_kv_heads, head_dim)
+            if ctx.defer_kv_write and key.dtype == k_cache.dtype:  # the attention's decode kernel writes them
+                if ctx.pending_kv is not None:  # an earlier layer's, which no attention took (not expected)
+                    ctx.flush_pending_kv()
+                ctx.pending_kv = (k_cache, v_cache, key, value)
+                return k_cache, v_cache
         else:
             key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
             value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)

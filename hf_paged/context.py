@@ -58,7 +58,23 @@ class ForwardContext:
     # bound (sizes the prefix kernel's grid). None = off; sliding-window layers ignore it.
     prefix_len: torch.Tensor | None = None
     max_prefix_len: int = 0
+    # A PagedCache decode step on "paged" attention (one token per row, no prefix): update() leaves each layer's new
+    # K/V in pending_kv, (k_cache, v_cache, key, value), instead of writing them, and the attention function writes
+    # them in its decode kernel (one launch a layer; kernels.paged_attention's slot_mapping). A pending write that no
+    # attention took is written by the next update() or at the end of the forward (flush_pending_kv).
+    defer_kv_write: bool = False
+    pending_kv: tuple | None = None
     _per_device: dict = field(default_factory=dict, repr=False)
+
+    def flush_pending_kv(self) -> None:
+        """Write the pending K/V (if any) into its layer's pools, on this context and its per-device copies."""
+        from hf_paged.kernels import write_kv
+
+        for ctx in (self, *self._per_device.values()):
+            pending = ctx.pending_kv
+            if pending is not None:
+                ctx.pending_kv = None
+                write_kv(pending[2], pending[3], pending[0], pending[1], ctx.slot_mapping)
 
     def on(self, device: torch.device) -> "ForwardContext":
         """This context with its tensors on ``device`` (copied once per device per step; for device_map)."""
@@ -91,6 +107,7 @@ class ForwardContext:
                 paged=self.paged,
                 owner=self.owner,
                 kv_caches=self.kv_caches,
+                defer_kv_write=self.defer_kv_write,
             )
             self._per_device[device] = ctx
         return ctx

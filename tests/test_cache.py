@@ -320,3 +320,63 @@ def test_sinks_are_found_as_parameter_or_attribute():
     assert not _has_sinks(module)
     module.sinks = torch.nn.Parameter(torch.zeros(4))
     assert _has_sinks(module)
+
+
+def test_decode_steps_write_kv_in_the_attention_kernel_call(monkeypatch):
+    """Eager decode with "paged" attention: update() leaves each layer's new K/V to the attention, whose one
+    paged_attention call writes them (slot_mapping) and attends; write_kv runs for the prefill only. Tokens equal
+    DynamicCache's, with left padding and across block boundaries."""
+    import hf_paged.attention as attention_module
+    import hf_paged.cache as cache_module
+
+    model = tiny_model("llama")
+    num_layers = model.config.num_hidden_layers
+    calls = {"write_kv": 0, "fused": 0, "plain": 0}
+    write_kv, paged_attention = cache_module.write_kv, attention_module.paged_attention
+
+    def counting_write_kv(*args, **kwargs):
+        calls["write_kv"] += 1
+        return write_kv(*args, **kwargs)
+
+    def counting_attention(*args, **kwargs):
+        calls["fused" if kwargs.get("slot_mapping") is not None else "plain"] += 1
+        return paged_attention(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "write_kv", counting_write_kv)
+    monkeypatch.setattr(attention_module, "paged_attention", counting_attention)
+    cache = PagedCache(model, num_blocks=32, block_size=8)
+    out = _generate(model, cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    expected = _generate(tiny_model("llama", attn="sdpa"), _dynamic(model), max_new_tokens=20, min_new_tokens=20,
+                         do_sample=False)  # fmt: skip
+    assert torch.equal(out, expected)
+    assert calls == {"write_kv": num_layers, "fused": 19 * num_layers, "plain": num_layers}, calls
+    assert_cache_released(cache)
+
+
+def test_a_deferred_kv_write_no_attention_takes_is_still_written():
+    """A layer's deferred K/V that no attention call takes is written by the next layer's update() or at the end of
+    the forward (ForwardContext.flush_pending_kv): the pools never miss a token's K/V."""
+    from hf_paged.context import ForwardContext, forward_context
+
+    model = tiny_model("llama")
+    cache = PagedCache(model, num_blocks=4, block_size=8)
+    kv = cache.kv
+    slots = torch.tensor([5, 9])
+    ctx = ForwardContext(
+        slot_mapping=slots, block_tables=torch.zeros(2, 1, dtype=torch.int32),
+        seq_lens=torch.ones(2, dtype=torch.int32), cu_seqlens_q=torch.arange(3, dtype=torch.int32), max_query_len=1,
+        max_seq_len=1, batch_size=2, query_len=1, owner=cache, defer_kv_write=True,
+    )  # fmt: skip
+    shape = (2, kv.num_kv_heads, 1, kv.head_dim)
+    states = [torch.randn(shape, dtype=kv.k_cache[0].dtype) for _ in range(4)]
+    with forward_context(ctx):
+        cache.update(states[0], states[1], 0)
+        assert ctx.pending_kv is not None and kv.k_cache[0].abs().sum() == 0  # deferred: not written yet
+        cache.update(states[2], states[3], 1)  # layer 0's write was not taken: written now
+        assert ctx.pending_kv[0] is kv.k_cache[1]
+        ctx.flush_pending_kv()  # what the end of a forward does
+    assert ctx.pending_kv is None
+    for layer, (key, value) in enumerate([(states[0], states[1]), (states[2], states[3])]):
+        flat_k = kv.k_cache[layer].view(-1, kv.num_kv_heads, kv.head_dim)
+        flat_v = kv.v_cache[layer].view(-1, kv.num_kv_heads, kv.head_dim)
+        assert torch.equal(flat_k[slots], key[:, :, 0]) and torch.equal(flat_v[slots], value[:, :, 0])
