@@ -20,6 +20,10 @@ the systems of a (shape, point, mode) take turns, one call each per round, so ho
   wall time; the processor runs outside compiled forwards too); the table gives the median (min-max) of the runs'
   medians. (Subtracting a 1-token call's wall from an N-token call's gave misleading numbers: the prefill's run-to-
   run variance swamps the difference.)
+- CPU ms/step: the process's CPU time (``time.process_time``) over the same intervals. An eager step is bound by the
+  host, and its wall time also counts the spells the process waits for a core (the device machine's host moved
+  single cells between two levels, e.g. 33 and 59 ms, for both caches); the CPU time leaves those out (it keeps a
+  spinning device sync, which is short in a host-bound step, and the work of every thread of the process);
 - prefill ms: from the call to the first logits (median);
 - output tok/s: rows x N / wall of the N-token call (median);
 - peak memory: the most ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) rose above the
@@ -71,6 +75,7 @@ class Cell:
     new_tokens: int
     rows: int  # sequences returned: batch, or batch x num_return_sequences
     step_ms: list[float] = field(default_factory=list)
+    step_cpu_ms: list[float] = field(default_factory=list)  # the process's CPU time per decode step
     prefill_ms: list[float] = field(default_factory=list)
     total_s: list[float] = field(default_factory=list)
     peak_allocated: int | None = None  # bytes above the call's start; None off CUDA
@@ -108,14 +113,17 @@ class StepTimer(LogitsProcessor):
 
     def __init__(self):
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # the process's CPU time (time.process_time) at the same moments
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
         return scores
 
 
 def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str, seed: int = 0):
-    """One generate call: (wall s, prefill s, decode step ms, peak allocated and reserved bytes or None, out, cache).
+    """One generate call: (wall s, prefill s, decode step ms, decode step CPU ms, peak allocated and reserved bytes or
+    None, out, cache).
 
     The cache is built inside the timed region, so a pool allocated up front counts in full. The prefill runs from
     the call to the first logits; the steps are the intervals between later logits.
@@ -147,22 +155,24 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     steps = [(b - a) * 1e3 for a, b in zip(timer.times, timer.times[1:], strict=False)]
+    cpu_steps = [(b - a) * 1e3 for a, b in zip(timer.cpu_times, timer.cpu_times[1:], strict=False)]
     prefill = timer.times[0] - start
     if not cuda:
-        return elapsed, prefill, steps, None, None, out, cache
+        return elapsed, prefill, steps, cpu_steps, None, None, out, cache
     peak = torch.cuda.max_memory_allocated() - base
     reserved = torch.cuda.max_memory_reserved() - base_reserved
-    return elapsed, prefill, steps, peak, reserved, out, cache
+    return elapsed, prefill, steps, cpu_steps, peak, reserved, out, cache
 
 
 def measure_once(model, cell: Cell, prompts: torch.Tensor) -> torch.Tensor:
     """One measured call of ``cell`` (its warm-up ran before); appends to the cell, returns the output."""
-    total, prefill, steps, peak, reserved, out, cache = generate_once(
+    total, prefill, steps, cpu_steps, peak, reserved, out, cache = generate_once(
         model, cell.system, prompts, cell.new_tokens, cell.mode
     )
     cell.prefill_ms.append(prefill * 1e3)
     cell.total_s.append(total)
     cell.step_ms.append(statistics.median(steps))
+    cell.step_cpu_ms.append(statistics.median(cpu_steps))
     if peak is not None:
         cell.peak_allocated = max(cell.peak_allocated or 0, peak)
         cell.peak_reserved = max(cell.peak_reserved or 0, reserved)
@@ -225,18 +235,22 @@ def format_table(cells: list[Cell], title: str) -> str:
     lines = [
         title,
         "",
-        "| model | batch x prompt | mode | system | ms/step median (min-max) | prefill ms | output tok/s "
-        "| peak alloc GiB | peak reserved GiB | time / dynamic | memory / dynamic | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | batch x prompt | mode | system | ms/step median (min-max) | CPU ms/step median (min-max) "
+        "| prefill ms | output tok/s | peak alloc GiB | peak reserved GiB | time / dynamic | CPU time / dynamic "
+        "| memory / dynamic | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         point = f"{c.batch} x {c.prompt}"
         if c.error:
-            lines.append(f"| {c.shape} | {point} | {c.mode} | {c.label} | - | - | - | - | - | - | - | {c.error} |")
+            lines.append(
+                f"| {c.shape} | {point} | {c.mode} | {c.label} | - | - | - | - | - | - | - | - | - | {c.error} |"
+            )
             continue
         ref = dynamic.get((c.shape, c.batch, c.prompt, c.mode))
         step = statistics.median(c.step_ms)
         time_ratio = f"{step / statistics.median(ref.step_ms):.2f}" if ref else "-"
+        cpu_ratio = f"{statistics.median(c.step_cpu_ms) / statistics.median(ref.step_cpu_ms):.2f}" if ref else "-"
         memory_ratio = (
             f"{c.peak_allocated / ref.peak_allocated:.2f}" if ref and c.peak_allocated and ref.peak_allocated else "-"
         )
@@ -246,8 +260,9 @@ def format_table(cells: list[Cell], title: str) -> str:
         tok_s = c.rows * c.new_tokens / statistics.median(c.total_s)
         lines.append(
             f"| {c.shape} | {point} | {c.mode} | {c.label} | {_median_range(c.step_ms, '.2f')} | "
-            f"{statistics.median(c.prefill_ms):.1f} | {tok_s:.0f} | {_gib(c.peak_allocated)} | "
-            f"{_gib(c.peak_reserved)} | {time_ratio} | {memory_ratio} | {'; '.join(notes)} |"
+            f"{_median_range(c.step_cpu_ms, '.2f')} | {statistics.median(c.prefill_ms):.1f} | {tok_s:.0f} | "
+            f"{_gib(c.peak_allocated)} | {_gib(c.peak_reserved)} | {time_ratio} | {cpu_ratio} | {memory_ratio} | "
+            f"{'; '.join(notes)} |"
         )
     return "\n".join(lines) + "\n"
 

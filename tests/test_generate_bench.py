@@ -25,25 +25,27 @@ def test_grid_arguments():
 
 
 def test_table_has_ratios_to_dynamic_and_failed_cells():
-    def cell(system, step_ms, peak, **kwargs):
+    def cell(system, step_ms, cpu_ms, peak, **kwargs):
         c = bench.Cell("qwen3-0.6b", 8, 1024, "greedy", system, system, new_tokens=11, rows=8, **kwargs)
         c.step_ms, c.prefill_ms, c.total_s, c.peak_allocated = step_ms, [50.0, 52.0, 51.0], [1.0, 1.2, 1.1], peak
+        c.step_cpu_ms = cpu_ms
         return c
 
     cells = [
-        cell("dynamic", [10.0, 12.0, 11.0], 2 * 2**30),
-        cell("paged", [8.0, 8.5, 9.0], 2**30, same_tokens=0.995, note="pool grew to 9 blocks"),
+        cell("dynamic", [10.0, 12.0, 11.0], [9.0, 8.0, 10.0], 2 * 2**30),
+        cell("paged", [8.0, 8.5, 9.0], [6.0, 7.2, 8.0], 2**30, same_tokens=0.995, note="pool grew to 9 blocks"),
         bench.Cell("qwen3-0.6b", 8, 1024, "greedy", "static", "static", 11, 8, error="out of memory"),
     ]
     table = bench.format_table(cells, "### title")
     lines = table.splitlines()
     assert lines[0] == "### title" and lines[2].startswith("| model | batch x prompt | mode | system | ms/step")
     assert lines[4] == (
-        "| qwen3-0.6b | 8 x 1024 | greedy | dynamic | 11.00 (10.00-12.00) | 51.0 | 80 | 2.00 | n/a | 1.00 | 1.00 |  |"
+        "| qwen3-0.6b | 8 x 1024 | greedy | dynamic | 11.00 (10.00-12.00) | 9.00 (8.00-10.00) | 51.0 | 80 | 2.00 "
+        "| n/a | 1.00 | 1.00 | 1.00 |  |"
     )
     assert lines[5] == (
-        "| qwen3-0.6b | 8 x 1024 | greedy | paged | 8.50 (8.00-9.00) | 51.0 | 80 | 1.00 | n/a | 0.77 | 0.50 | "
-        "pool grew to 9 blocks; 99.5% tokens equal to dynamic |"
+        "| qwen3-0.6b | 8 x 1024 | greedy | paged | 8.50 (8.00-9.00) | 7.20 (6.00-8.00) | 51.0 | 80 | 1.00 | n/a "
+        "| 0.77 | 0.80 | 0.50 | pool grew to 9 blocks; 99.5% tokens equal to dynamic |"
     )
     assert lines[6].endswith("| out of memory |")
 
