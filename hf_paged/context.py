@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.kernels import write_kv
+
 
 @dataclass
 class ForwardContext:
@@ -68,8 +70,6 @@ class ForwardContext:
 
     def flush_pending_kv(self) -> None:
         """Write the pending K/V (if any) into its layer's pools, on this context and its per-device copies."""
-        from hf_paged.kernels import write_kv
-
         for ctx in (self, *self._per_device.values()):
             pending = ctx.pending_kv
             if pending is not None:
