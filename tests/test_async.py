@@ -13,6 +13,7 @@ from models import DEVICE
 from models import tiny_model as _tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
+from hf_paged.engine.sampler import plan_rows
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -130,25 +131,29 @@ def test_abort_with_a_token_in_flight():
     assert_engine_drained(engine)
 
 
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_sampling_rows_are_reused_only_while_the_step_sequences_stay_the_same(async_scheduling):
+def test_sampling_rows_are_reused_only_while_the_step_sequences_stay_the_same(async_scheduling, mixed):
     """The engine reuses a step's sampler rows for the next step while the step's sequences are the same; a finish,
-    an abort, an admission or a preemption rebuilds them. The sampler always gets the rows a rebuild would give,
-    and the outputs equal those of an engine that rebuilds them every step."""
+    an abort or a preemption keeps the rows of the sequences that stay, an admission rebuilds them. The sampler
+    always gets the rows (and the row plan) a rebuild would give, and the outputs equal those of an engine that
+    rebuilds them every step."""
     prompts = _prompts()
     config = dict(num_blocks=14, max_num_batched_tokens=32, max_num_seqs=8)  # a small pool: preemptions
 
     def run(reuse: bool):
         engine = _engine(async_scheduling, **config)
         launch, sampling_rows, sample = engine._launch, engine._sampling_rows, engine.sampler
-        record = {"rebuilt": [], "changed": [], "key": None}
+        record = {"rebuilt": [], "changed": [], "joined": [], "key": None, "sampled": set()}
 
         def checked_launch(sched, logits):
             if not reuse:
                 engine._rows = None
             key = (list(sched.seq_ids), list(sched.sample_idx))
+            sampled = {sched.seq_ids[i] for i in sched.sample_idx}
             record["changed"].append(key != record["key"])
-            record["key"] = key
+            record["joined"].append(key != record["key"] and not sampled <= record["sampled"])
+            record["key"], record["sampled"] = key, sampled
             record["sched"] = sched
             return launch(sched, logits)
 
@@ -161,13 +166,17 @@ def test_sampling_rows_are_reused_only_while_the_step_sequences_stay_the_same(as
             assert (params, outputs, prompts_, generators) == (fresh.params, fresh.outputs, fresh.prompts,
                                                                fresh.generators)  # fmt: skip
             assert engine._rows is None or engine._rows.seqs == fresh.seqs
+            if plan is not None:
+                assert plan == plan_rows(fresh.params, fresh.generators, logits.device)
             return sample(logits, params, outputs, prompts_, generators, eos_token_ids, plan)
 
         engine._launch, engine._sampling_rows, engine.sampler = checked_launch, counted_sampling_rows, checked_sample
         lengths = (3, 9, 20, 30, 12)
+        # mixed: greedy and seeded sampling rows, with and without logprobs (the kept rows' plan is remapped)
+        kinds = [dict(temperature=0.8, seed=3, logprobs=2), dict(logprobs=1), dict(top_k=7, seed=5), {}]
         rids = [
-            engine.add_request(p, SamplingParams(max_new_tokens=m, **GREEDY))
-            for p, m in zip(prompts[:5], lengths, strict=True)
+            engine.add_request(p, SamplingParams(max_new_tokens=m, **(GREEDY | (kinds[i % 4] if mixed else {}))))
+            for i, (p, m) in enumerate(zip(prompts[:5], lengths, strict=True))
         ]
         last = {}
         for step in range(200):
@@ -179,12 +188,15 @@ def test_sampling_rows_are_reused_only_while_the_step_sequences_stay_the_same(as
             if not engine.has_unfinished_requests():
                 break
         assert_engine_drained(engine)
-        return {r: last[r].outputs[0].token_ids for r in rids}, record, engine.metrics().num_preemptions
+        outputs = {r: (last[r].outputs[0].token_ids, last[r].outputs[0].logprobs) for r in rids}
+        return outputs, record, engine.metrics().num_preemptions
 
     outputs, record, num_preemptions = run(reuse=True)
     changed = [i for i, c in enumerate(record["changed"]) if c]
-    assert record["rebuilt"] == changed  # rebuilt exactly when the step's sequences changed
-    assert len(changed) < len(record["changed"]) / 2  # and reused on most steps
+    joined = [i for i, j in enumerate(record["joined"]) if j]
+    assert record["rebuilt"] == joined  # rebuilt exactly when a sequence joined the step's sampling ones
+    assert len(joined) < len(changed)  # rows kept (taken) when some only left: finishes, an abort, preemptions
+    assert len(changed) < len(record["changed"]) / 2  # and reused as they are on most steps
     assert num_preemptions > 0
     assert outputs == run(reuse=False)[0]
 

@@ -11,7 +11,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.sampler import Sampler, SamplerOutput, apply_penalties
+from hf_paged.engine.sampler import Sampler, SamplerOutput, apply_penalties, plan_rows
 
 sampler = Sampler()
 
@@ -281,6 +281,29 @@ def test_logprobs_are_raw_and_top_k_sorted():
     assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
     torch.testing.assert_close(out.top_logprobs, raw.gather(1, out.top_token_ids))
     torch.testing.assert_close(out.top_logprobs, raw.topk(5, dim=-1).values)
+
+
+def test_row_plan_of_a_subset_of_rows_equals_a_fresh_plan():
+    """RowPlan.take (the engine keeps the rows of the sequences that stay) gives the plan of the rows it picks."""
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=1, logprobs=4),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(top_k=5, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=0.9),
+    ]
+    generators = [None, torch.Generator().manual_seed(1), None, None, None, None]
+    device = torch.device("cpu")
+    for rows in ([0, 1, 2, 3, 4, 5], [0, 2], [0, 2, 4], [1, 3, 5], [5, 1], [3], [2], [4], []):
+        for idx in (rows, [i for i in rows if i % 2 == 0]):
+            for all_rows in (list(range(6)), [0, 2, 4], [1, 5]):  # the plan's own rows: a subset of these too
+                if not set(idx) <= set(all_rows):
+                    continue
+                plan = plan_rows([params[i] for i in all_rows], [generators[i] for i in all_rows], device)
+                picked = [all_rows.index(i) for i in idx]
+                taken = plan.take(picked, [params[i] for i in idx])
+                assert taken == plan_rows([params[i] for i in idx], [generators[i] for i in idx], device)
 
 
 def test_sampler_errors():

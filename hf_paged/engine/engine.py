@@ -368,7 +368,8 @@ class ContinuousBatcher:
         """
         rows = self._rows
         if rows is None or rows.seq_ids != sched.seq_ids or rows.sample_idx != sched.sample_idx:
-            rows = self._sampling_rows(sched)
+            # Sequences that finished, were aborted or preempted leave rows behind: keep the others' (no rebuild).
+            rows = (rows.take(sched) if rows is not None else None) or self._sampling_rows(sched)
             self._rows = rows if rows.reusable else None
         launched = _Launched(deferred=self.async_scheduling and rows.deferrable, rows=rows.seqs,
                              requests=rows.requests, beam_rows=rows.beam_rows)  # fmt: skip
@@ -676,7 +677,8 @@ class _Rows:
     beams, no prompt forking into ``n`` samples, no penalties or ``min_tokens``, whose rows copy the output so
     far). Sequence ids are never reused and a sequence belongs to one request for life, so equal ids mean the same
     sequences, requests, parameters, prompts and generators: any change of the running set (an admission, a
-    finish, an abort, a preemption, a fork, a beam step) changes ``seq_ids`` and rebuilds the rows.
+    finish, an abort, a preemption, a fork, a beam step) changes ``seq_ids``. Rows are then kept for the sequences
+    that stay (``take``: a finish, an abort, a preemption only drops rows) and rebuilt when a sequence joins.
     """
 
     seq_ids: list[int]  # [num_seqs] the step's sequences (the reuse key, with sample_idx)
@@ -693,6 +695,32 @@ class _Rows:
     deferrable: bool = True  # every row is a plain sample: the step may be processed after the next is queued
     reusable: bool = False  # see the class doc
     plan: RowPlan | None = None  # the sampler's checked summary of params and generators, made on first use
+    row_of: dict[int, int] | None = None  # sequence id -> its row (reusable rows), made on first use by ``take``
+
+    def take(self, sched: SchedulerOutput) -> "_Rows | None":
+        """The rows of ``sched`` picked from these reusable rows, when its every sampling sequence has one here.
+
+        A finish, an abort or a preemption only drops sequences from a step: their rows go and the others' stay
+        (same sequences, so the same inputs), with no per-row lookup of requests and no new checks of parameters
+        (``RowPlan.take``). None when a sequence joined (an admission, a fork): the caller rebuilds the rows.
+        """
+        row_of = self.row_of
+        if row_of is None:
+            seq_ids = self.seq_ids
+            row_of = self.row_of = {seq_ids[i]: row for row, i in enumerate(self.sample_idx)}
+        seq_ids = sched.seq_ids
+        try:
+            idx = [row_of[seq_ids[i]] for i in sched.sample_idx]
+        except KeyError:
+            return None
+        params = [self.params[r] for r in idx]
+        return _Rows(
+            list(seq_ids), list(sched.sample_idx), row_idx=list(range(len(idx))), params=params,
+            outputs=[()] * len(idx), prompts=[self.prompts[r] for r in idx],
+            generators=[self.generators[r] for r in idx], seqs=[self.seqs[r] for r in idx],
+            requests=[self.requests[r] for r in idx], identity=True, deferrable=True, reusable=True,
+            plan=self.plan.take(idx, params) if self.plan is not None else None,
+        )  # fmt: skip
 
 
 def _graphs_on(config: EngineConfig, info: ModelInfo) -> bool:

@@ -46,6 +46,29 @@ class RowPlan:
     use_min_tokens: bool  # some row has ``min_tokens`` > 0
     sample_rows: list[int]  # rows that sample (not greedy), ascending
 
+    def take(self, idx: list[int], params: Sequence[SamplingParams]) -> "RowPlan":
+        """The plan of rows ``idx`` of the rows this plan checked (``params``: theirs, in ``idx`` order).
+
+        Those rows passed the checks already: what is left is O(len(idx)) only for a stage some row uses.
+        """
+        sample_rows = []
+        if len(self.sample_rows) == self.num_rows:
+            sample_rows = list(range(len(idx)))
+        elif self.sample_rows:
+            sampled = set(self.sample_rows)
+            sample_rows = [row for row, i in enumerate(idx) if i in sampled]
+        max_num_logprobs = self.max_num_logprobs
+        if max_num_logprobs is not None:
+            max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        return RowPlan(
+            num_rows=len(idx),
+            device_type=self.device_type,
+            max_num_logprobs=max_num_logprobs,
+            use_penalties=self.use_penalties and _uses_penalties(params),
+            use_min_tokens=self.use_min_tokens and any(p.min_tokens > 0 for p in params),
+            sample_rows=sample_rows,
+        )
+
 
 def plan_rows(
     params: Sequence[SamplingParams],  # [num_seqs]
@@ -77,12 +100,14 @@ def plan_rows(
         num_rows=len(params),
         device_type=device.type,
         max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-        use_penalties=any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
-        ),
+        use_penalties=_uses_penalties(params),
         use_min_tokens=any(p.min_tokens > 0 for p in params),
         sample_rows=[i for i, p in enumerate(params) if not p.is_greedy],
     )
+
+
+def _uses_penalties(params: Sequence[SamplingParams]) -> bool:
+    return any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
 
 
 class Sampler:
