@@ -581,10 +581,11 @@ class BlockPool:
             return blocks, hashes
         bs = self.block_size
         parent_hash = _ROOT_PARENT_HASH
-        for block_idx in range((len(token_ids) - 1) // bs):
-            block_tokens = tuple(token_ids[block_idx * bs : (block_idx + 1) * bs])
+        index_get = self._index.get  # once per prompt block at each admission: the fewest lookups
+        for block_idx, start in enumerate(range(0, (len(token_ids) - 1) // bs * bs, bs)):
+            block_tokens = tuple(token_ids[start : start + bs])
             block_hash = hash_block_tokens(parent_hash, block_tokens, extra_key)
-            block = self._index.get(block_hash)
+            block = index_get(block_hash)
             if block is None or block.cache_key != (block_idx, parent_hash, block_tokens, extra_key):
                 break  # a miss, or a hash collision: also a miss
             blocks.append(block)
