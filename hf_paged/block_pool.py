@@ -140,6 +140,10 @@ class BlockPool:
         # removal from the middle (a prefix hit on a cached free block).
         self._free: OrderedDict[BlockId, None] = OrderedDict.fromkeys(range(num_blocks))
         self._index: dict[BlockHash, _Block] = {}
+        # The chain of the last prefix lookup: (extra_key, its leading token ids (a copy), each of their full blocks'
+        # token tuple and chain hash). A pure function of the tokens: a prompt that starts with the same blocks (a
+        # shared system prompt) reuses them instead of hashing them again; the index is still looked up.
+        self._last_chain: tuple[Hashable, list[int], list[tuple[int, ...]], list[BlockHash]] | None = None
         self._seqs: dict[Hashable, _Seq] = {}
         self._num_cached_free = 0
         self._num_used_slots = 0
@@ -580,18 +584,44 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return blocks, hashes
         bs = self.block_size
+        num_blocks = (len(token_ids) - 1) // bs
+        tuples, chain, num_known = self._known_chain(token_ids, num_blocks, extra_key)
         parent_hash = _ROOT_PARENT_HASH
         index_get = self._index.get  # once per prompt block at each admission: the fewest lookups
-        for block_idx, start in enumerate(range(0, (len(token_ids) - 1) // bs * bs, bs)):
-            block_tokens = tuple(token_ids[start : start + bs])
-            block_hash = hash_block_tokens(parent_hash, block_tokens, extra_key)
+        for block_idx in range(num_blocks):
+            if block_idx < num_known:
+                block_tokens, block_hash = tuples[block_idx], chain[block_idx]
+            else:
+                block_tokens = tuple(token_ids[block_idx * bs : (block_idx + 1) * bs])
+                block_hash = hash_block_tokens(parent_hash, block_tokens, extra_key)
+                tuples.append(block_tokens)
+                chain.append(block_hash)
             block = index_get(block_hash)
             if block is None or block.cache_key != (block_idx, parent_hash, block_tokens, extra_key):
                 break  # a miss, or a hash collision: also a miss
             blocks.append(block)
             hashes.append(block_hash)
             parent_hash = block_hash
+        self._last_chain = (extra_key, list(token_ids[: len(tuples) * bs]), tuples, chain)
         return blocks, hashes
+
+    def _known_chain(
+        self, token_ids: Sequence[int], num_blocks: int, extra_key: Hashable | None
+    ) -> tuple[list[tuple[int, ...]], list[BlockHash], int]:
+        """The token tuples and chain hashes of the leading blocks (at most ``num_blocks``) that ``token_ids`` (a
+        list) shares with the last lookup's prompt (same ``extra_key``), as new lists; and how many blocks that is."""
+        last = self._last_chain
+        if last is None or last[0] != extra_key or type(token_ids) is not list:
+            return [], [], 0
+        _, last_ids, last_tuples, last_chain = last
+        bs = self.block_size
+        num_known = min(num_blocks, len(last_tuples))
+        if token_ids[: num_known * bs] != last_ids[: num_known * bs]:  # one compare when the whole run is shared
+            same = 0
+            while same < num_known and token_ids[same * bs : (same + 1) * bs] == last_ids[same * bs : (same + 1) * bs]:
+                same += 1
+            num_known = same
+        return last_tuples[:num_known], last_chain[:num_known], num_known
 
     def _num_blocks_to_take(self, token_ids: Sequence[int], extra_key: Hashable | None) -> int | None:
         """Free-list blocks ``allocate`` would take (new blocks + cached-free hits), None if too many."""

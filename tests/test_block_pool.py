@@ -6,6 +6,7 @@ The pool keeps no token ids: tests hold the token lists and pass them to ``alloc
 """
 
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -375,6 +376,47 @@ def test_reset_prefix_cache():
     assert pool.stats.num_cached_free_blocks == 0
     assert pool.num_cached_prefix_tokens(toks(0, 2 * BS + 1)) == 0
     pool.check_invariants()
+
+
+def test_lookups_reusing_the_last_prompts_chain_equal_fresh_ones():
+    """A lookup reuses the token tuples and chain hashes of the blocks its prompt shares with the last lookup's
+    (same extra key): every result equals that of a pool that hashes every prompt from scratch."""
+    rng = random.Random(3)
+    pools = BlockPool(64, BS), BlockPool(64, BS)  # the second forgets the last chain before every call
+    system = [rng.randrange(100) for _ in range(3 * BS + 5)]
+    live = []
+    for i in range(120):
+        kind = rng.randrange(6)
+        if kind == 0:  # a block of the shared part differs
+            prompt = list(system)
+            prompt[rng.randrange(len(prompt))] += 1
+        elif kind == 1:  # a prompt of its own
+            prompt = [rng.randrange(100) for _ in range(rng.randrange(1, 4 * BS))]
+        else:  # the shared part, cut anywhere, plus tokens of its own
+            prompt = system[: rng.randrange(1, len(system) + 1)] + [
+                rng.randrange(100) for _ in range(rng.randrange(8))
+            ]
+        extra_key = rng.choice([None, None, None, "lora-a"])
+        results = []
+        for fresh, pool in enumerate(pools):
+            if fresh:
+                pool._last_chain = None
+            ids = list(prompt)
+            results.append((pool.num_cached_prefix_tokens(ids, extra_key), pool.allocate(i, ids, extra_key)))
+            ids[: len(ids) // 2] = [99] * (len(ids) // 2)  # the caller's list changes after the call: no effect
+        assert results[0] == results[1]
+        if results[0][1] is not None:
+            live.append(i)
+            assert (
+                pools[0]._seqs[i].block_hashes
+                == chain_hashes(prompt, BS, extra_key)[: len(pools[0]._seqs[i].block_hashes)]
+            )
+        if len(live) > 4 or results[0][1] is None:
+            victim = live.pop(rng.randrange(len(live)))
+            for pool in pools:
+                pool.free(victim)
+        assert snapshot(pools[0]) == snapshot(pools[1])
+        pools[0].check_invariants()
 
 
 def test_hash_formula_is_documented_one():
