@@ -2,10 +2,12 @@
 
 ``register()`` (run by ``import hf_paged``) adds:
 - attention function "paged" (``AttentionInterface``): inside a paged forward (a ``ForwardContext`` is
-  set, see hf_paged.context) ``key``/``value`` are the layer's block pools, already updated by the cache;
-  the function packs the real query tokens to ``[num_tokens, num_heads, head_dim]`` and calls
-  ``paged_attention`` over the block tables. K/V are never gathered. Outside a paged forward (e.g. the
-  model is used with a DynamicCache, or without cache) it falls back to torch SDPA on the given K/V.
+  set, see hf_paged.context) ``key``/``value`` are the layer's block pools, already updated by the cache
+  (in an eager PagedCache decode step the cache leaves the layer's new K/V in ``ctx.pending_kv`` and the
+  decode kernel writes them: one launch a layer); the function packs the real query tokens to
+  ``[num_tokens, num_heads, head_dim]`` and calls ``paged_attention`` over the block tables. K/V are never
+  gathered. Outside a paged forward (e.g. the model is used with a DynamicCache, or without cache) it falls back
+  to torch SDPA on the given K/V.
 - mask function "paged" (``AttentionMaskInterface``): no mask inside a paged forward (the kernels
   take lengths, not masks); the SDPA boolean mask otherwise, for the fallback.
 

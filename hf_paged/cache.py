@@ -12,7 +12,9 @@ its block table. A forward hook on the model's decoder plans every forward befor
 3. the step metadata (hf_paged.context.ForwardContext) is made current for the forward;
 4. each layer's ``update`` writes K/V at the slots and returns either the block pools (for
    ``attn_implementation="paged"``, whose kernels read the blocks) or contiguous K/V gathered through
-   the block tables (for "sdpa", "eager" or any other implementation: slower, but it works).
+   the block tables (for "sdpa", "eager" or any other implementation: slower, but it works). In an eager
+   decode step with "paged", ``update`` leaves the K/V to the attention function instead, whose one decode
+   launch writes them and attends (ForwardContext.defer_kv_write).
 
 Slots follow the slot formula of ``hf_paged.planner.slot_mapping`` (written there only), computed for
 all real tokens of a forward in one vectorised call.
