@@ -127,6 +127,18 @@ def test_greedy_is_argmax_of_upcast_logits():
     assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
     assert torch.equal(logits, before)  # the caller's logits are never changed
     assert out.logprobs is None and out.top_logprobs is None and out.top_token_ids is None
+    # Greedy-only rows read the logits as given (no copy); any stage that changes logits works on an fp32 copy.
+    for params in ([SamplingParams(temperature=0.0, logprobs=3)] * 6,
+                   [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=1)] * 3,
+                   [SamplingParams(temperature=0.0, repetition_penalty=1.3)] * 6):  # fmt: skip
+        gens = [torch.Generator().manual_seed(1) if p.seed is not None else None for p in params]
+        out = sample(logits, params, prompt_token_ids=[[5, 7]] * 6, generators=gens)
+        assert torch.equal(logits, before)
+        if params[0].logprobs:
+            raw = torch.log_softmax(logits.float(), dim=-1)
+            assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
+            torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None])[:, 0])
+            torch.testing.assert_close(out.top_logprobs, raw.topk(3, dim=-1).values)
 
 
 def test_temperature_distribution():

@@ -56,6 +56,10 @@ class EngineConfig:
             kernel already reads a shared prefix that fits in L2 (a few MB a layer) mostly from L2, and the
             prefix kernel and merge in every captured step cost more than cascade saved (prefix workload 0.89x,
             nano 0.99x; benchmarks/RESULTS.md); it can pay for shared prefixes larger than L2.
+        fuse_projections: one GEMM for the sibling projections that read the same input (q/k/v, gate/up), their
+            ``nn.Linear`` weights concatenated in place (hf_paged.engine.fuse: no extra memory, the modules' outputs
+            and ``state_dict`` unchanged); None = on for a model on CUDA (not under tensor parallelism), where a
+            small model's decode step is dominated by short GEMMs of ~5 µs each; False leaves the model's modules.
     """
 
     num_blocks: int | None = None
@@ -71,6 +75,7 @@ class EngineConfig:
     compile_model: bool | str | None = None
     async_scheduling: bool | None = None
     cascade_attention: bool = False
+    fuse_projections: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:
@@ -110,6 +115,7 @@ class EngineConfig:
             raise ValueError(f"`swap_space_gb` must be a number >= 0, got {self.swap_space_gb!r}")
         _optional_bool("use_cuda_graphs", self.use_cuda_graphs)
         _optional_bool("async_scheduling", self.async_scheduling)
+        _optional_bool("fuse_projections", self.fuse_projections)
         if not (
             self.compile_model is None or isinstance(self.compile_model, bool) or self.compile_model in COMPILE_MODES
         ):

@@ -94,10 +94,12 @@ class ContinuousBatcher:
 
             model.set_attn_implementation("paged")
         self.memory_profile: MemoryProfile | None = None  # how the pool was sized, when profiled
+        fuse = config.fuse_projections if info.tp_size == 1 else False  # for the profiling forward's runner too
         if config.num_blocks is None and config.memory_fraction is None and info.devices[0].type == "cuda":
             self.memory_profile = profile_num_blocks(
                 model, info, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                 config.gpu_memory_utilization, _graphs_on(config, info), info.max_model_len or 8192,
+                fuse_projections=fuse,
             )  # fmt: skip
             num_blocks = info._same_on_every_rank(self.memory_profile.num_blocks)  # tensor parallelism: the least
         else:
@@ -121,6 +123,7 @@ class ContinuousBatcher:
             max_model_len=info.max_model_len or 8192, max_num_batched_tokens=config.max_num_batched_tokens,
             use_cuda_graphs=config.use_cuda_graphs, compile_model=config.compile_model,
             cascade_attention=config.cascade_attention,
+            fuse_projections=fuse,
         )  # fmt: skip
         self._sync = RankSync(info.tp_size, self.runner.device)
         try:
@@ -373,8 +376,8 @@ class ContinuousBatcher:
             self._rows = rows if rows.reusable else None
         launched = _Launched(deferred=self.async_scheduling and rows.deferrable, rows=rows.seqs,
                              requests=rows.requests, beam_rows=rows.beam_rows)  # fmt: skip
-        if rows.beam_rows:
-            launched.logits = logits
+        if rows.beam_rows:  # read after this step is processed: a copy (a graph's logits are its output buffer)
+            launched.logits = logits.to(torch.float32, copy=True)
         if rows.row_idx:
             identity = rows.identity and len(rows.row_idx) == logits.shape[0]
             row_logits = logits if identity else logits[to_device(rows.row_idx, torch.int64, logits.device)]

@@ -93,6 +93,7 @@ def profile_num_blocks(
     gpu_memory_utilization: float,
     use_cuda_graphs: bool,
     max_model_len: int,
+    fuse_projections: bool | None = None,
 ) -> MemoryProfile:
     """Size the pool from one profiling forward and sampling step (CUDA only; the model is already "paged").
 
@@ -113,7 +114,8 @@ def profile_num_blocks(
     before = {d: torch.cuda.memory_reserved(d) for d in devices}
     tiny = info.make_kv_pool(-(-num_tokens // block_size) + 1, block_size)  # the forward's table fits in it
     runner = ModelRunner(model, tiny, block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                         max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=use_cuda_graphs)  # fmt: skip
+                         max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=use_cuda_graphs,
+                         fuse_projections=fuse_projections)  # fmt: skip
     logits = runner.warmup(num_tokens, num_logits=num_rows)  # [num_rows, vocab] fp32
     torch.cuda.synchronize(out_device)
     peak = {d: torch.cuda.max_memory_reserved(d) - before[d] for d in devices}

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from hf_paged.context import ForwardContext, forward_context
+from hf_paged.engine.fuse import fuse_projections as fuse_projections_in_place
 from hf_paged.engine.scheduler import SchedulerOutput
 from hf_paged.kv_pool import KVPool
 from hf_paged.planner import BlockTables, ForwardPlan, plan_chunks, shared_prefix_blocks, to_context
@@ -127,6 +128,8 @@ class ModelRunner:
             docstring); the graphs are captured with it. ``cascade_min_saved_bytes`` (default
             ``CASCADE_MIN_SAVED_BYTES``) is the threshold per step and layer; 0 uses it whenever two rows share a
             block.
+        fuse_projections: merge the q/k/v and gate/up ``nn.Linear`` modules of the model into one GEMM each, in
+            place (hf_paged.engine.fuse); None = on CUDA.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class ModelRunner:
         compile_model: bool | str | None = False,
         emulate_graphs: bool = False,
         cascade_attention: bool = False,
+        fuse_projections: bool | None = None,
     ):
         self.model = model
         self.device = kv.k_cache[0].device
@@ -152,6 +156,9 @@ class ModelRunner:
             compile_model = AUTO_COMPILE_MODE if use_cuda_graphs and self.device.type == "cuda" else False
         mode = "full" if compile_model is True else (compile_model or None)
         self.compile_mode = mode if self.device.type == "cuda" else None  # what runs; the CPU never compiles
+        if fuse_projections is None:
+            fuse_projections = self.device.type == "cuda"
+        self.fused_groups = fuse_projections_in_place(model) if fuse_projections else []  # before compiling
         self.compiled_modules = compile_layers(model) if self.compile_mode == "layers" else []
         # "full": torch.compile fuses the model's elementwise ops (norms, rotary, activations) between the attention
         # calls, which stay eager (the attention function is excluded from tracing). Only the captured graphs use
@@ -199,8 +206,11 @@ class ModelRunner:
                 from ``prev_sampled[row]`` (async scheduling). None when no input is a placeholder.
 
         Returns:
-            logits: [len(sched.sample_idx), vocab_size] fp32, row r for sequence ``sched.sample_idx[r]``; None for
-            an empty step (its block movements and table diffs are still applied).
+            logits: [len(sched.sample_idx), vocab_size] in the dtype the model computes them in (not copied to
+            fp32: the sampler reads bf16 logits directly where no stage changes them), row r for sequence
+            ``sched.sample_idx[r]``; None for an empty step (its block movements and table diffs are still
+            applied). A captured step's logits are a view of its graph's output buffer, which the next replay of
+            that graph overwrites: read them on the current stream before then, as the sampler does.
         """
         self.kv.swap_out(sched.swap_out)
         self.kv.swap_in(sched.swap_in)
@@ -236,7 +246,7 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=to_device(plan.logits_idx, torch.int64, self.output_device),
             )
-        return out.logits[0].float()
+        return out.logits[0]
 
     def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, int]], prev_sampled) -> None:
         """input_ids[idx] = prev_sampled[row] for each (idx, row), on the device (the ids never visit the host)."""
@@ -336,7 +346,7 @@ class ModelRunner:
                 self._capture(bucket)
             graph, logits = self._graphs[bucket]
             graph.replay()
-        return logits[0, :num_sampling].float()
+        return logits[0, :num_sampling]
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int, num_logits: int = 1) -> torch.Tensor:

@@ -166,9 +166,11 @@ class Sampler:
         device = logits.device
         if plan is None or plan.num_rows != len(params) or plan.device_type != device.type:
             plan = plan_rows(params, generators, device)
-        logits = logits.to(torch.float32, copy=True)
         max_num_logprobs = plan.max_num_logprobs
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_num_logprobs is not None else None
+        raw_logprobs = None if max_num_logprobs is None else torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        if plan.use_penalties or plan.use_min_tokens or plan.sample_rows:
+            logits = logits.to(torch.float32, copy=True)  # the stages below change it in place
+        # else: greedy rows only, argmax of the logits as given (a bf16 -> fp32 cast is exact: same argmax)
 
         if plan.use_penalties:
             logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)

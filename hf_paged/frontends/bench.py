@@ -210,6 +210,7 @@ def run_hf_paged(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=COMPILE_CHOICES[args.compile],
         async_scheduling=async_scheduling, cascade_attention=cascade_attention,
+        fuse_projections={"auto": None, "on": True, "off": False}[getattr(args, "fuse_projections", "auto")],
     )  # fmt: skip
     start = time.perf_counter()
     engine = ContinuousBatcher(model, config=config)
@@ -347,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", default="auto", choices=["auto", "none", "layers", "full"],
                         help="hf_paged's compile_model: auto (the engine's default: layers on CUDA), none, layers, "
                              "full (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--fuse-projections", default="auto", choices=["auto", "on", "off"],
+                        help="EngineConfig.fuse_projections: auto (on CUDA), on, off")  # fmt: skip
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
     parser.add_argument("--out", help="append the markdown table to this file (e.g. benchmarks/RESULTS.md)")
     parser.add_argument("--model-dir", help="load the random-weight model from DIR (built and saved there first)")
