@@ -11,6 +11,8 @@
 #             per part (qwen: 1x512 8x1024 / 32x512 64x512; llama: 1x512 32x512 / 8x1024 64x512), 3 modes x 4 systems
 #             (StaticCache and compiled PagedCache compile per point; three Qwen points overran 9 min)     (~5-8 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
+#   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
+#   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
 #   all       tests, kernels, generate (the default; longer than one call)
 # Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR] [PART ...]
 set -uo pipefail
@@ -37,7 +39,7 @@ run_tests() {  # the summary lines here; every failure's traceback in $out/tests
     # The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
     HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
         tests/test_engine.py tests/test_async.py tests/test_engine_reliability.py tests/test_graph_steps.py \
-        tests/test_engine_cascade.py -W ignore::FutureWarning -rf 2>&1 | tee "$out/tests-engine.log" | tail -6 \
+        tests/test_engine_cascade.py tests/test_fuse.py -W ignore::FutureWarning -rf 2>&1 | tee "$out/tests-engine.log" | tail -6 \
         | tee -a "$out/tests.txt"
 }
 
@@ -65,6 +67,14 @@ for part in "${parts[@]}"; do
         grid-qwen-b) grid qwen3-0.6b grid-qwen-b 32x512 64x512 ;;
         grid-llama-a) grid llama-8b grid-llama-a 1x512 32x512 ;;
         grid-llama-b) grid llama-8b grid-llama-b 8x1024 64x512 ;;
+        trace)
+            timeout 150 python3 benchmarks/engine_trace.py --workload nano --repeats 1 2>&1 | tail -16 | tee "$out/trace.md"
+            for flag in "" --no-prefix-caching; do
+                timeout 90 python3 benchmarks/engine_trace.py --workload prefix $flag 2>&1 | tail -14 | tee -a "$out/trace.md"
+            done
+            ;;
+        kernels-step) timeout 150 python3 benchmarks/step_kernels.py --sizes 256 64 1 2>&1 | grep -v "USDT\|^STAGE" \
+            | tee "$out/step_kernels.md" ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -73,7 +83,7 @@ for part in "${parts[@]}"; do
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, profile, all)" >&2
+                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, all)" >&2
             exit 2
             ;;
     esac

@@ -1,0 +1,82 @@
+"""The GPU kernels of one engine decode step, per batch size: what a captured step spends its device time on.
+
+Builds a default engine (compiled decoder layers, CUDA graphs, async scheduling) over a random-weight model, fills
+it with ``--batch`` requests of ``--prompt`` tokens, then for each batch size of ``--sizes`` (largest first,
+aborting requests in between) profiles ``--steps`` decode steps with torch.profiler and prints the kernels by
+device time per step: name, launches per step, µs per step, share of the step's kernel time.
+
+Run: python benchmarks/step_kernels.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--sizes 256 64 1]
+"""
+
+import argparse
+import collections
+import warnings
+
+import torch
+
+from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
+from hf_paged.frontends.bench import build_model
+
+
+def _kernel_table(prof, steps: int, top: int) -> str:
+    per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = per_name[event.name[:90]]
+        entry[0] += 1
+        entry[1] += event.device_time if hasattr(event, "device_time") else event.cuda_time
+    total = sum(v[1] for v in per_name.values())
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])
+    lines = [f"kernel time {total / steps:.1f} µs a step, {sum(v[0] for v in per_name.values()) / steps:.0f} "
+             "launches a step", "| kernel | per step | µs a step | share |", "|---|---:|---:|---:|"]  # fmt: skip
+    for name, (count, us) in rows[:top]:
+        lines.append(f"| `{name}` | {count / steps:.1f} | {us / steps:.1f} | {us / total:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 64, 1])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (no kernels to list)")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false", help="EngineConfig(fuse_projections=False)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(args.model, args.device)
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    config = EngineConfig(compile_model=None if cuda else False, fuse_projections=None if args.fuse else False)
+    engine = ContinuousBatcher(model, config=config)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request(torch.randint(10, 1000, (args.prompt,), generator=gen).tolist(), params)
+    while any(not o.outputs[0].token_ids for o in map(engine.get_output, list(engine.requests))):
+        engine.step()  # prefill everything
+    for size in sorted(args.sizes, reverse=True):
+        for request_id in list(engine.requests)[size:]:  # aborted requests leave at the next step
+            engine.abort(request_id)
+        for _ in range(5):
+            engine.step()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            sync()
+        print(
+            f"\n### {args.model}, decode batch {size}, context ~{args.prompt}, {args.steps} steps profiled, "
+            f"projections fused: {bool(engine.runner.fused_groups)}"
+        )
+        print(_kernel_table(prof, args.steps, args.top))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
