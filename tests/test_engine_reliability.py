@@ -359,6 +359,16 @@ def test_smaller_input_errors(model):
         engine.generate(None)
     with pytest.raises(TypeError, match=r"token ids must be ints, got 1.5"):
         engine.add_request([3, 1.5])
+    with pytest.raises(TypeError, match=r"token ids must be ints, got True \(bool\)"):
+        engine.add_request([3, True])
+    with pytest.raises(ValueError, match=r"token id -1 is outside the vocabulary"):
+        engine.add_request([3, -1, 4])
+    caller_ids = [5, 6, 7]  # plain ints take the fast path: the engine keeps its own copy
+    rid = engine.add_request(caller_ids, SamplingParams(max_new_tokens=2, **GREEDY))
+    caller_ids.append(99)
+    assert engine.requests[rid].prompt_token_ids == [5, 6, 7]
+    while engine.has_unfinished_requests():
+        engine.step()
     # numpy integer ids (lists of np.int64, 1-D arrays) are token ids like any other
     ids = np.array([5, 6, 7, 8], dtype=np.int64)
     params = SamplingParams(max_new_tokens=3, **GREEDY)

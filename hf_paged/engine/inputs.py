@@ -63,6 +63,10 @@ class InputProcessor:
             raise TypeError(
                 f"a prompt must be a list of token ids, a string or chat messages, got {type(prompt).__name__}"
             )
+        if set(map(type, prompt)) <= {int}:  # plain ints (the usual case): one C-level pass, no per-token isinstance
+            return None, list(prompt)
+        # numpy integers and the like are converted; bools and non-integers are refused (an ABC isinstance per
+        # token costs ~1.7 µs: 0.13 s for 200 prompts of 366 tokens, so plain ints skip it above)
         bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
         if bad is not None:
             raise TypeError(f"a prompt's token ids must be ints, got {bad!r} ({type(bad).__name__})")
@@ -77,8 +81,8 @@ class InputProcessor:
         """
         if not token_ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         total = len(token_ids) + params.max_new_tokens
         if total > self.max_len:

@@ -32,6 +32,10 @@ fixed cost (``CASCADE_MIN_SAVED_BYTES``), and hands its length to the attention 
 of the graphs (every decode and mixed graph holds the prefix kernel and replays with any length, 0 = none), a
 small tensor for an eager decode step.
 
+Before compiling, the runner merges the model's sibling projections (q/k/v, gate/up) into one GEMM each, in place
+(hf_paged.engine.fuse; ``fuse_projections``, on CUDA by default): a small model's decode step is mostly ~5 µs
+kernels, three fewer a layer. The logits come back in the model's dtype: greedy rows take their argmax directly.
+
 Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.transfer),
 and an input token that the previous step sampled but the host has not seen yet (a ``PLACEHOLDER``, async
 scheduling) is copied into the input ids on the device from that step's sampled-token tensor.
