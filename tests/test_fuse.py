@@ -38,6 +38,18 @@ def test_fused_model_equals_the_original_and_keeps_its_weights(family):
     torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
     assert attn.q_proj._group.input is None and attn.q_proj._group.output is None  # nothing held after a forward
     assert fuse_projections(model) == groups  # fused once: a second call finds the same groups
+    # load_state_dict writes through the views into the fused weight; a cast gives the parameters new storage and
+    # the parts fall back to their own GEMMs
+    model.load_state_dict({k: v * 0.5 if k.endswith("k_proj.weight") else v for k, v in state.items()})
+    halved = _logits(model, ids)
+    model.load_state_dict(state)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(halved, before)
+    torch.testing.assert_close(_logits(model.double(), ids.clone()).float(), before, rtol=1e-4, atol=1e-4)
+    model.float()  # back to fp32, new storage: the parts keep running their own GEMMs, on the current weights
+    model.load_state_dict({k: v * 0.5 if k.endswith("k_proj.weight") else v for k, v in state.items()})
+    torch.testing.assert_close(_logits(model, ids), halved, rtol=1e-5, atol=1e-5)
+    model.load_state_dict(state)
     unfuse_projections(groups)
     assert type(layers[0].self_attn.q_proj) is nn.Linear
     torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)

@@ -51,10 +51,17 @@ class FusedPart(nn.Module):
         self.weight = original.weight  # a view of the group's weight: state_dict keys and values unchanged
         self.bias = original.bias
         self.start = start
+        self._data_ptr = original.weight.data_ptr()  # where the view into the fused weight starts
         self._group = group  # a plain attribute, not a submodule: the fused weight is no parameter of its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
         group = self._group
+        if torch.compiler.is_compiling():  # traced code: dtype and device are what a trace can check
+            moved = self.weight.dtype != group.weight.dtype or self.weight.device != group.weight.device
+        else:
+            moved = self.weight.data_ptr() != self._data_ptr
+        if moved:  # the model was moved or cast since (.to(), .half()): its parameters have new storage
+            return F.linear(x, self.weight, self.bias)
         if group.input is not x:
             group.input, group.output = x, F.linear(x, group.weight, group.bias)
             group.pending = group.num_parts
