@@ -13,6 +13,8 @@
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
+#   fuse-ab   nano with EngineConfig.fuse_projections off and on, alternating twice (hf-paged bench --repeats 3)   (~4 min)
+#   fuse-ab-8b  the same on the Llama-8B shape's sharegpt workload, --repeats 1                           (~6 min)
 #   all       tests, kernels, generate (the default; longer than one call)
 # Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR] [PART ...]
 set -uo pipefail
@@ -75,6 +77,15 @@ for part in "${parts[@]}"; do
             ;;
         kernels-step) timeout 150 python3 benchmarks/step_kernels.py --sizes 256 64 1 2>&1 | grep -v "USDT\|^STAGE" \
             | tee "$out/step_kernels.md" ;;
+        fuse-ab | fuse-ab-8b)
+            args=(--workload nano --repeats 3)
+            [ "$part" = fuse-ab-8b ] && args=(--workload sharegpt --model llama-8b --repeats 1)
+            for flag in off on off on; do
+                echo "fuse_projections=$flag"
+                timeout 140 python3 -m hf_paged.frontends.bench "${args[@]}" --systems hf_paged --fuse-projections $flag \
+                    2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -83,7 +94,7 @@ for part in "${parts[@]}"; do
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, all)" >&2
+                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, all)" >&2
             exit 2
             ;;
     esac

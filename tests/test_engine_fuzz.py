@@ -120,12 +120,16 @@ def _arm_interrupt(engine, rng: random.Random):
     return lambda: setattr(obj, name, original) if obj is not engine.pool else obj.__dict__.pop(name, None)
 
 
-def _run(seed: int, model, tokenizer, references) -> dict:
+def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
     rng = random.Random(seed)
     config = _config(rng)
     # Cascade decode whenever two decode rows share a block (the tiny model's K/V is far below the runner's bytes
     # threshold), or off. Its own stream: the seeds keep their runs.
     cascade = random.Random(f"cascade-{seed}").random() < 0.7
+    # Half the runs use a copy of the model whose q/k/v and gate/up run as one GEMM each (the engine's default on
+    # CUDA), checked against the references of the unfused model. Its own stream too.
+    if fused_model is not None and random.Random(f"fuse-{seed}").random() < 0.5:
+        model = fused_model
     engine = ContinuousBatcher(model, tokenizer, cascade_attention=cascade, **config)
     if cascade:
         engine.runner.cascade_min_saved_bytes = 0
@@ -240,11 +244,20 @@ def model_and_tokenizer():
     return tiny_model("llama", device=DEVICE), char_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def fused_model():
+    from hf_paged.engine.fuse import fuse_projections
+
+    model = tiny_model("llama", device=DEVICE)  # the same weights as model_and_tokenizer's
+    assert fuse_projections(model)
+    return model
+
+
 @pytest.mark.parametrize("seed", range(NUM_RUNS))
-def test_engine_fuzz(seed, model_and_tokenizer, fuzz_references):
+def test_engine_fuzz(seed, model_and_tokenizer, fuzz_references, fused_model):
     model, tokenizer = model_and_tokenizer
     start = time.perf_counter()
-    counts = _run(seed, model, tokenizer, fuzz_references)
+    counts = _run(seed, model, tokenizer, fuzz_references, fused_model)
     if LONG:
         print(f"seed {seed}: {counts} in {time.perf_counter() - start:.1f} s")
 
