@@ -156,3 +156,26 @@ def test_the_profiling_forward_fuses_only_when_the_engine_does():
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
         engine.close()
+
+
+def test_a_fused_model_under_generates_fullgraph_compile_equals_dynamic_cache():
+    """The compiled PagedCache path (transformers' compile_config, fullgraph=True: a graph break fails) over a fused
+    model: the parts' Python state traces without breaks, tokens equal DynamicCache's on the unfused model."""
+    from models import cache_kwarg
+    from transformers import CompileConfig, DynamicCache
+
+    from hf_paged import PagedCache
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 9, 11]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    model = tiny_model("llama")
+    expected = model.generate(**kwargs, **{cache_kwarg(): DynamicCache(config=model.config)})
+    assert fuse_projections(model)
+    config = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    config._compile_all_devices = True  # compile on the CPU too
+    torch._dynamo.reset()
+    cache = PagedCache(model, block_size=8, max_cache_len=16)
+    out = model.generate(**kwargs, compile_config=config, **{cache_kwarg(): cache})
+    assert model._compiled_call is not None
+    assert torch.equal(out, expected)
