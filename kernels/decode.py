@@ -68,8 +68,14 @@ PROGRAMS_PER_SM = 4
 # 32 partials at head_dim 128, 2 for 64; was 4 warps always: 1 x 4096 12.2 -> 11.4 µs, 8 x 2048 30.7 -> 29.7).
 SHORT_SPLIT_KEYS = 256
 SHORT_BLOCK_N, SHORT_NUM_STAGES = 32, 3
-LONG_BLOCK_N, LONG_NUM_STAGES = 64, 2
 DECODE_NUM_WARPS = 4
+# Long splits: (keys per tile, stages, warps). The H100 setting (above) is the default; a card whose name contains a
+# key of LONG_SETTINGS_BY_DEVICE takes that entry, from `benchmarks/decode_sweep.py` on that card (the engine's large
+# decode batches are long splits: graphs are captured with max_seq_len = max_model_len). On the H200 (same 132 SMs,
+# a wider bus) the H100 setting reached 83-92% of the copy bandwidth at batch 256 (benchmarks/RESULTS.md, eleventh
+# session).
+LONG_SETTINGS = (64, 2, 4)
+LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {"H200": (64, 3, 4)}
 MERGE_VALUES_PER_WARP = 32 * 128  # 128 fp32 values a thread
 MERGE_MAX_NUM_WARPS = 4
 # SM count used when no CUDA device is present (TRITON_INTERPRET=1 runs); an H100 SXM has 132.
@@ -420,6 +426,17 @@ def _pdl_supported(device_index: int) -> bool:
     return has_gdc and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def long_split_settings(device: torch.device) -> tuple[int, int, int]:
+    """(keys per tile, stages, warps) of the split kernel for long splits on ``device``: LONG_SETTINGS_BY_DEVICE's
+    entry whose key is in the card's name, else LONG_SETTINGS (the CPU interpreter included)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, settings in LONG_SETTINGS_BY_DEVICE.items():
+            if key in name:
+                return settings
+    return LONG_SETTINGS
+
+
 def choose_num_splits(
     max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int, min_keys_per_split: int | None = None
 ) -> int:
@@ -684,7 +701,7 @@ def paged_decode_triton(
     partial_strides = (*partial_acc.stride(), *partial_lse.stride())
     out_strides = out.stride()
 
-    decode_args, min_tiles, num_stages = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
+    decode_args, min_tiles, num_stages, num_warps = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
     fused = new_key is not None
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
@@ -699,7 +716,7 @@ def paged_decode_triton(
         min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
         pdl,  # LAUNCH_DEPENDENTS
         fused,  # FUSED_WRITE
-        num_warps=DECODE_NUM_WARPS,
+        num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
     if has_prefix:
@@ -755,14 +772,15 @@ class _Plan:
         head_dim_pad = self.head_dim_pad = max(16, next_power_of_2(self.head_dim))
         # Keys per tile (a power of two, so with block_size >= BLOCK_N, a power of two times a multiple of BLOCK_N,
         # a tile never crosses a block and needs one block-table entry). At head_dim 128 (where the settings were
-        # swept) per call: SHORT_BLOCK_N and 3 stages for short splits, LONG_BLOCK_N otherwise (SHORT_SPLIT_KEYS).
-        # Other head dims keep the earlier settings, as the shared-prefix kernel does: 64 keys, 32 above head_dim
-        # 128 (the K/V tiles stay in registers), 2 stages.
+        # swept) per call: SHORT_BLOCK_N and 3 stages for short splits, the card's long_split_settings otherwise
+        # (SHORT_SPLIT_KEYS). Other head dims keep the earlier settings, as the shared-prefix kernel does: 64 keys,
+        # 32 above head_dim 128 (the K/V tiles stay in registers), 2 stages, 4 warps.
         base_block_n = 32 if head_dim_pad > 128 else 64
         if head_dim_pad == 128:
-            settings = ((SHORT_BLOCK_N, SHORT_NUM_STAGES), (LONG_BLOCK_N, LONG_NUM_STAGES))
+            long = long_split_settings(query.device)
+            settings = ((SHORT_BLOCK_N, SHORT_NUM_STAGES, DECODE_NUM_WARPS), long)
         else:
-            settings = ((base_block_n, LONG_NUM_STAGES),) * 2
+            settings = ((base_block_n, 2, DECODE_NUM_WARPS),) * 2
         use_window = sliding_window is not None and sliding_window > 0
         use_soft_cap = soft_cap is not None and soft_cap > 0
         scale_args = (
@@ -772,7 +790,7 @@ class _Plan:
         )
         self.strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
         self.new_kv_strides = (0,) * 6 if new_key is None else (*new_key.stride(), *new_value.stride())
-        # (decode_args, MIN_TILES_PER_SPLIT, num_stages) for short splits, then for long ones.
+        # (decode_args, MIN_TILES_PER_SPLIT, num_stages, num_warps) for short splits, then for long ones.
         self.variants = tuple(
             (
                 (
@@ -785,8 +803,9 @@ class _Plan:
                 ),
                 max(1, MIN_KEYS_PER_SPLIT // block_n),
                 num_stages,
+                num_warps,
             )
-            for block_n, num_stages in settings
+            for block_n, num_stages, num_warps in settings
         )  # fmt: skip
         self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
         self.prefix_args = (

@@ -227,23 +227,64 @@ def test_long_and_short_contexts_share_a_split_grid(num_splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("num_splits, block_n, num_stages", [(1, 64, 2), (2, 64, 2), (3, 32, 3)])
-def test_short_and_long_split_settings(num_splits, block_n, num_stages, monkeypatch):
-    """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take 64-key
-    tiles over 2 stages (long splits), three splits of at most 256 keys 32-key tiles over 3; both give the
-    reference's result."""
+@pytest.mark.parametrize("num_splits, long", [(1, True), (2, True), (3, False)])
+def test_short_and_long_split_settings(num_splits, long, monkeypatch):
+    """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take the card's
+    long-split settings (64-key tiles, 2 stages, 4 warps by default), three splits of at most 256 keys 32-key tiles
+    over 3 stages; both give the reference's result."""
     from hf_paged.kernels import decode
 
     launches = []
     launch = decode._DECODE
 
     def recording(grid, *args, **options):
-        launches.append((args[decode._paged_decode_kernel.arg_names.index("BLOCK_N")], options["num_stages"]))
+        block_n = args[decode._paged_decode_kernel.arg_names.index("BLOCK_N")]
+        launches.append((block_n, options["num_stages"], options["num_warps"]))
         return launch(grid, *args, **options)
 
     monkeypatch.setattr(decode, "_DECODE", recording)
     _check([1, 17, 300, 700], 4, 2, 128, 16, torch.float32, num_splits=num_splits)
-    assert launches == [(block_n, num_stages)]
+    device = torch.device(DEVICE)
+    expected = decode.long_split_settings(device) if long else (decode.SHORT_BLOCK_N, decode.SHORT_NUM_STAGES, 4)
+    assert launches == [expected]
+    if device.type == "cpu":
+        assert expected == ((64, 2, 4) if long else (32, 3, 4))
+
+
+@needs_triton
+@pytest.mark.parametrize("settings", [(32, 3, 2), (16, 2, 1), (128, 2, 8)])
+def test_other_long_split_settings_give_the_reference(settings, monkeypatch):
+    """A card's own long-split settings (LONG_SETTINGS_BY_DEVICE, from benchmarks/decode_sweep.py) change only the
+    launch: tiles smaller and larger than a block, other stage and warp counts, with and without splits."""
+    from hf_paged.kernels import decode
+
+    monkeypatch.setattr(decode, "LONG_SETTINGS", settings)
+    monkeypatch.setattr(decode, "LONG_SETTINGS_BY_DEVICE", {})
+    monkeypatch.setattr(decode, "_PLANS", {})
+    launches = []
+    launch = decode._DECODE
+
+    def recording(grid, *args, **options):
+        block_n = args[decode._paged_decode_kernel.arg_names.index("BLOCK_N")]
+        launches.append((block_n, options["num_stages"], options["num_warps"]))
+        return launch(grid, *args, **options)
+
+    monkeypatch.setattr(decode, "_DECODE", recording)
+    for num_splits in (1, 2):
+        _check([1, 17, 300, 700], 4, 2, 128, 16, torch.bfloat16, num_splits=num_splits)
+    assert launches == [settings, settings]
+
+
+def test_long_split_settings_follow_the_card_name(monkeypatch):
+    """LONG_SETTINGS_BY_DEVICE's entry whose key is in the card's name; LONG_SETTINGS on other cards and the CPU."""
+    from hf_paged.kernels import decode
+
+    assert decode.LONG_SETTINGS_BY_DEVICE["H200"] == (64, 3, 4)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert decode.long_split_settings(torch.device("cuda", 0)) == (64, 3, 4)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert decode.long_split_settings(torch.device("cuda", 0)) == decode.LONG_SETTINGS == (64, 2, 4)
+    assert decode.long_split_settings(torch.device("cpu")) == decode.LONG_SETTINGS
 
 
 @needs_triton

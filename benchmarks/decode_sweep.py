@@ -1,0 +1,148 @@
+"""Sweep the decode kernel's launch settings for long splits on this card, in a CUDA graph, L2-cold.
+
+Long splits (more than ``SHORT_SPLIT_KEYS`` keys a split: every decode graph of the engine, captured with
+``max_seq_len = max_model_len``) run ``long_split_settings(device)``: keys per tile, pipeline stages and warps
+(kernels/decode.py: ``LONG_SETTINGS``, or the card's entry in ``LONG_SETTINGS_BY_DEVICE``). The seventh session
+swept them on an H100, where batch 256 reached 90-99% of the copy bandwidth; on an H200 (a wider bus, the same 132
+SMs) the same settings reach 83-92% and SDPA on contiguous K/V is 10-13% faster. This script times every setting of
+a small grid at the shapes the engine runs, patched into the module (``_PLANS`` cleared between settings), beside
+SDPA (enable_gqa) on contiguous K/V of the same shape. The split count is the one the engine's graphs get:
+``choose_num_splits(--max-seq-len, batch, ...)`` (default 40 960, Qwen3's ``max_position_embeddings``).
+
+    python benchmarks/decode_sweep.py [--shapes 16x8:256x512 32x8:256x2048 ...] [--max-seq-len N] [--out FILE]
+
+Shape ``HQxHKV:BATCHxCONTEXT``: query heads x KV heads (head_dim 128, block_size 16, shuffled block tables, bf16).
+Prints µs per call (median of the graph replays) and the share of the copy bandwidth the K/V reads reach.
+Runs only on CUDA.
+"""
+
+import argparse
+import itertools
+import sys
+
+import torch
+import triton
+import triton.testing
+
+HEAD_DIM, BLOCK_SIZE, DTYPE = 128, 16, torch.bfloat16
+# Qwen3-0.6B's heads (16 q / 8 kv) and Llama-3.1-8B's (32 / 8) at batches and contexts of the engine's decode steps.
+DEFAULT_SHAPES = ("16x8:256x512", "16x8:256x1024", "16x8:128x1024", "16x8:64x1024", "16x8:32x1024", "16x8:8x2048",
+                  "32x8:256x512", "32x8:128x1024", "32x8:64x1024", "32x8:32x2048")  # fmt: skip
+# (BLOCK_N, num_stages, num_warps): 64/2/4 is LONG_SETTINGS (the H100's).
+SETTINGS = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (64, 3, 2), (64, 2, 2), (32, 2, 2), (32, 3, 2), (32, 4, 2),
+            (32, 3, 1), (16, 3, 1), (128, 2, 4), (128, 3, 4)]  # fmt: skip
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    heads, sizes = text.split(":")
+    hq, hkv = (int(x) for x in heads.split("x"))
+    batch, context = (int(x) for x in sizes.split("x"))
+    return hq, hkv, batch, context
+
+
+def graph_us(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+def copy_gbs(num_bytes: int = 2 << 30) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def make_inputs(hq, hkv, batch, context, l2_bytes, generator):
+    """Rotating sets of (k_cache, v_cache, block_tables) spanning 2x L2, one query; contiguous K/V for SDPA too."""
+    kv_bytes = 2 * batch * context * hkv * HEAD_DIM * 2
+    num_sets = min(triton.cdiv(2 * l2_bytes, kv_bytes), 64) if kv_bytes < 2 * l2_bytes else 1
+    blocks_per_seq = triton.cdiv(context, BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    paged, dense = [], []
+    for _ in range(num_sets):
+        k = torch.randn((num_blocks, BLOCK_SIZE, hkv, HEAD_DIM), device="cuda", dtype=DTYPE, generator=generator)
+        v = torch.randn_like(k)
+        perm = torch.randperm(num_blocks, device="cuda", generator=generator)
+        paged.append((k, v, perm.view(batch, blocks_per_seq).to(torch.int32)))
+        kd = torch.randn(batch, hkv, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+        dense.append((kd, torch.randn_like(kd)))
+    query = torch.randn(batch, hq, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return query, seq_lens, paged, dense, kv_bytes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
+    parser.add_argument("--max-seq-len", type=int, default=40960, help="the bound the split count is chosen by")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_sweep.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from hf_paged.kernels import decode
+
+    bandwidth = copy_gbs()
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [parse_shape(s) for s in args.shapes]
+    inputs = [make_inputs(*shape, l2_bytes, generator) for shape in shapes]
+    saved = (decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE)
+    current = decode.long_split_settings(torch.device("cuda"))
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = [decode.choose_num_splits(args.max_seq_len, batch, hkv, num_sms) for _, hkv, batch, _ in shapes]
+    rows = []
+    for setting in SETTINGS:
+        decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE = setting, {}
+        decode._PLANS.clear()
+        cells = []
+        for n, (query, seq_lens, paged, _, kv_bytes) in zip(splits, inputs, strict=True):
+            rotation = itertools.cycle(paged)
+            out = torch.empty_like(query)
+
+            def run(rotation=rotation, query=query, seq_lens=seq_lens, out=out, n=n):
+                k, v, tables = next(rotation)
+                decode.paged_decode_triton(query, k, v, tables, seq_lens, HEAD_DIM**-0.5,
+                                           max_seq_len=args.max_seq_len, num_splits=n, out=out)  # fmt: skip
+
+            try:
+                us = graph_us(run)
+                cells.append(f"{us:.1f} ({kv_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
+            except Exception as exc:  # e.g. out of shared memory for large tiles x stages
+                cells.append(f"failed: {type(exc).__name__}")
+        mark = " (this card's now)" if setting == current else ""
+        rows.append(f"| {' / '.join(map(str, setting))}{mark} | " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+    decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE = saved
+    decode._PLANS.clear()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cells = []
+    for (hq, _, batch, _), (query, _, _, dense, kv_bytes) in zip(shapes, inputs, strict=True):
+        rotation = itertools.cycle(dense)
+        q = query.view(batch, hq, 1, HEAD_DIM)
+
+        def run_sdpa(rotation=rotation, q=q):
+            k, v = next(rotation)
+            sdpa(q, k, v, enable_gqa=True)
+
+        us = graph_us(run_sdpa)
+        cells.append(f"{us:.1f} ({kv_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
+    rows.append("| SDPA, contiguous K/V | " + " | ".join(cells) + " |")
+    header = (
+        f"### Decode launch settings for long splits, {torch.cuda.get_device_name()}, copy bandwidth "
+        f"{bandwidth:.0f} GB/s, in a CUDA graph, µs (share of the copy bandwidth); splits chosen for max_seq_len "
+        f"{args.max_seq_len}\n\n"
+        "| BLOCK_N / stages / warps | "
+        + " | ".join(f"{s} ({n} split{'s' * (n > 1)})" for s, n in zip(args.shapes, splits, strict=True))
+        + " |\n|---|"
+        + "---:|" * len(shapes)
+    )
+    table = header + "\n" + "\n".join(rows) + "\n"
+    print("\n" + table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
