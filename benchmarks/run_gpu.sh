@@ -15,6 +15,10 @@
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
 #   fuse-ab   nano with EngineConfig.fuse_projections off and on, alternating twice (hf-paged bench --repeats 3)   (~4 min)
 #   fuse-ab-8b  the same on the Llama-8B shape's sharegpt workload, --repeats 1                           (~6 min)
+#   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
+#   table     the README's engine table, Qwen3-0.6B rows: nano, prefix caching on vs off, the short workload beside
+#             transformers' continuous batching (one run of it)                                             (~6 min)
+#   table-8b  the table's Llama-3.1-8B row: sharegpt, 512 requests                                          (~3 min)
 #   all       tests, kernels, generate (the default; longer than one call)
 # Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR] [PART ...]
 set -uo pipefail
@@ -86,6 +90,16 @@ for part in "${parts[@]}"; do
                     2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -18 ;;
+        table)
+            bench=(timeout 150 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md")
+            "${bench[@]}" --workload nano --systems hf_paged 2>&1 | grep "^| hf_paged"
+            "${bench[@]}" --workload prefix --systems hf_paged,hf_paged_no_prefix 2>&1 | grep "^| hf_paged"
+            timeout 240 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md" --workload short \
+                --systems hf_paged,hf_cb --baseline-repeats 1 2>&1 | grep "^| hf_"
+            ;;
+        table-8b) timeout 240 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md" --model llama-8b \
+            --workload sharegpt --systems hf_paged 2>&1 | grep "^| hf_paged" ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -94,7 +108,7 @@ for part in "${parts[@]}"; do
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, all)" >&2
+                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, sweep, table, table-8b, all)" >&2
             exit 2
             ;;
     esac
