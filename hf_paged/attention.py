@@ -4,7 +4,9 @@
 - attention function "paged" (``AttentionInterface``): inside a paged forward (a ``ForwardContext`` is
   set, see hf_paged.context) ``key``/``value`` are the layer's block pools, already updated by the cache
   (in an eager PagedCache decode step the cache leaves the layer's new K/V in ``ctx.pending_kv`` and the
-  decode kernel writes them: one launch a layer); the function packs the real query tokens to
+  decode kernel writes them: one launch a layer). In the engine (``ctx.kv_caches``: no Cache object) the function
+  writes the layer's new K/V itself: in a decode step (every row one token, no shared-prefix decode) the decode
+  kernel does it, otherwise ``write_kv`` before the attention. It packs the real query tokens to
   ``[num_tokens, num_heads, head_dim]`` and calls ``paged_attention`` over the block tables. K/V are never
   gathered. Outside a paged forward (e.g. the model is used with a DynamicCache, or without cache) it falls back
   to torch SDPA on the given K/V.
@@ -29,6 +31,10 @@ ATTN_NAME = "paged"
 EAGER_MIN_KEYS_PER_SPLIT = 2048
 # The forward kwarg that carries a planned decode step's static ForwardContext (set by PagedCache's decoder hook).
 PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
+# The engine's decode steps (every row one new token, no shared-prefix decode): the decode kernel writes each row's
+# new K/V at its slot and attends to it from registers, instead of a write_kv launch before it (one launch a layer
+# fewer; the kernel and its fused write are PagedCache's eager decode path). A module switch for A/B runs.
+ENGINE_FUSED_DECODE_WRITE = True
 
 
 def paged_attention_forward(
@@ -135,12 +141,26 @@ def _context_attention(
     if ctx.pending_kv is not None:  # a deferred write the fast path did not take (not expected)
         ctx.flush_pending_kv()
     new_key = new_value = None  # the new tokens' K/V [num_tokens, num_kv_heads, head_dim] (engine path)
+    window, cap = (sliding_window if sliding_window else None), (softcap if softcap else None)
+    # Shared-prefix decode (kernels/cascade.py) for the single-token rows; a sliding-window layer reads only its
+    # window and takes the plain decode.
+    prefix_len = ctx.prefix_len if window is None else None
+    fused_write = None  # the engine's decode step: slot_mapping for the decode kernel's own K/V write
     if ctx.kv_caches is not None:  # engine path: no Cache object; write this layer's new K/V here
         k_cache, v_cache = ctx.kv_caches[module.layer_idx]
         num_kv_heads = key.shape[1]
         new_key = key.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         new_value = value.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
-        write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping)
+        if (
+            ENGINE_FUSED_DECODE_WRITE
+            and ctx.max_query_len == 1
+            and ctx.decode_seq_lens is None
+            and ctx.token_idx is None
+            and prefix_len is None
+        ):
+            fused_write = ctx.slot_mapping  # token i is row i's new token (padding: slot -1, length 0)
+        else:
+            write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping)
         key, value = k_cache, v_cache
     if query_len == 1:
         q = query.reshape(batch_size, num_heads, head_dim)  # [num_tokens, num_heads, head_dim], a view
@@ -150,12 +170,8 @@ def _context_attention(
         q = q.index_select(0, ctx.token_idx)
         if new_key is not None:
             new_key, new_value = new_key.index_select(0, ctx.token_idx), new_value.index_select(0, ctx.token_idx)
-    if query_len == 1 or (new_key is not None and new_key.stride(2) != 1):
+    if fused_write is None and (query_len == 1 or (new_key is not None and new_key.stride(2) != 1)):
         new_key = new_value = None  # decode reads the blocks; the prefill kernel needs a contiguous last dim
-    window, cap = (sliding_window if sliding_window else None), (softcap if softcap else None)
-    # Shared-prefix decode (kernels/cascade.py) for the single-token rows; a sliding-window layer reads only its
-    # window and takes the plain decode.
-    prefix_len = ctx.prefix_len if window is None else None
     out = None
     cu_seqlens_q = ctx.cu_seqlens_q
     if ctx.decode_seq_lens is not None:  # mixed graph step: the leading decode rows take the decode kernel first
@@ -186,6 +202,7 @@ def _context_attention(
         value=new_value,
         prefix_len=prefix_len,
         max_prefix_len=ctx.max_prefix_len,
+        slot_mapping=fused_write,  # a decode step: written by the decode kernel (else None: written above)
     )  # [num_tokens, num_heads, head_dim]
     if ctx.token_idx is not None:
         full = out.new_zeros(batch_size * query_len, num_heads, head_dim)

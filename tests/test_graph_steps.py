@@ -118,6 +118,60 @@ def test_beam_search_through_graph_buckets():
     assert_engine_drained(engine)
 
 
+@pytest.mark.parametrize("graphs, cascade", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "graphs", "graphs-cascade"])  # fmt: skip
+def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkeypatch):
+    """The engine's decode steps hand each layer's new K/V to the decode kernel (paged_attention's slot_mapping: one
+    launch a layer, attention.ENGINE_FUSED_DECODE_WRITE); prefill and mixed steps, and shared-prefix (cascade)
+    decode, write them with write_kv first. Every layer of every forward writes exactly once, either way, and tokens
+    and logprobs equal the separate write's, with forks (copy-on-write), prefix hits, arrivals and preemption."""
+    import hf_paged.attention as attention_module
+
+    calls = {"write_kv": 0, "fused": 0, "layers": 0}
+    write_kv, paged_attention = attention_module.write_kv, attention_module.paged_attention
+    context_attention = attention_module._context_attention
+
+    def counting_write_kv(*args, **kwargs):
+        calls["write_kv"] += 1
+        return write_kv(*args, **kwargs)
+
+    def counting_attention(*args, **kwargs):
+        calls["fused"] += kwargs.get("slot_mapping") is not None
+        return paged_attention(*args, **kwargs)
+
+    def counting_layer(*args, **kwargs):
+        calls["layers"] += 1
+        return context_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "write_kv", counting_write_kv)
+    monkeypatch.setattr(attention_module, "paged_attention", counting_attention)
+    monkeypatch.setattr(attention_module, "_context_attention", counting_layer)
+    prompts, params = _workload()
+    # A tiny pool (preemption); layers not compiled, so that the counters see every eager call (on CUDA a replayed
+    # graph runs no Python: there only the eager engine is counted, and the graphs' tokens compared).
+    config = dict(max_num_batched_tokens=24, max_num_seqs=6, num_blocks=14, cascade_attention=cascade,
+                  compile_model=False)  # fmt: skip
+    monkeypatch.setattr(attention_module, "ENGINE_FUSED_DECODE_WRITE", False)
+    expected = engine_outputs(_engine(tiny_model(), graphs=graphs, **config), prompts, params, 1)
+    assert calls["fused"] == 0 and calls["write_kv"] == calls["layers"] > 0, calls  # (on CUDA graphs: the captures)
+    monkeypatch.setattr(attention_module, "ENGINE_FUSED_DECODE_WRITE", True)
+    calls.update(write_kv=0, fused=0, layers=0)
+    engine = _engine(tiny_model(), graphs=graphs, **config)
+    _assert_same(engine_outputs(engine, prompts, params, 1), expected)
+    assert engine.metrics().num_preemptions > 0
+    assert_engine_drained(engine)
+    if graphs and DEVICE == "cuda":
+        return
+    assert calls["write_kv"] + calls["fused"] == calls["layers"], calls  # one write a layer a forward
+    num_layers = engine.runner.model.config.num_hidden_layers
+    if cascade:  # llama's layers are full attention: every decode step takes the shared-prefix path, no fused write
+        assert calls["fused"] == 0, calls
+    else:
+        assert calls["fused"] > 0 and calls["write_kv"] > 0, calls  # decode steps fused; prefills and mixed not
+        if graphs:
+            assert calls["fused"] == engine.bucket_runs["decode"] * num_layers, (calls, engine.bucket_runs)
+
+
 def test_bucket_choice():
     engine = _engine(tiny_model(), graphs=True, max_num_batched_tokens=100, max_num_seqs=6, num_blocks=32)
     runner = engine.runner
