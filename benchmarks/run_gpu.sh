@@ -15,6 +15,8 @@
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
 #   fuse-ab   nano with EngineConfig.fuse_projections off and on, alternating twice (hf-paged bench --repeats 3)   (~4 min)
 #   fuse-ab-8b  the same on the Llama-8B shape's sharegpt workload, --repeats 1                           (~6 min)
+#   fused-write-ab  nano with the engine's decode K/V write fused into the decode kernel off and on, alternating
+#             twice (benchmarks/module_ab.py: attention.ENGINE_FUSED_DECODE_WRITE; --repeats 3)              (~4 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
 #   table     the README's engine table, Qwen3-0.6B rows: nano, prefix caching on vs off, the short workload beside
 #             transformers' continuous batching (one run of it)                                             (~6 min)
@@ -90,6 +92,14 @@ for part in "${parts[@]}"; do
                     2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        fused-write-ab)
+            for flag in False True False True; do
+                echo "ENGINE_FUSED_DECODE_WRITE=$flag"
+                PYTHONPATH=$PWD timeout 140 python3 benchmarks/module_ab.py \
+                    "hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=$flag" -- --workload nano --systems hf_paged \
+                    --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -18 ;;
         table)
             bench=(timeout 150 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md")
@@ -108,7 +118,7 @@ for part in "${parts[@]}"; do
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, sweep, table, table-8b, all)" >&2
+                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab, sweep, table, table-8b, all)" >&2
             exit 2
             ;;
     esac
