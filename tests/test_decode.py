@@ -226,12 +226,8 @@ def test_long_and_short_contexts_share_a_split_grid(num_splits):
     _check([700, 129], 4, 4, 32, 64, torch.bfloat16, num_splits=num_splits, sliding_window=500)
 
 
-@needs_triton
-@pytest.mark.parametrize("num_splits, long", [(1, True), (2, True), (3, False)])
-def test_short_and_long_split_settings(num_splits, long, monkeypatch):
-    """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take the card's
-    long-split settings (64-key tiles, 2 stages, 4 warps by default), three splits of at most 256 keys 32-key tiles
-    over 3 stages; both give the reference's result."""
+def _record_decode_launches(monkeypatch) -> list:
+    """(BLOCK_N, num_stages, num_warps) of every split-kernel launch from now on, appended to the returned list."""
     from hf_paged.kernels import decode
 
     launches = []
@@ -243,6 +239,18 @@ def test_short_and_long_split_settings(num_splits, long, monkeypatch):
         return launch(grid, *args, **options)
 
     monkeypatch.setattr(decode, "_DECODE", recording)
+    return launches
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits, long", [(1, True), (2, True), (3, False)])
+def test_short_and_long_split_settings(num_splits, long, monkeypatch):
+    """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take the card's
+    long-split settings (64-key tiles, 2 stages, 4 warps by default), three splits of at most 256 keys 32-key tiles
+    over 3 stages; both give the reference's result."""
+    from hf_paged.kernels import decode
+
+    launches = _record_decode_launches(monkeypatch)
     _check([1, 17, 300, 700], 4, 2, 128, 16, torch.float32, num_splits=num_splits)
     device = torch.device(DEVICE)
     expected = decode.long_split_settings(device) if long else (decode.SHORT_BLOCK_N, decode.SHORT_NUM_STAGES, 4)
@@ -261,15 +269,7 @@ def test_other_long_split_settings_give_the_reference(settings, monkeypatch):
     monkeypatch.setattr(decode, "LONG_SETTINGS", settings)
     monkeypatch.setattr(decode, "LONG_SETTINGS_BY_DEVICE", {})
     monkeypatch.setattr(decode, "_PLANS", {})
-    launches = []
-    launch = decode._DECODE
-
-    def recording(grid, *args, **options):
-        block_n = args[decode._paged_decode_kernel.arg_names.index("BLOCK_N")]
-        launches.append((block_n, options["num_stages"], options["num_warps"]))
-        return launch(grid, *args, **options)
-
-    monkeypatch.setattr(decode, "_DECODE", recording)
+    launches = _record_decode_launches(monkeypatch)
     for num_splits in (1, 2):
         _check([1, 17, 300, 700], 4, 2, 128, 16, torch.bfloat16, num_splits=num_splits)
     assert launches == [settings, settings]
