@@ -18,6 +18,8 @@
 #   fused-write-ab  nano with the engine's decode K/V write fused into the decode kernel off and on, alternating
 #             twice (benchmarks/module_ab.py: attention.ENGINE_FUSED_DECODE_WRITE; --repeats 3)              (~4 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
+#   stages-ab-8b  the 8B sharegpt workload with the long-split settings 64/2/4 and 64/3/4 forced, alternating
+#             (benchmarks/module_ab.py: LONG_SETTINGS, LONG_SETTINGS_BY_DEVICE={}; --repeats 1)             (~7 min)
 #   table     the README's engine table, Qwen3-0.6B rows: nano, prefix caching on vs off, the short workload beside
 #             transformers' continuous batching (one run of it)                                             (~6 min)
 #   table-8b  the table's Llama-3.1-8B row: sharegpt, 512 requests                                          (~3 min)
@@ -100,6 +102,14 @@ for part in "${parts[@]}"; do
                     --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        stages-ab-8b)
+            for setting in "(64, 2, 4)" "(64, 3, 4)" "(64, 2, 4)" "(64, 3, 4)"; do
+                echo "LONG_SETTINGS=$setting"
+                PYTHONPATH=$PWD timeout 140 python3 benchmarks/module_ab.py "hf_paged.kernels.decode.LONG_SETTINGS=$setting" \
+                    "hf_paged.kernels.decode.LONG_SETTINGS_BY_DEVICE={}" -- --workload sharegpt --model llama-8b \
+                    --systems hf_paged --repeats 1 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -18 ;;
         table)
             bench=(timeout 150 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md")
@@ -118,7 +128,8 @@ for part in "${parts[@]}"; do
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab, sweep, table, table-8b, all)" >&2
+                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab, sweep," \
+                "stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac
