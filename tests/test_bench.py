@@ -45,3 +45,34 @@ def test_bench_without_a_gpu_is_one_clear_error(capsys):
         )
     assert main(["--quick"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys):
+    """benchmarks/module_ab.py (run_gpu.sh's A/B parts): literals set on existing module attributes, then the bench
+    with the arguments after ``--``; a missing attribute or a malformed assignment stops it before any run."""
+    import importlib.util
+    from pathlib import Path
+
+    import hf_paged.kernels.decode as decode
+
+    import hf_paged.attention as attention
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "module_ab.py"
+    spec = importlib.util.spec_from_file_location("module_ab", path)
+    module_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module_ab)
+    monkeypatch.setattr(attention, "ENGINE_FUSED_DECODE_WRITE", True)
+    monkeypatch.setattr(decode, "LONG_SETTINGS", decode.LONG_SETTINGS)
+    with pytest.raises(SystemExit) as exit_info:  # the bench got the arguments after "--" (a bad one: no run)
+        module_ab.main(
+            ["hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=False", "hf_paged.kernels.decode.LONG_SETTINGS=(64, 3, 4)",
+             "--", "--workload", "no-such-workload"]
+        )  # fmt: skip
+    assert exit_info.value.code == 2 and "no-such-workload" in capsys.readouterr().err
+    assert attention.ENGINE_FUSED_DECODE_WRITE is False and decode.LONG_SETTINGS == (64, 3, 4)
+    with pytest.raises(SystemExit, match="has no attribute 'ENGINE_FUSED_WRITE'"):
+        module_ab.main(["hf_paged.attention.ENGINE_FUSED_WRITE=False", "--", "--workload", "nano"])
+    with pytest.raises(SystemExit, match="expected MODULE.NAME=VALUE"):
+        module_ab.main(["ENGINE_FUSED_DECODE_WRITE", "--"])
+    with pytest.raises(SystemExit, match="usage"):
+        module_ab.main(["hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=False"])
