@@ -17,6 +17,8 @@
 #   fuse-ab-8b  the same on the Llama-8B shape's sharegpt workload, --repeats 1                           (~6 min)
 #   fused-write-ab  nano with the engine's decode K/V write fused into the decode kernel off and on, alternating
 #             twice (benchmarks/module_ab.py: attention.ENGINE_FUSED_DECODE_WRITE; --repeats 3)              (~4 min)
+#   prefix-cascade  the prefix workload: prefix caching with the plain decode (default), with shared-prefix
+#             decode (cascade_attention=True), and without prefix caching, in one process (--repeats 3)     (~2 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
 #   stages-ab-8b  the 8B sharegpt workload with the long-split settings 64/2/4 and 64/3/4 forced, alternating
 #             (benchmarks/module_ab.py: LONG_SETTINGS, LONG_SETTINGS_BY_DEVICE={}; --repeats 1)             (~7 min)
@@ -110,6 +112,8 @@ for part in "${parts[@]}"; do
                     --systems hf_paged --repeats 1 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        prefix-cascade) timeout 240 python3 -m hf_paged.frontends.bench --workload prefix --repeats 3 \
+            --systems hf_paged,hf_paged_cascade,hf_paged_no_prefix --out "$out/prefix-cascade.md" 2>&1 | grep "^| hf_paged" ;;
         sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -18 ;;
         table)
             bench=(timeout 150 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md")
@@ -128,8 +132,8 @@ for part in "${parts[@]}"; do
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab, sweep," \
-                "stages-ab-8b, table, table-8b, all)" >&2
+                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab," \
+                "prefix-cascade, sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac
