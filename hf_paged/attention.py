@@ -5,8 +5,8 @@
   set, see hf_paged.context) ``key``/``value`` are the layer's block pools, already updated by the cache
   (in an eager PagedCache decode step the cache leaves the layer's new K/V in ``ctx.pending_kv`` and the
   decode kernel writes them: one launch a layer). In the engine (``ctx.kv_caches``: no Cache object) the function
-  writes the layer's new K/V itself: in a decode step (every row one token, no shared-prefix decode) the decode
-  kernel does it, otherwise ``write_kv`` before the attention. It packs the real query tokens to
+  writes the layer's new K/V itself with ``write_kv`` before the attention (or, with ``ENGINE_FUSED_DECODE_WRITE``,
+  in a decode step without shared-prefix decode, inside the decode kernel). It packs the real query tokens to
   ``[num_tokens, num_heads, head_dim]`` and calls ``paged_attention`` over the block tables. K/V are never
   gathered. Outside a paged forward (e.g. the model is used with a DynamicCache, or without cache) it falls back
   to torch SDPA on the given K/V.
@@ -33,8 +33,10 @@ EAGER_MIN_KEYS_PER_SPLIT = 2048
 PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
 # The engine's decode steps (every row one new token, no shared-prefix decode): the decode kernel writes each row's
 # new K/V at its slot and attends to it from registers, instead of a write_kv launch before it (one launch a layer
-# fewer; the kernel and its fused write are PagedCache's eager decode path). A module switch for A/B runs.
-ENGINE_FUSED_DECODE_WRITE = True
+# fewer; the kernel and its fused write are PagedCache's eager decode path). Off until the engine's CUDA tests and
+# an A/B have run with it on a GPU (benchmarks/run_gpu.sh parts tests and fused-write-ab; tested on the CPU only);
+# a module switch, so that one tree runs both sides.
+ENGINE_FUSED_DECODE_WRITE = False
 
 
 def paged_attention_forward(
