@@ -28,7 +28,7 @@ HEAD_DIM, BLOCK_SIZE, DTYPE = 128, 16, torch.bfloat16
 # Qwen3-0.6B's heads (16 q / 8 kv) and Llama-3.1-8B's (32 / 8) at batches and contexts of the engine's decode steps.
 DEFAULT_SHAPES = ("16x8:256x512", "16x8:256x1024", "16x8:128x1024", "16x8:64x1024", "16x8:32x1024", "16x8:8x2048",
                   "32x8:256x512", "32x8:128x1024", "32x8:64x1024", "32x8:32x2048")  # fmt: skip
-# (BLOCK_N, num_stages, num_warps): 64/2/4 is LONG_SETTINGS (the H100's).
+# (BLOCK_N, num_stages, num_warps): 64/3/4 is LONG_SETTINGS (since the twelfth session; 64/2/4 before).
 SETTINGS = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (64, 3, 2), (64, 2, 2), (32, 2, 2), (32, 3, 2), (32, 4, 2),
             (32, 3, 1), (16, 3, 1), (128, 2, 4), (128, 3, 4)]  # fmt: skip
 

@@ -33,10 +33,10 @@ EAGER_MIN_KEYS_PER_SPLIT = 2048
 PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
 # The engine's decode steps (every row one new token, no shared-prefix decode): the decode kernel writes each row's
 # new K/V at its slot and attends to it from registers, instead of a write_kv launch before it (one launch a layer
-# fewer; the kernel and its fused write are PagedCache's eager decode path). Off until the engine's CUDA tests and
-# an A/B have run with it on a GPU (benchmarks/run_gpu.sh parts tests and fused-write-ab; tested on the CPU only);
-# a module switch, so that one tree runs both sides.
-ENGINE_FUSED_DECODE_WRITE = False
+# fewer; the kernel and its fused write are PagedCache's eager decode path). The engine's CUDA tests pass with it on
+# an H100, where nano ran 0.3% faster with it (benchmarks/RESULTS.md, twelfth session: run_gpu.sh parts tests and
+# fused-write-ab). A module switch, so that one tree runs both sides (benchmarks/module_ab.py).
+ENGINE_FUSED_DECODE_WRITE = True
 
 
 def paged_attention_forward(

@@ -62,20 +62,20 @@ PROGRAMS_PER_SM = 4
 # Launch settings of the split kernel, from a sweep on the H100 in a CUDA graph (benchmarks/RESULTS.md, seventh
 # session: keys per tile x keys per split x programs per SM x warps, then stages and merge warps). Short splits (at
 # most SHORT_SPLIT_KEYS keys each: small batches over long contexts) run 32-key tiles pipelined over 3 stages (1 x
-# 4096: 13.5 -> 11.3 µs); long ones (large batches: one split, a long loop) keep 64-key tiles and 2 stages, which
-# the short settings slow down (256 x 4096: 1426 -> 1566 µs). Swept at head_dim 128 only: other head dims keep
+# 4096: 13.5 -> 11.3 µs); long ones (large batches: one split, a long loop) keep 64-key tiles (LONG_SETTINGS below),
+# which the short settings slow down (256 x 4096: 1426 -> 1566 µs). Swept at head_dim 128 only: other head dims keep
 # one setting (_Plan). The merge gets a warp per MERGE_VALUES_PER_WARP partial values of a head (1 warp for up to
 # 32 partials at head_dim 128, 2 for 64; was 4 warps always: 1 x 4096 12.2 -> 11.4 µs, 8 x 2048 30.7 -> 29.7).
 SHORT_SPLIT_KEYS = 256
 SHORT_BLOCK_N, SHORT_NUM_STAGES = 32, 3
 DECODE_NUM_WARPS = 4
-# Long splits: (keys per tile, stages, warps). The H100 setting (above) is the default; a card whose name contains a
-# key of LONG_SETTINGS_BY_DEVICE takes that entry, from `benchmarks/decode_sweep.py` on that card (the engine's large
-# decode batches are long splits: graphs are captured with max_seq_len = max_model_len). On the H200 (same 132 SMs,
-# a wider bus) the H100 setting reached 83-92% of the copy bandwidth at batch 256 (benchmarks/RESULTS.md, eleventh
-# session).
-LONG_SETTINGS = (64, 2, 4)
-LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {"H200": (64, 3, 4)}
+# Long splits: (keys per tile, stages, warps), from `benchmarks/decode_sweep.py` at the engine's shapes (its large
+# decode batches are long splits: graphs are captured with max_seq_len = max_model_len). 64-key tiles over 3 stages
+# were 3-9% faster than the seventh session's 2 stages on the H200 (eleventh session) and 1-10% on the H100 (twelfth
+# session; end to end +0.6% nano on the H200, +0.5% sharegpt-8B on the H100: benchmarks/RESULTS.md). A card whose
+# name contains a key of LONG_SETTINGS_BY_DEVICE takes that entry instead (none yet: both Hopper cards swept agree).
+LONG_SETTINGS = (64, 3, 4)
+LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
 MERGE_VALUES_PER_WARP = 32 * 128  # 128 fp32 values a thread
 MERGE_MAX_NUM_WARPS = 4
 # SM count used when no CUDA device is present (TRITON_INTERPRET=1 runs); an H100 SXM has 132.

@@ -65,11 +65,11 @@ def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys
     monkeypatch.setattr(decode, "LONG_SETTINGS", decode.LONG_SETTINGS)
     with pytest.raises(SystemExit) as exit_info:  # the bench got the arguments after "--" (a bad one: no run)
         module_ab.main(
-            ["hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=False", "hf_paged.kernels.decode.LONG_SETTINGS=(64, 3, 4)",
+            ["hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=False", "hf_paged.kernels.decode.LONG_SETTINGS=(64, 2, 4)",
              "--", "--workload", "no-such-workload"]
         )  # fmt: skip
     assert exit_info.value.code == 2 and "no-such-workload" in capsys.readouterr().err
-    assert attention.ENGINE_FUSED_DECODE_WRITE is False and decode.LONG_SETTINGS == (64, 3, 4)
+    assert attention.ENGINE_FUSED_DECODE_WRITE is False and decode.LONG_SETTINGS == (64, 2, 4)
     with pytest.raises(SystemExit, match="has no attribute 'ENGINE_FUSED_WRITE'"):
         module_ab.main(["hf_paged.attention.ENGINE_FUSED_WRITE=False", "--", "--workload", "nano"])
     with pytest.raises(SystemExit, match="expected MODULE.NAME=VALUE"):

@@ -246,7 +246,7 @@ def _record_decode_launches(monkeypatch) -> list:
 @pytest.mark.parametrize("num_splits, long", [(1, True), (2, True), (3, False)])
 def test_short_and_long_split_settings(num_splits, long, monkeypatch):
     """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take the card's
-    long-split settings (64-key tiles, 2 stages, 4 warps by default), three splits of at most 256 keys 32-key tiles
+    long-split settings (64-key tiles, 3 stages, 4 warps by default), three splits of at most 256 keys 32-key tiles
     over 3 stages; both give the reference's result."""
     from hf_paged.kernels import decode
 
@@ -256,7 +256,7 @@ def test_short_and_long_split_settings(num_splits, long, monkeypatch):
     expected = decode.long_split_settings(device) if long else (decode.SHORT_BLOCK_N, decode.SHORT_NUM_STAGES, 4)
     assert launches == [expected]
     if device.type == "cpu":
-        assert expected == ((64, 2, 4) if long else (32, 3, 4))
+        assert expected == ((64, 3, 4) if long else (32, 3, 4))
 
 
 @needs_triton
@@ -279,11 +279,12 @@ def test_long_split_settings_follow_the_card_name(monkeypatch):
     """LONG_SETTINGS_BY_DEVICE's entry whose key is in the card's name; LONG_SETTINGS on other cards and the CPU."""
     from hf_paged.kernels import decode
 
-    assert decode.LONG_SETTINGS_BY_DEVICE["H200"] == (64, 3, 4)
+    assert decode.LONG_SETTINGS == (64, 3, 4)
+    monkeypatch.setattr(decode, "LONG_SETTINGS_BY_DEVICE", {"H200": (32, 3, 2)})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    assert decode.long_split_settings(torch.device("cuda", 0)) == (64, 3, 4)
+    assert decode.long_split_settings(torch.device("cuda", 0)) == (32, 3, 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert decode.long_split_settings(torch.device("cuda", 0)) == decode.LONG_SETTINGS == (64, 2, 4)
+    assert decode.long_split_settings(torch.device("cuda", 0)) == decode.LONG_SETTINGS
     assert decode.long_split_settings(torch.device("cpu")) == decode.LONG_SETTINGS
 
 
