@@ -52,10 +52,11 @@ class EngineConfig:
         async_scheduling: queue step N+1 before reading back step N's tokens; None = on for a model on CUDA.
         cascade_attention: shared-prefix decode: decode rows that share leading KV blocks (a common prompt prefix,
             the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py);
-            used on the steps where the bytes saved are worth it. Off by default: on an H100 the plain decode
-            kernel already reads a shared prefix that fits in L2 (a few MB a layer) mostly from L2, and the
-            prefix kernel and merge in every captured step cost more than cascade saved (prefix workload 0.89x,
-            nano 0.99x; benchmarks/RESULTS.md); it can pay for shared prefixes larger than L2.
+            used on the steps where the bytes saved are worth it. Off by default: on an H100 it made the bench's
+            prefix workload (a 341-token prefix shared by every request) 11% faster, and workloads without a
+            shared prefix 1.6-1.9% slower (every captured step carries the prefix kernel, and cascade decode steps
+            write K/V in a separate launch; benchmarks/RESULTS.md, twelfth session). Turn it on when most requests
+            share a long prefix.
         fuse_projections: one GEMM for the sibling projections that read the same input (q/k/v, gate/up), their
             ``nn.Linear`` weights concatenated in place (hf_paged.engine.fuse: no extra memory, the modules' outputs
             and ``state_dict`` unchanged); None = on for a model on CUDA (not under tensor parallelism), where a
