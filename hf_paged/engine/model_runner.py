@@ -70,9 +70,14 @@ def _keep_on_own_device(model: torch.nn.Module, key: str) -> None:
 
 # Graph buckets. Decode steps (one token per sequence, all sampling): padded to the next batch size here.
 # Mixed steps (prompt chunks, possibly with decode tokens): padded to the next token count here, with room for
-# min(tokens, max_num_seqs) sequences.
+# min(tokens, max_num_seqs) sequences. Padding tokens attend to nothing but go through every GEMM, and above a few
+# hundred tokens a step's GEMMs are compute-bound (an 8B model: ~21 µs a token on an H100), so the sizes step by 128
+# from 256 to 1024 and by 256 to 1536, the tile height of the GEMMs: in the 8B sharegpt workload's schedule (199 mixed
+# steps, steady-state ones carry ~256 decode rows and one new prompt: 263-700 tokens) that pads 12 896 tokens instead
+# of 27 360 with sizes doubling from 256 (benchmarks/RESULTS.md, twelfth session). Each size is one more graph to
+# capture and one more logits buffer of min(size, max_num_seqs) rows.
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 3072, 4096, 6144, 8192)
 
 # Shared-prefix decode runs when the KV bytes it saves in a layer, (decode rows - 1) x prefix tokens x K/V bytes of a
 # token, reach this: 16 MiB is about 5 us of an H100's HBM bandwidth (3.35 TB/s), above the fixed cost of the
