@@ -19,6 +19,10 @@
 #             twice (benchmarks/module_ab.py: attention.ENGINE_FUSED_DECODE_WRITE; --repeats 3)              (~4 min)
 #   prefix-cascade  the prefix workload: prefix caching with the plain decode (default), with shared-prefix
 #             decode (cascade_attention=True), and without prefix caching, in one process (--repeats 3)     (~2 min)
+#   cascade-ab  nano and the 8B sharegpt workload with cascade_attention off and on, one process each workload,
+#             then the prefix workload traced step by step with and without it (engine_trace.py)             (~7 min)
+#   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
+#             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
 #   stages-ab-8b  the 8B sharegpt workload with the long-split settings 64/2/4 and 64/3/4 forced, alternating
 #             (benchmarks/module_ab.py: LONG_SETTINGS, LONG_SETTINGS_BY_DEVICE={}; --repeats 1)             (~7 min)
@@ -114,6 +118,26 @@ for part in "${parts[@]}"; do
             ;;
         prefix-cascade) timeout 240 python3 -m hf_paged.frontends.bench --workload prefix --repeats 3 \
             --systems hf_paged,hf_paged_cascade,hf_paged_no_prefix --out "$out/prefix-cascade.md" 2>&1 | grep "^| hf_paged" ;;
+        cascade-ab)
+            timeout 200 python3 -m hf_paged.frontends.bench --workload nano --systems hf_paged,hf_paged_cascade \
+                --repeats 3 --out "$out/cascade-ab.md" 2>&1 | grep "^| hf_paged"
+            timeout 260 python3 -m hf_paged.frontends.bench --workload sharegpt --model llama-8b \
+                --systems hf_paged,hf_paged_cascade --repeats 3 --out "$out/cascade-ab.md" 2>&1 | grep "^| hf_paged"
+            for flag in --cascade-attention ""; do
+                timeout 70 python3 benchmarks/engine_trace.py --workload prefix --repeats 1 $flag 2>&1 | tail -14 \
+                    | tee -a "$out/trace.md"
+            done
+            ;;
+        mixed-ab-8b)
+            old="(16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)"
+            new=$(python3 -c "from hf_paged.engine.model_runner import MIXED_TOKEN_SIZES as s; print(s)")
+            for sizes in "$old" "$new" "$new" "$old"; do
+                echo "MIXED_TOKEN_SIZES=$sizes"
+                PYTHONPATH=$PWD timeout 160 python3 benchmarks/module_ab.py \
+                    "hf_paged.engine.model_runner.MIXED_TOKEN_SIZES=$sizes" -- --workload sharegpt --model llama-8b \
+                    --systems hf_paged --repeats 2 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -18 ;;
         table)
             bench=(timeout 150 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md")
