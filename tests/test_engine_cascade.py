@@ -105,6 +105,10 @@ def test_cascade_equals_cascade_off_and_no_prefix_cache(graphs, config, arrive_e
     assert on.runner.num_cascade_steps == sum(n > 0 for n in on.prefix_lens)
     # Without prefix caching only forks share blocks: those samples.
     assert set(no_cache.prefix_lens) == {0, 48}, no_cache.prefix_lens
+    if graphs:  # a decode step replays the cascade graph of its batch size when its rows share a prefix, else the
+        # plain one (no prefix kernel); the engine without cascade never the cascade graphs
+        assert on.runner.graph_steps["cascade"] > 0, on.runner.graph_steps  # the decode steps share the prefix here
+        assert off.runner.graph_steps["cascade"] == 0 < off.runner.graph_steps["decode"], off.runner.graph_steps
     for engine in (on, off, no_cache):
         assert_engine_drained(engine)
 
@@ -186,9 +190,12 @@ def test_engine_with_the_triton_decode_kernels(monkeypatch):
             return original(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window,
                             soft_cap=soft_cap, out=out, **kwargs)  # fmt: skip
+        fused = kwargs.get("slot_mapping") is not None  # a plain decode step: the kernel writes the new K/V
         return paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len,
                                    sliding_window=sliding_window, soft_cap=soft_cap, out=out, prefix_len=prefix_len,
-                                   max_prefix_len=max_prefix_len)  # fmt: skip
+                                   max_prefix_len=max_prefix_len, new_key=kwargs["key"] if fused else None,
+                                   new_value=kwargs["value"] if fused else None,
+                                   slot_mapping=kwargs["slot_mapping"] if fused else None)  # fmt: skip
 
     gen = torch.Generator().manual_seed(3)
     ids = lambda n: torch.randint(3, 96, (n,), generator=gen).tolist()  # noqa: E731
@@ -202,3 +209,4 @@ def test_engine_with_the_triton_decode_kernels(monkeypatch):
     on = _engine(True, True, 64, **config)
     _assert_same(engine_outputs(on, prompts, params, 1), expected)
     assert any(on.prefix_lens)
+    assert on.runner.graph_steps["cascade"] > 0, on.runner.graph_steps  # the decode steps share the prefix here

@@ -124,7 +124,9 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
     """The engine's decode steps hand each layer's new K/V to the decode kernel (paged_attention's slot_mapping: one
     launch a layer, attention.ENGINE_FUSED_DECODE_WRITE); prefill and mixed steps, and shared-prefix (cascade)
     decode, write them with write_kv first. Every layer of every forward writes exactly once, either way, and tokens
-    and logprobs equal the separate write's, with forks (copy-on-write), prefix hits, arrivals and preemption."""
+    and logprobs equal the separate write's, with forks (copy-on-write), prefix hits, arrivals and preemption. With
+    cascade on, a decode step replays the plain (fused) decode graph unless its rows share a prefix, then the
+    "cascade" graph."""
     import hf_paged.attention as attention_module
 
     calls = {"write_kv": 0, "fused": 0, "layers": 0}
@@ -151,25 +153,33 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
     # graph runs no Python: there only the eager engine is counted, and the graphs' tokens compared).
     config = dict(max_num_batched_tokens=24, max_num_seqs=6, num_blocks=14, cascade_attention=cascade,
                   compile_model=False)  # fmt: skip
+
+    def make_engine():
+        engine = _engine(tiny_model(), graphs=graphs, **config)
+        engine.runner.cascade_min_saved_bytes = 0  # cascade whenever two decode rows share a block (tiny K/V)
+        return engine
+
     monkeypatch.setattr(attention_module, "ENGINE_FUSED_DECODE_WRITE", False)
-    expected = engine_outputs(_engine(tiny_model(), graphs=graphs, **config), prompts, params, 1)
+    expected = engine_outputs(make_engine(), prompts, params, 1)
     assert calls["fused"] == 0 and calls["write_kv"] == calls["layers"] > 0, calls  # (on CUDA graphs: the captures)
     monkeypatch.setattr(attention_module, "ENGINE_FUSED_DECODE_WRITE", True)
     calls.update(write_kv=0, fused=0, layers=0)
-    engine = _engine(tiny_model(), graphs=graphs, **config)
+    engine = make_engine()
     _assert_same(engine_outputs(engine, prompts, params, 1), expected)
     assert engine.metrics().num_preemptions > 0
     assert_engine_drained(engine)
+    assert (engine.runner.num_cascade_steps > 0) == cascade
     if graphs and DEVICE == "cuda":
         return
     assert calls["write_kv"] + calls["fused"] == calls["layers"], calls  # one write a layer a forward
     num_layers = engine.runner.model.config.num_hidden_layers
-    if cascade:  # llama's layers are full attention: every decode step takes the shared-prefix path, no fused write
-        assert calls["fused"] == 0, calls
+    assert calls["fused"] > 0 and calls["write_kv"] > 0, calls  # decode steps fused; prefills, mixed, cascade not
+    runs = engine.runner.graph_steps
+    if graphs:  # the plain decode graphs write in the decode kernel; the cascade and mixed graphs with write_kv
+        assert calls["fused"] == runs["decode"] * num_layers, (calls, runs)
+        assert runs["decode"] > 0 and runs["mixed"] > 0, runs  # (the cascade graphs: tests/test_engine_cascade.py)
     else:
-        assert calls["fused"] > 0 and calls["write_kv"] > 0, calls  # decode steps fused; prefills and mixed not
-        if graphs:
-            assert calls["fused"] == engine.bucket_runs["decode"] * num_layers, (calls, engine.bucket_runs)
+        assert sum(runs.values()) == 0, runs
 
 
 def test_bucket_choice():

@@ -29,8 +29,11 @@ common prompt prefix with prefix caching, the ``n`` samples of one prompt), thei
 once per KV head for all rows (kernels/cascade.py) instead of once per row. The runner finds that prefix from the
 step's block tables (``shared_prefix_blocks``), keeps it when the reads it saves are worth the prefix kernel's
 fixed cost (``CASCADE_MIN_SAVED_BYTES``), and hands its length to the attention as a device value: a static input
-of the graphs (every decode and mixed graph holds the prefix kernel and replays with any length, 0 = none), a
-small tensor for an eager decode step.
+of the graphs, a small tensor for an eager decode step. Each decode batch size has two graphs then: the plain one
+(the decode kernel writes the new K/V, no prefix kernel), replayed when the rows share no prefix worth it, and a
+"cascade" one holding the prefix kernel, which replays with any length; the mixed graphs hold the prefix kernel
+(length 0 = none). So the steps without a shared prefix run as in an engine without cascade, for one more decode
+graph a batch size (its capture, and its logits buffer).
 
 Before compiling, the runner merges the model's sibling projections (q/k/v, gate/up) into one GEMM each, in place
 (hf_paged.engine.fuse; ``fuse_projections``, on CUDA by default): a small model's decode step is mostly ~5 µs
@@ -134,7 +137,7 @@ class ModelRunner:
         emulate_graphs: run each step that fits a bucket eagerly through the padded static inputs its graph would
             read, without capturing (tests the bucketing and padding on the CPU).
         cascade_attention: shared-prefix decode for steps whose decode rows share leading blocks (see the module
-            docstring); the graphs are captured with it. ``cascade_min_saved_bytes`` (default
+            docstring); a second decode graph a batch size is captured with it. ``cascade_min_saved_bytes`` (default
             ``CASCADE_MIN_SAVED_BYTES``) is the threshold per step and layer; 0 uses it whenever two rows share a
             block.
         fuse_projections: merge the q/k/v and gate/up ``nn.Linear`` modules of the model into one GEMM each, in
@@ -196,6 +199,7 @@ class ModelRunner:
         k0 = kv.k_cache[0]  # [num_blocks, block_size, num_kv_heads, head_dim]
         self._kv_bytes_per_token = 2 * k0.shape[2] * k0.shape[3] * k0.element_size()  # K and V, one layer
         self.num_cascade_steps = 0  # steps that ran with a shared prefix (for tests and metrics)
+        self.graph_steps = {"decode": 0, "cascade": 0, "mixed": 0}  # steps run through each kind of graph (same)
         self._graphs: dict[tuple[str, int], tuple] = {}
         self._graph_pool = None
         self._capture_stream = None
@@ -296,7 +300,8 @@ class ModelRunner:
     # ---- CUDA graphs: static, padded inputs --------------------------------------------------------
 
     def _bucket(self, num_seqs: int, num_tokens: int, num_sampling: int) -> tuple[str, int] | None:
-        """The graph that runs this step: ("decode", batch) or ("mixed", tokens); None = eager."""
+        """The graph that runs this step: ("decode", batch) or ("mixed", tokens); None = eager. (A decode step whose
+        rows share a prefix replays ("cascade", batch) instead: ``_run_static`` finds the prefix.)"""
         if not (self.use_cuda_graphs or self.emulate_graphs) or num_seqs > self.max_num_seqs:
             return None
         if num_tokens == num_seqs and num_sampling == num_seqs:  # decode only: the split-K decode kernel
@@ -308,7 +313,7 @@ class ModelRunner:
     def _bucket_shape(self, bucket: tuple[str, int]) -> tuple[int, int]:
         """(padded tokens, padded sequences) of a bucket."""
         kind, size = bucket
-        return (size, size) if kind == "decode" else (size, min(size, self.max_num_seqs))
+        return (size, size) if kind != "mixed" else (size, min(size, self.max_num_seqs))
 
     def _run_static(self, bucket, plan: ForwardPlan, input_ids: np.ndarray, placeholders, prev_sampled):
         """Stage the step's plan into the static inputs, padded to its bucket, and replay the bucket's graph.
@@ -343,7 +348,10 @@ class ModelRunner:
             host["decode_seq_lens"][num_decode:pad_seqs] = 0
             np.maximum(plan.cu_seqlens_q, num_decode, out=host["prefill_cu_seqlens_q"][: num_seqs + 1])
             host["prefill_cu_seqlens_q"][num_seqs + 1 : pad_seqs + 1] = num_tokens
-        host["prefix_len"][0] = self._cascade_prefix_len(plan, num_decode)
+        prefix_len = host["prefix_len"][0] = self._cascade_prefix_len(plan, num_decode)
+        if prefix_len and bucket[0] == "decode":  # the decode graph that holds the shared-prefix kernel
+            bucket = ("cascade", bucket[1])
+        self.graph_steps[bucket[0]] += 1
         width = plan.block_tables.shape[1]
         host["block_tables"][: num_seqs * width] = plan.block_tables.ravel()
         st.upload(num_seqs, width)
@@ -446,7 +454,7 @@ class ModelRunner:
             cu_seqlens_q=dev["cu_seqlens_q"][: pad_seqs + 1],
             # Host hints fixed for the bucket. Decode: the split count must not change between replays. Mixed:
             # BLOCK_M for the longest query the bucket can hold; the prefill grid comes from the shapes.
-            max_query_len=1 if kind == "decode" else pad_tokens,
+            max_query_len=pad_tokens if kind == "mixed" else 1,
             max_seq_len=self.max_model_len,
             batch_size=1,
             query_len=pad_tokens,
@@ -454,8 +462,8 @@ class ModelRunner:
             owner=self,
             kv_caches=self.kv_caches,
         )
-        if self.cascade_attention:  # the graph holds the prefix kernel; each replay reads the step's length
-            ctx.prefix_len = dev["prefix_len"]
+        if self.cascade_attention and kind != "decode":  # the graph holds the prefix kernel; each replay reads the
+            ctx.prefix_len = dev["prefix_len"]  # step's length (0 = none)
             ctx.max_prefix_len = self.max_model_len
         if kind == "mixed":
             # Decode rows through the prefill kernel would each take a whole BLOCK_M tile and its pipeline ramp
@@ -486,7 +494,8 @@ class ModelRunner:
         return rows * head.weight.shape[0] * head.weight.element_size()
 
     def _all_buckets(self) -> list[tuple[str, int]]:
-        return [("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes]
+        cascade = [("cascade", b) for b in self.decode_sizes] if self.cascade_attention else []
+        return [("mixed", t) for t in self.mixed_sizes] + [("decode", b) for b in self.decode_sizes] + cascade
 
     @torch.inference_mode()
     def _capture(self, bucket: tuple[str, int]) -> None:
