@@ -54,9 +54,10 @@ class EngineConfig:
             the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py);
             used on the steps where the bytes saved are worth it. Off by default: on an H100 it made the bench's
             prefix workload (a 341-token prefix shared by every request) 11% faster, and workloads without a
-            shared prefix 1.6-1.9% slower (every captured step carries the prefix kernel, and cascade decode steps
-            write K/V in a separate launch; benchmarks/RESULTS.md, twelfth session). Turn it on when most requests
-            share a long prefix.
+            shared prefix 1.6-1.9% slower, when every captured decode step carried the prefix kernel and wrote K/V
+            in a separate launch (benchmarks/RESULTS.md, twelfth session). Since then a plain decode graph replays
+            the steps whose rows share no prefix (the model runner's docstring; not yet measured on a GPU). Turn
+            it on when most requests share a long prefix.
         fuse_projections: one GEMM for the sibling projections that read the same input (q/k/v, gate/up), their
             ``nn.Linear`` weights concatenated in place (hf_paged.engine.fuse: no extra memory, the modules' outputs
             and ``state_dict`` unchanged); None = on for a model on CUDA (not under tensor parallelism), where a
