@@ -21,6 +21,8 @@
 #             decode (cascade_attention=True), and without prefix caching, in one process (--repeats 3)     (~2 min)
 #   cascade-ab  nano and the 8B sharegpt workload with cascade_attention off and on, one process each workload,
 #             then the prefix workload traced step by step with and without it (engine_trace.py)             (~7 min)
+#   cascade-write-ab  the prefix workload with cascade_attention=True, its shared-prefix decode steps writing K/V
+#             in the decode kernel off and on, alternating twice (module_ab.py: CASCADE_FUSED_DECODE_WRITE)     (~3 min)
 #   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
 #             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
@@ -126,6 +128,14 @@ for part in "${parts[@]}"; do
             for flag in --cascade-attention ""; do
                 timeout 70 python3 benchmarks/engine_trace.py --workload prefix --repeats 1 $flag 2>&1 | tail -14 \
                     | tee -a "$out/trace.md"
+            done
+            ;;
+        cascade-write-ab)
+            for flag in False True False True; do
+                echo "CASCADE_FUSED_DECODE_WRITE=$flag"
+                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
+                    "hf_paged.attention.CASCADE_FUSED_DECODE_WRITE=$flag" -- --workload prefix \
+                    --systems hf_paged_cascade --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
         mixed-ab-8b)

@@ -6,7 +6,8 @@
   (in an eager PagedCache decode step the cache leaves the layer's new K/V in ``ctx.pending_kv`` and the
   decode kernel writes them: one launch a layer). In the engine (``ctx.kv_caches``: no Cache object) the function
   writes the layer's new K/V itself with ``write_kv`` before the attention (or, with ``ENGINE_FUSED_DECODE_WRITE``,
-  in a decode step without shared-prefix decode, inside the decode kernel). It packs the real query tokens to
+  in a decode step, inside the decode kernel; in a shared-prefix decode step too with
+  ``CASCADE_FUSED_DECODE_WRITE``). It packs the real query tokens to
   ``[num_tokens, num_heads, head_dim]`` and calls ``paged_attention`` over the block tables. K/V are never
   gathered. Outside a paged forward (e.g. the model is used with a DynamicCache, or without cache) it falls back
   to torch SDPA on the given K/V.
@@ -37,6 +38,10 @@ PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
 # an H100, where nano ran 0.3% faster with it (benchmarks/RESULTS.md, twelfth session: run_gpu.sh parts tests and
 # fused-write-ab). A module switch, so that one tree runs both sides (benchmarks/module_ab.py).
 ENGINE_FUSED_DECODE_WRITE = True
+# The same in the engine's shared-prefix (cascade) decode steps: the decode kernel with both the prefix and the fused
+# write (each row's new token lies above the shared blocks). Off until the engine's CUDA tests and an A/B have run
+# with it on a GPU (benchmarks/run_gpu.sh parts tests and cascade-write-ab; CPU-tested only).
+CASCADE_FUSED_DECODE_WRITE = False
 
 
 def paged_attention_forward(
@@ -158,7 +163,7 @@ def _context_attention(
             and ctx.max_query_len == 1
             and ctx.decode_seq_lens is None
             and ctx.token_idx is None
-            and prefix_len is None
+            and (prefix_len is None or CASCADE_FUSED_DECODE_WRITE)
         ):
             fused_write = ctx.slot_mapping  # token i is row i's new token (padding: slot -1, length 0)
         else:

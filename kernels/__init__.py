@@ -110,8 +110,8 @@ def paged_attention(
 
     ``slot_mapping`` (with ``key``/``value``, not yet in the cache): write them at these slots first, as
     ``write_kv`` does, then attend. On CUDA a decode batch does both in one kernel (the decode program that reads
-    a row's last position writes it and takes its K/V from registers); other batches write, then attend. Not with
-    ``prefix_len``.
+    a row's last position writes it and takes its K/V from registers); other batches write, then attend. With
+    ``prefix_len``, every row's new position lies at or above it (no shared block is written).
 
     ``min_keys_per_split`` (decode batches on CUDA): the fewest keys a context split gets; eager callers, whose GPU
     waits for the host, pass more than the default for fewer splits (one split needs no merge launch).
@@ -134,8 +134,6 @@ def paged_attention(
             )
     if slot_mapping is not None and (key is None or value is None):
         raise ValueError("slot_mapping (write key/value first) needs key and value, got key or value None")
-    if slot_mapping is not None and prefix_len is not None:
-        raise ValueError("slot_mapping (write key/value first) does not go with prefix_len (cascade decode)")
     if not query.is_cuda:
         if slot_mapping is not None:
             write_kv_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -519,8 +519,6 @@ def _check_args(
                 f"new_key={'set' if fused[0] else None}, new_value={'set' if fused[1] else None}, "
                 f"slot_mapping={'set' if fused[2] else None}"
             )
-        if prefix_len is not None:
-            raise ValueError("new_key/new_value (the fused K/V write) do not go with prefix_len (cascade decode)")
         kv_shape = (num_seqs, num_kv_heads, head_dim)
         for name, t in (("new_key", new_key), ("new_value", new_value)):
             if tuple(t.shape) != kv_shape or t.dtype != k_cache.dtype or t.device != query.device:
@@ -598,7 +596,9 @@ def paged_decode_triton(
             ``choose_num_prefix_splits``.
         new_key, new_value, slot_mapping: The new token's K/V (position ``seq_lens[s] - 1``), not yet in the cache:
             written at ``slot_mapping`` (``write_kv``'s semantics) by the same kernel, which attends to them from
-            registers (one launch instead of a write and a decode). All three or none; not with ``prefix_len``.
+            registers (one launch instead of a write and a decode). All three or none. With ``prefix_len``, each
+            row's new position must lie at or above ``prefix_len`` (the shared blocks are not written this step,
+            as in an engine step: a row appends into a block it holds alone); the split kernel holds it.
         min_keys_per_split: Give each split at least this many keys when picking ``num_splits`` (default
             ``MIN_KEYS_PER_SPLIT``). Eager callers, whose GPU waits for the host's next launch, pass more: fewer
             splits, and one split writes ``out`` itself (no merge launch, no partial buffers).

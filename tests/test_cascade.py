@@ -189,6 +189,54 @@ def test_one_launch_serves_every_prefix_length():
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_kv_write_with_a_shared_prefix(dtype, num_splits):
+    """new_key/new_value/slot_mapping with prefix_len (an engine's cascade decode step with the K/V write fused): the
+    split kernel writes each row's new K/V, at or above the prefix as in an engine step, and attends to it from
+    registers; the prefix kernel reads the shared blocks. The new slots start as NaN (never read), a padding row
+    has slot -1, one row's new token is the first key past the prefix."""
+    seq_lens, block_size, num_kv_heads, head_dim = [70, 49, 0, 64, 57], 16, 2, 32
+    query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
+        seq_lens, 3, 8, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    expected = _plain_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    slots = [-1 if n == 0 else int(block_tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+             for s, n in enumerate(seq_lens)]  # fmt: skip
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    live = slot_t >= 0
+    flat = lambda cache: cache.view(-1, num_kv_heads, head_dim)  # noqa: E731  [num_slots, Hkv, D]
+    new_key = torch.zeros(len(seq_lens), num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    new_value = torch.zeros_like(new_key)
+    new_key[live], new_value[live] = flat(k_cache)[slot_t[live]], flat(v_cache)[slot_t[live]]
+    k_in, v_in = k_cache.clone(), v_cache.clone()
+    flat(k_in)[slot_t[live]] = float("nan")
+    flat(v_in)[slot_t[live]] = float("nan")
+    out = torch.full_like(query, float("nan"))
+    paged_decode_triton(
+        query, k_in, v_in, block_tables, seq_lens_t, scale, max_seq_len=max(seq_lens), out=out, num_splits=num_splits,
+        prefix_len=_prefix(48), new_key=new_key, new_value=new_value, slot_mapping=slot_t,
+    )  # fmt: skip
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k_in, k_cache, atol=0, rtol=0, equal_nan=True)  # written, nothing else touched
+    torch.testing.assert_close(v_in, v_cache, atol=0, rtol=0, equal_nan=True)
+    # The dispatcher takes the same arguments (on the CPU: write, then the prefix-reading reference, which reads
+    # every slot of the tables and masks: no NaN there, the new slots hold garbage until written).
+    k_in, v_in = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    flat(k_in)[slot_t[live]] = 1e3
+    flat(v_in)[slot_t[live]] = 1e3
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    got = paged_attention(
+        query, k_in, v_in, block_tables, seq_lens_t, cu_seqlens_q, scale, max_query_len=1, max_seq_len=max(seq_lens),
+        prefix_len=_prefix(48), key=new_key, value=new_value, slot_mapping=slot_t,
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k_in, k_cache.nan_to_num(0.0), atol=0, rtol=0)
+
+
+@needs_triton
 def test_argument_errors():
     query, k_cache, v_cache, block_tables, seq_lens = _shared_inputs([20, 30], 1, 4, 2, 32, 16, torch.float32)
     args = (query, k_cache, v_cache, block_tables, seq_lens, 0.18)

@@ -470,11 +470,6 @@ def test_fused_kv_write_argument_errors():
         paged_decode_triton(*args, max_seq_len=9, new_key=new_key.half(), new_value=new_value, slot_mapping=slots)
     with pytest.raises(ValueError, match=r"slot_mapping must be int32/int64 \[num_seqs=2\]"):
         paged_decode_triton(*args, max_seq_len=9, new_key=new_key, new_value=new_value, slot_mapping=slots.float())
-    prefix = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match=r"do not go with prefix_len"):
-        paged_decode_triton(
-            *args, max_seq_len=9, new_key=new_key, new_value=new_value, slot_mapping=slots, prefix_len=prefix
-        )
 
 
 def test_min_keys_per_split():

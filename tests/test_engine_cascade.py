@@ -113,6 +113,36 @@ def test_cascade_equals_cascade_off_and_no_prefix_cache(graphs, config, arrive_e
         assert_engine_drained(engine)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cascade_steps_with_the_fused_kv_write(graphs, monkeypatch):
+    """attention.CASCADE_FUSED_DECODE_WRITE: shared-prefix decode steps hand each layer's new K/V to the decode kernel
+    too (every row's new token lies above the shared blocks), instead of a write_kv call first; tokens and logprobs
+    equal the cascade-off engine's. (On CUDA the graphs replay without Python: there the captures are counted.)"""
+    calls = {"write_kv": 0, "fused_with_prefix": 0}
+    write_kv, paged_attention = attention_module.write_kv, attention_module.paged_attention
+
+    def counting_write_kv(*args, **kwargs):
+        calls["write_kv"] += 1
+        return write_kv(*args, **kwargs)
+
+    def counting_attention(*args, **kwargs):
+        calls["fused_with_prefix"] += kwargs.get("slot_mapping") is not None and kwargs.get("prefix_len") is not None
+        return paged_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "write_kv", counting_write_kv)
+    monkeypatch.setattr(attention_module, "paged_attention", counting_attention)
+    prompts, params = _workload()
+    expected = engine_outputs(_engine(False, graphs), prompts, params, 0)
+    assert calls["fused_with_prefix"] == 0
+    monkeypatch.setattr(attention_module, "CASCADE_FUSED_DECODE_WRITE", True)
+    on = _engine(True, graphs)
+    _assert_same(engine_outputs(on, prompts, params, 0), expected)
+    assert calls["fused_with_prefix"] > 0 and on.runner.num_cascade_steps > 0, calls
+    if graphs:
+        assert on.runner.graph_steps["cascade"] > 0, on.runner.graph_steps
+    assert_engine_drained(on)
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_cascade_under_preemption(preemption_mode):
     """A pool too small for the batch: requests are preempted and readmitted (their tables rebuilt, swapped blocks
