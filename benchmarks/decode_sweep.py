@@ -81,6 +81,8 @@ def main(argv=None) -> int:
         return 2
     from hf_paged.kernels import decode
 
+    from hf_paged.frontends.bench import emit_table
+
     bandwidth = copy_gbs()
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -136,11 +138,7 @@ def main(argv=None) -> int:
         + " |\n|---|"
         + "---:|" * len(shapes)
     )
-    table = header + "\n" + "\n".join(rows) + "\n"
-    print("\n" + table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table("\n" + header + "\n" + "\n".join(rows) + "\n", args.out)
     return 0
 
 

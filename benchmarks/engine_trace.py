@@ -75,8 +75,10 @@ def trace(engine: ContinuousBatcher, workload, cuda: bool) -> tuple[list[StepRec
         rec = StepRecord(len(sched.seq_ids), sched.num_batched_tokens, sum(multi),
                          _attended(sched.num_computed, sched.num_new_tokens), "")  # fmt: skip
         rec.start = mark()
+        cascade_before = runner.graph_steps["cascade"]
         out = execute(sched, *args, **kwargs)
-        rec.bucket = "eager" if chosen[0] is None else f"{chosen[0][0]} {chosen[0][1]}"
+        kind = "cascade" if runner.graph_steps["cascade"] > cascade_before else None  # the shared-prefix decode graph
+        rec.bucket = "eager" if chosen[0] is None else f"{kind or chosen[0][0]} {chosen[0][1]}"
         records.append(rec)
         return out
 

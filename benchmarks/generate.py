@@ -51,7 +51,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_paged
 from hf_paged import PagedCache
-from hf_paged.frontends.bench import SHAPES, build_model
+from hf_paged.frontends.bench import SHAPES, build_model, emit_table
 
 POINTS = [(1, 512), (8, 1024), (32, 512), (64, 512)]
 MODES = {
@@ -344,11 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(sys.argv[1:] if argv is None else argv)
         + "`"
     )
-    table = format_table(cells, title)
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(format_table(cells, title), args.out)
     return 0
 
 

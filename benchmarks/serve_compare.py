@@ -228,11 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # one system failing leaves the others' figures
             print(f"{system}: failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             results.append(dict(system=f"{system} (failed: {type(err).__name__})", rate=math.nan))
-    text = table(results, args)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+    from hf_paged.frontends.bench import emit_table
+
+    emit_table(table(results, args), args.out)
     return 0
 
 

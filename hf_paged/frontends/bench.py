@@ -312,6 +312,14 @@ def _hf_cb_once(model, workload: Workload) -> tuple[float, int]:
     return time.perf_counter() - start, generated
 
 
+def emit_table(table: str, out: str | None) -> None:
+    """Print a markdown table and, with ``out``, append it to that file (the benchmarks' ``--out``)."""
+    print(table)
+    if out:
+        with open(out, "a") as f:
+            f.write(table.rstrip("\n") + "\n\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     from hf_paged.engine.config import EngineConfig
 
@@ -431,10 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         table += (f"| {system} | {len(times)} | {med:.2f} [{min(times):.2f}, {max(times):.2f}] | {out_tps:.0f} "
                   f"{spread} | {total_tokens / med:.0f} | {out_tps / floor_tps:.1%} | {startup} | "
                   f"{r['peak'] / 2**30:.1f} | {r['note']} |\n")  # fmt: skip
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(table, args.out)
     return 0
 
 
