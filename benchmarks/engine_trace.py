@@ -10,7 +10,7 @@ over the matmul rate), GPU ms over floor, and the GPU's idle time before the ste
 host). The sum of the per-step floors is the bench's floor up to its wave model.
 
 Run: python benchmarks/engine_trace.py [--workload nano] [--model qwen3-0.6b] [--no-prefix-caching]
-     [--cascade-attention]
+     [--cascade-attention auto|on|off]
 On a CPU (a smoke test): --device cpu --model tiny (times are wall clock around each phase, synchronous).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
-from hf_paged.frontends.bench import WORKLOADS, build_model, make_workload, measure_ceilings
+from hf_paged.frontends.bench import ON_OFF, WORKLOADS, build_model, make_workload, measure_ceilings
 
 
 @dataclass
@@ -109,7 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-requests", type=int)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--cascade-attention", action="store_true", help="shared-prefix decode (EngineConfig)")
+    parser.add_argument(
+        "--cascade-attention",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="shared-prefix decode (EngineConfig.cascade_attention; auto: on for CUDA)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="untraced runs for the wall time")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-num-batched-tokens", type=int)
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth, flops = 20e9, 0.2e12  # nominal: the CPU run checks the script, not the machine
     extra = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
     config = EngineConfig(
-        enable_prefix_caching=not args.no_prefix_caching, cascade_attention=args.cascade_attention, **extra
+        enable_prefix_caching=not args.no_prefix_caching, cascade_attention=ON_OFF[args.cascade_attention], **extra
     )
     if not cuda:
         config.compile_model = False
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     floor_total = sum(g["floor"] for g in groups.values())
     print(f"{args.model}, workload {args.workload} ({len(workload.prompts)} requests, {workload.num_prompt_tokens} "
           f"prompt / {workload.num_output_tokens} output tokens), prefix caching {not args.no_prefix_caching}, "
-          f"cascade {args.cascade_attention}, "
+          f"cascade {engine.runner.cascade_attention}, "
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
           f"matmul {flops / 1e12:.0f} TFLOP/s")  # fmt: skip
     print(

@@ -17,11 +17,11 @@
 #   fuse-ab-8b  the same on the Llama-8B shape's sharegpt workload, --repeats 1                           (~6 min)
 #   fused-write-ab  nano with the engine's decode K/V write fused into the decode kernel off and on, alternating
 #             twice (benchmarks/module_ab.py: attention.ENGINE_FUSED_DECODE_WRITE; --repeats 3)              (~4 min)
-#   prefix-cascade  the prefix workload: prefix caching with the plain decode (default), with shared-prefix
-#             decode (cascade_attention=True), and without prefix caching, in one process (--repeats 3)     (~2 min)
+#   prefix-cascade  the prefix workload: prefix caching with shared-prefix decode (the default on CUDA), with the
+#             plain decode (cascade_attention=False), and without prefix caching, in one process (--repeats 3) (~2 min)
 #   cascade-ab  nano and the 8B sharegpt workload with cascade_attention off and on, one process each workload,
 #             then the prefix workload traced step by step with and without it (engine_trace.py)             (~7 min)
-#   cascade-write-ab  the prefix workload with cascade_attention=True, its shared-prefix decode steps writing K/V
+#   cascade-write-ab  the prefix workload (cascade_attention on by default), its shared-prefix decode steps writing K/V
 #             in the decode kernel off and on, alternating twice (module_ab.py: CASCADE_FUSED_DECODE_WRITE)     (~3 min)
 #   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
 #             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
@@ -119,14 +119,14 @@ for part in "${parts[@]}"; do
             done
             ;;
         prefix-cascade) timeout 240 python3 -m hf_paged.frontends.bench --workload prefix --repeats 3 \
-            --systems hf_paged,hf_paged_cascade,hf_paged_no_prefix --out "$out/prefix-cascade.md" 2>&1 | grep "^| hf_paged" ;;
+            --systems hf_paged,hf_paged_no_cascade,hf_paged_no_prefix --out "$out/prefix-cascade.md" 2>&1 | grep "^| hf_paged" ;;
         cascade-ab)
-            timeout 200 python3 -m hf_paged.frontends.bench --workload nano --systems hf_paged,hf_paged_cascade \
+            timeout 200 python3 -m hf_paged.frontends.bench --workload nano --systems hf_paged_no_cascade,hf_paged \
                 --repeats 3 --out "$out/cascade-ab.md" 2>&1 | grep "^| hf_paged"
             timeout 260 python3 -m hf_paged.frontends.bench --workload sharegpt --model llama-8b \
-                --systems hf_paged,hf_paged_cascade --repeats 3 --out "$out/cascade-ab.md" 2>&1 | grep "^| hf_paged"
-            for flag in --cascade-attention ""; do
-                timeout 70 python3 benchmarks/engine_trace.py --workload prefix --repeats 1 $flag 2>&1 | tail -14 \
+                --systems hf_paged_no_cascade,hf_paged --repeats 3 --out "$out/cascade-ab.md" 2>&1 | grep "^| hf_paged"
+            for flag in on off; do
+                timeout 70 python3 benchmarks/engine_trace.py --workload prefix --repeats 1 --cascade-attention $flag 2>&1 | tail -14 \
                     | tee -a "$out/trace.md"
             done
             ;;
@@ -135,7 +135,7 @@ for part in "${parts[@]}"; do
                 echo "CASCADE_FUSED_DECODE_WRITE=$flag"
                 PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
                     "hf_paged.attention.CASCADE_FUSED_DECODE_WRITE=$flag" -- --workload prefix \
-                    --systems hf_paged_cascade --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
         mixed-ab-8b)

@@ -39,9 +39,10 @@ PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
 # fused-write-ab). A module switch, so that one tree runs both sides (benchmarks/module_ab.py).
 ENGINE_FUSED_DECODE_WRITE = True
 # The same in the engine's shared-prefix (cascade) decode steps: the decode kernel with both the prefix and the fused
-# write (each row's new token lies above the shared blocks). Off until the engine's CUDA tests and an A/B have run
-# with it on a GPU (benchmarks/run_gpu.sh parts tests and cascade-write-ab; CPU-tested only).
-CASCADE_FUSED_DECODE_WRITE = False
+# write (each row's new token lies above the shared blocks). The engine's CUDA tests pass with it on an H100, where
+# the prefix workload ran 0.4% faster with it (RESULTS.md, thirteenth session: run_gpu.sh parts tests and
+# cascade-write-ab).
+CASCADE_FUSED_DECODE_WRITE = True
 
 
 def paged_attention_forward(

@@ -52,12 +52,10 @@ class EngineConfig:
         async_scheduling: queue step N+1 before reading back step N's tokens; None = on for a model on CUDA.
         cascade_attention: shared-prefix decode: decode rows that share leading KV blocks (a common prompt prefix,
             the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py);
-            used on the steps where the bytes saved are worth it. Off by default: on an H100 it made the bench's
-            prefix workload (a 341-token prefix shared by every request) 11% faster, and workloads without a
-            shared prefix 1.6-1.9% slower, when every captured decode step carried the prefix kernel and wrote K/V
-            in a separate launch (benchmarks/RESULTS.md, twelfth session). Since then a plain decode graph replays
-            the steps whose rows share no prefix (the model runner's docstring; not yet measured on a GPU). Turn
-            it on when most requests share a long prefix.
+            used on the steps where the bytes saved are worth it, the other decode steps replaying a plain decode
+            graph. None (default): on for a model on CUDA, off elsewhere. On an H100 (thirteenth session,
+            benchmarks/RESULTS.md) it made the bench's prefix workload (a 341-token prefix shared by every request)
+            ~12% faster and left workloads without a shared prefix unchanged (nano 1.000x, sharegpt-8B 0.996x).
         fuse_projections: one GEMM for the sibling projections that read the same input (q/k/v, gate/up), their
             ``nn.Linear`` weights concatenated in place (hf_paged.engine.fuse: no extra memory, the modules' outputs
             and ``state_dict`` unchanged); None = on for a model on CUDA (not under tensor parallelism), where a
@@ -76,7 +74,7 @@ class EngineConfig:
     use_cuda_graphs: bool | None = None
     compile_model: bool | str | None = None
     async_scheduling: bool | None = None
-    cascade_attention: bool = False
+    cascade_attention: bool | None = None
     fuse_projections: bool | None = None
 
     def __post_init__(self) -> None:
@@ -104,9 +102,8 @@ class EngineConfig:
                 f"`max_num_seqs` ({self.max_num_seqs}) must not exceed `max_num_batched_tokens` "
                 f"({self.max_num_batched_tokens}): every running sequence needs a token of the budget each step"
             )
-        for name in ("enable_prefix_caching", "cascade_attention"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"`enable_prefix_caching` must be a bool, got {self.enable_prefix_caching!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"`preemption_mode` must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if (
@@ -117,6 +114,7 @@ class EngineConfig:
             raise ValueError(f"`swap_space_gb` must be a number >= 0, got {self.swap_space_gb!r}")
         _optional_bool("use_cuda_graphs", self.use_cuda_graphs)
         _optional_bool("async_scheduling", self.async_scheduling)
+        _optional_bool("cascade_attention", self.cascade_attention)
         _optional_bool("fuse_projections", self.fuse_projections)
         if not (
             self.compile_model is None or isinstance(self.compile_model, bool) or self.compile_model in COMPILE_MODES

@@ -122,7 +122,7 @@ class ContinuousBatcher:
             model, self.kv, config.block_size, max_num_seqs=config.max_num_seqs,
             max_model_len=info.max_model_len or 8192, max_num_batched_tokens=config.max_num_batched_tokens,
             use_cuda_graphs=config.use_cuda_graphs, compile_model=config.compile_model,
-            cascade_attention=config.cascade_attention,
+            cascade_attention=_on_cuda_by_default(config.cascade_attention, info),
             fuse_projections=fuse,
         )  # fmt: skip
         self._sync = RankSync(info.tp_size, self.runner.device)
@@ -724,6 +724,11 @@ class _Rows:
             requests=[self.requests[r] for r in idx], identity=True, deferrable=True, reusable=True,
             plan=self.plan.take(idx, params) if self.plan is not None else None,
         )  # fmt: skip
+
+
+def _on_cuda_by_default(value: bool | None, info: ModelInfo) -> bool:
+    """A setting whose None means on for a model on CUDA (EngineConfig.cascade_attention)."""
+    return value if value is not None else info.devices[0].type == "cuda"
 
 
 def _graphs_on(config: EngineConfig, info: ModelInfo) -> bool:

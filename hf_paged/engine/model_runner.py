@@ -23,7 +23,7 @@ capturable (no host sync, no shape change). Padding tokens get slot -1 (never wr
 sequence (attention output 0); padding sequences are empty (length 0). Steps above the largest bucket run
 eagerly.
 
-Shared-prefix ("cascade") decode, opt-in (``cascade_attention``; off by default, see EngineConfig for the H100
+Shared-prefix ("cascade") decode (``cascade_attention``; on by default on CUDA, see EngineConfig for the H100
 measurement): when the single-token rows of a step hold the same leading physical blocks (a
 common prompt prefix with prefix caching, the ``n`` samples of one prompt), their attention reads those blocks
 once per KV head for all rows (kernels/cascade.py) instead of once per row. The runner finds that prefix from the

@@ -6,10 +6,10 @@ prompt ids, EOS ignored, seeded workloads:
 - sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
 - prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4);
 - short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps).
-Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged with shared-prefix decode
-(``hf_paged_cascade``), hf_paged without async scheduling (``hf_paged_sync``), transformers ``generate`` with
-padded static batches, transformers' built-in continuous batching. Each reports output tokens/s, total
-tokens/s (median of ``--repeats`` runs, with min and max), start-up time and peak memory.
+Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without shared-prefix decode
+(``hf_paged_no_cascade``; on by default on CUDA), hf_paged without async scheduling (``hf_paged_sync``),
+transformers ``generate`` with padded static batches, transformers' built-in continuous batching. Each reports
+output tokens/s, total tokens/s (median of ``--repeats`` runs, with min and max), start-up time and peak memory.
 
 The physical floor is one formula for every workload, and an estimate, not a strict bound: the time to read
 the weights once per decode step (the fewest steps: requests in waves of ``max_num_seqs``, each wave as long
@@ -49,7 +49,8 @@ SHAPES = {
 }  # fmt: skip
 
 COMPILE_CHOICES = {"auto": None, "none": False, "layers": "layers", "full": "full"}  # --compile -> compile_model
-SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_cascade", "hf_paged_sync", "hf_generate", "hf_cb")
+ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as an EngineConfig value
+SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_no_cascade", "hf_paged_sync", "hf_generate", "hf_cb")
 WORKLOADS = ("nano", "sharegpt", "prefix", "short")
 
 
@@ -198,7 +199,7 @@ def run_hf_paged(
     args,
     repeats: int,
     async_scheduling: bool | None = None,
-    cascade_attention: bool = False,
+    cascade_attention: bool | None = None,
 ) -> dict:
     """One engine (start-up timed to its first token), then ``repeats`` timed runs of the workload."""
     from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
@@ -210,7 +211,7 @@ def run_hf_paged(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=COMPILE_CHOICES[args.compile],
         async_scheduling=async_scheduling, cascade_attention=cascade_attention,
-        fuse_projections={"auto": None, "on": True, "off": False}[getattr(args, "fuse_projections", "auto")],
+        fuse_projections=ON_OFF[getattr(args, "fuse_projections", "auto")],
     )  # fmt: skip
     start = time.perf_counter()
     engine = ContinuousBatcher(model, config=config)
@@ -398,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_hf_paged(model, workload, True, args, args.repeats)
             elif system == "hf_paged_no_prefix":
                 r = run_hf_paged(model, workload, False, args, args.repeats)
-            elif system == "hf_paged_cascade":  # shared-prefix decode on (kernels/cascade.py; off by default)
-                r = run_hf_paged(model, workload, True, args, args.repeats, cascade_attention=True)
+            elif system == "hf_paged_no_cascade":  # shared-prefix decode off (kernels/cascade.py; on by default)
+                r = run_hf_paged(model, workload, True, args, args.repeats, cascade_attention=False)
             elif system == "hf_paged_sync":  # async scheduling off: the host's work between steps not overlapped
                 r = run_hf_paged(model, workload, True, args, args.repeats, async_scheduling=False)
             elif system == "hf_generate":
