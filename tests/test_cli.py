@@ -192,7 +192,7 @@ def test_serve_help_lists_the_server_and_engine_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--api-key", "--max-queue", "--max-prompt-tokens", "--max-body-bytes",
                  "--shutdown-timeout", "--engine-process", "--num-blocks", "--max-num-seqs",
-                 "--preemption-mode"):  # fmt: skip
+                 "--preemption-mode", "--no-cascade-attention"):  # fmt: skip
         assert flag in out, flag
     assert "127.0.0.1" in out
 
@@ -224,3 +224,17 @@ def test_serve_engine_process_is_on_with_cuda_unless_told(monkeypatch, flag, dev
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert cli._engine_process(argparse.Namespace(engine_process=flag, device=device)) is expected
+
+
+@pytest.mark.parametrize(("argv", "cascade", "prefix"), [([], None, True), (["--no-cascade-attention"], False, True),
+                                                         (["--no-prefix-caching"], None, False)])  # fmt: skip
+def test_engine_flags_reach_the_engine_config(monkeypatch, argv, cascade, prefix):
+    """The engine flags of generate and serve become EngineConfig fields (cascade None: on for a model on CUDA)."""
+    from hf_paged.frontends import cli
+
+    made = {}
+    monkeypatch.setattr("hf_paged.ContinuousBatcher", lambda model, tokenizer, config: made.setdefault("c", config))
+    args = cli.build_parser().parse_args(["generate", *argv, QUESTION])
+    config = cli._make_engine(None, None, 8, args)
+    assert config is made["c"] and config.num_blocks == 8
+    assert config.cascade_attention is cascade and config.enable_prefix_caching is prefix

@@ -184,6 +184,11 @@ def _add_engine_args(command: argparse.ArgumentParser, num_blocks_help: str, com
                         help="most sequences in one step; default: min(256, --max-num-batched-tokens)")  # fmt: skip
     engine.add_argument("--no-prefix-caching", action="store_true", help="don't reuse blocks across prompts")
     engine.add_argument(
+        "--no-cascade-attention",
+        action="store_true",
+        help="decode rows that share a prompt prefix read it each (by default on CUDA they read it once a step)",
+    )
+    engine.add_argument(
         "--preemption-mode",
         choices=("recompute", "swap"),
         default="recompute",
@@ -357,6 +362,7 @@ def _make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         compile_model=_COMPILE[args.compile],
         enable_prefix_caching=not args.no_prefix_caching,
+        cascade_attention=False if args.no_cascade_attention else None,
         preemption_mode=args.preemption_mode,
     )
     return ContinuousBatcher(model, tokenizer, config)
