@@ -29,7 +29,9 @@ the systems of a (shape, point, mode) take turns, one call each per round, so ho
 - peak memory: the most ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) rose above the
   allocation at the call's start (the weights) during the N-token calls; the cache is built inside the call;
 - ratios to DynamicCache in the same cell, and for greedy the share of output tokens equal to DynamicCache's (bf16
-  near-ties in a random model may flip a few late tokens).
+  near-ties in a random model may flip a few late tokens). ``time / dynamic, paired``: the median over the rounds
+  of each round's ratio (a system's call and DynamicCache's call of the same round run seconds apart), which a
+  host that changes speed between rounds moves less than the ratio of the two medians.
 
 Run: ``python benchmarks/generate.py [--quick] [--out results.md] [--shapes ...] [--modes ...] [--systems ...]``.
 ``--quick``: Qwen3-0.6B shape, 1x512 and 32x512, greedy and beams4, 32 new tokens. ``--device cpu``: a smoke run of
@@ -236,21 +238,24 @@ def format_table(cells: list[Cell], title: str) -> str:
         title,
         "",
         "| model | batch x prompt | mode | system | ms/step median (min-max) | CPU ms/step median (min-max) "
-        "| prefill ms | output tok/s | peak alloc GiB | peak reserved GiB | time / dynamic | CPU time / dynamic "
-        "| memory / dynamic | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefill ms | output tok/s | peak alloc GiB | peak reserved GiB | time / dynamic | time / dynamic, paired "
+        "| CPU time / dynamic | memory / dynamic | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         point = f"{c.batch} x {c.prompt}"
         if c.error:
             lines.append(
-                f"| {c.shape} | {point} | {c.mode} | {c.label} | - | - | - | - | - | - | - | - | - | {c.error} |"
+                f"| {c.shape} | {point} | {c.mode} | {c.label} | - | - | - | - | - | - | - | - | - | - | {c.error} |"
             )
             continue
         ref = dynamic.get((c.shape, c.batch, c.prompt, c.mode))
         step = statistics.median(c.step_ms)
         time_ratio = f"{step / statistics.median(ref.step_ms):.2f}" if ref else "-"
         cpu_ratio = f"{statistics.median(c.step_cpu_ms) / statistics.median(ref.step_cpu_ms):.2f}" if ref else "-"
+        paired = "-"  # round i's call of this system against round i's DynamicCache call
+        if ref and len(c.step_ms) == len(ref.step_ms):
+            paired = f"{statistics.median(a / b for a, b in zip(c.step_ms, ref.step_ms, strict=True)):.2f}"
         memory_ratio = (
             f"{c.peak_allocated / ref.peak_allocated:.2f}" if ref and c.peak_allocated and ref.peak_allocated else "-"
         )
@@ -261,7 +266,8 @@ def format_table(cells: list[Cell], title: str) -> str:
         lines.append(
             f"| {c.shape} | {point} | {c.mode} | {c.label} | {_median_range(c.step_ms, '.2f')} | "
             f"{_median_range(c.step_cpu_ms, '.2f')} | {statistics.median(c.prefill_ms):.1f} | {tok_s:.0f} | "
-            f"{_gib(c.peak_allocated)} | {_gib(c.peak_reserved)} | {time_ratio} | {cpu_ratio} | {memory_ratio} | "
+            f"{_gib(c.peak_allocated)} | {_gib(c.peak_reserved)} | {time_ratio} | {paired} | {cpu_ratio} | "
+            f"{memory_ratio} | "
             f"{'; '.join(notes)} |"
         )
     return "\n".join(lines) + "\n"

@@ -10,6 +10,10 @@
 #   grid-qwen-a / grid-qwen-b / grid-llama-a / grid-llama-b   issue 14's generate grid, two points of one model shape
 #             per part (qwen: 1x512 8x1024 / 32x512 64x512; llama: 1x512 32x512 / 8x1024 64x512), 3 modes x 4 systems
 #             (StaticCache and compiled PagedCache compile per point; three Qwen points overran 9 min)     (~5-8 min)
+#   grid-spread-qwen / grid-spread-llama / grid-spread   the same grid, one process a point, spread over every
+#             visible GPU (4 points of one shape, or all 8); for the 2-, 4- and 8-GPU kinds: the whole grid in one call
+#             on nvidia-h100-x8 (or x4 with GRID_BUDGET_S's share), a shape a call on x2. GRID_REPEATS (default 3)
+#             sets --repeats                                                                    (~5-9 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
@@ -23,6 +27,9 @@
 #             then the prefix workload traced step by step with and without it (engine_trace.py)             (~7 min)
 #   cascade-write-ab  the prefix workload (cascade_attention on by default), its shared-prefix decode steps writing K/V
 #             in the decode kernel off and on, alternating twice (module_ab.py: CASCADE_FUSED_DECODE_WRITE)     (~3 min)
+#   cascade-bytes-ab  the prefix workload with the shared-prefix decode's threshold (model_runner.
+#             CASCADE_MIN_SAVED_BYTES) at 16 MiB a layer (now) and 64 MiB (cascade from ~48 rows of a 336-token prefix
+#             on Qwen3-0.6B, where the thirteenth session's trace saw it pay), alternating, then both traced (~4 min)
 #   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
 #             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
@@ -70,6 +77,38 @@ grid() {  # grid SHAPE NAME POINT...: every mode and system of issue 14's grid a
         --out "$out/$name.md" 2>&1 | grep "^|" | tee "$out/$name.rows"
 }
 
+grid_spread() {  # grid_spread NAME SHAPE:POINT...: one process a point, the points dealt round-robin to one queue per
+    # visible GPU, each queue on its own share of the host's cores; each point's systems still take turns in one
+    # process on one GPU, so a multi-GPU machine runs the grid in a fraction of the time, with the same comparisons.
+    local name=$1
+    shift
+    local ngpu ncpu per queue_len budget
+    ngpu=$(nvidia-smi -L | wc -l)
+    ncpu=$(nproc)
+    per=$((ncpu / ngpu))
+    queue_len=$((($# + ngpu - 1) / ngpu))
+    budget=$((${GRID_BUDGET_S:-560} / queue_len))  # seconds a point may take: the queues end within the budget
+    mkdir -p "$out/$name"
+    echo "grid $name: $# points on $ngpu GPUs, up to $queue_len a GPU, ${budget} s a point, --repeats ${GRID_REPEATS:-3}"
+    for ((g = 0; g < ngpu; g++)); do
+        (
+            local i=0 item pin=()
+            command -v taskset >/dev/null && pin=(taskset -c "$((g * per))-$((g * per + per - 1))")
+            for item in "$@"; do
+                if ((i % ngpu == g)); then
+                    CUDA_VISIBLE_DEVICES=$g timeout "$budget" "${pin[@]}" python3 benchmarks/generate.py \
+                        --shapes "${item%%:*}" --points "${item#*:}" --modes greedy samples4 beams4 \
+                        --systems dynamic static paged paged-compiled --new-tokens 32 --repeats "${GRID_REPEATS:-3}" \
+                        --out "$out/$name/${item/:/-}.md" 2>&1 | grep "^|" >"$out/$name/${item/:/-}.rows"
+                fi
+                i=$((i + 1))
+            done
+        ) &
+    done
+    wait
+    cat "$out/$name"/*.rows | tee "$out/$name.rows"
+}
+
 for part in "${parts[@]}"; do
     case "$part" in
         tests) run_tests ;;
@@ -85,6 +124,9 @@ for part in "${parts[@]}"; do
         grid-qwen-b) grid qwen3-0.6b grid-qwen-b 32x512 64x512 ;;
         grid-llama-a) grid llama-8b grid-llama-a 1x512 32x512 ;;
         grid-llama-b) grid llama-8b grid-llama-b 8x1024 64x512 ;;
+        grid-spread-qwen) grid_spread grid-spread-qwen qwen3-0.6b:{1x512,8x1024,32x512,64x512} ;;
+        grid-spread-llama) grid_spread grid-spread-llama llama-8b:{1x512,8x1024,32x512,64x512} ;;
+        grid-spread) grid_spread grid-spread {qwen3-0.6b,llama-8b}:{1x512,8x1024,32x512,64x512} ;;
         trace)
             timeout 150 python3 benchmarks/engine_trace.py --workload nano --repeats 1 2>&1 | tail -16 | tee "$out/trace.md"
             for flag in "" --no-prefix-caching; do
@@ -138,6 +180,19 @@ for part in "${parts[@]}"; do
                     --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        cascade-bytes-ab)
+            for bytes in 16777216 67108864 67108864 16777216; do
+                echo "CASCADE_MIN_SAVED_BYTES=$bytes"
+                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
+                    "hf_paged.engine.model_runner.CASCADE_MIN_SAVED_BYTES=$bytes" -- --workload prefix \
+                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            for bytes in 16777216 67108864; do
+                PYTHONPATH=$PWD timeout 70 python3 benchmarks/module_ab.py \
+                    "hf_paged.engine.model_runner.CASCADE_MIN_SAVED_BYTES=$bytes" -- benchmarks/engine_trace.py \
+                    --workload prefix --repeats 1 2>&1 | tail -14 | tee -a "$out/trace.md"
+            done
+            ;;
         mixed-ab-8b)
             old="(16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)"
             new=$(python3 -c "from hf_paged.engine.model_runner import MIXED_TOKEN_SIZES as s; print(s)")
@@ -166,8 +221,9 @@ for part in "${parts[@]}"; do
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, profile, trace, kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab," \
-                "prefix-cascade, sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, profile, trace," \
+                "kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab, cascade-write-ab," \
+                "cascade-bytes-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

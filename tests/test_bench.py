@@ -47,7 +47,7 @@ def test_bench_without_a_gpu_is_one_clear_error(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys):
+def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys, tmp_path):
     """benchmarks/module_ab.py (run_gpu.sh's A/B parts): literals set on existing module attributes, then the bench
     with the arguments after ``--``; a missing attribute or a malformed assignment stops it before any run."""
     import importlib.util
@@ -76,3 +76,7 @@ def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys
         module_ab.main(["ENGINE_FUSED_DECODE_WRITE", "--"])
     with pytest.raises(SystemExit, match="usage"):
         module_ab.main(["hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=False"])
+    script = tmp_path / "show.py"  # a script after "--" runs as __main__ with its own argv, the switch set
+    script.write_text("import sys\nimport hf_paged.attention as a\nprint(sys.argv[1:], a.ENGINE_FUSED_DECODE_WRITE)\n")
+    assert module_ab.main(["hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=True", "--", str(script), "--x", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "['--x', '1'] True"

@@ -41,11 +41,11 @@ def test_table_has_ratios_to_dynamic_and_failed_cells():
     assert lines[0] == "### title" and lines[2].startswith("| model | batch x prompt | mode | system | ms/step")
     assert lines[4] == (
         "| qwen3-0.6b | 8 x 1024 | greedy | dynamic | 11.00 (10.00-12.00) | 9.00 (8.00-10.00) | 51.0 | 80 | 2.00 "
-        "| n/a | 1.00 | 1.00 | 1.00 |  |"
+        "| n/a | 1.00 | 1.00 | 1.00 | 1.00 |  |"
     )
     assert lines[5] == (
         "| qwen3-0.6b | 8 x 1024 | greedy | paged | 8.50 (8.00-9.00) | 7.20 (6.00-8.00) | 51.0 | 80 | 1.00 | n/a "
-        "| 0.77 | 0.80 | 0.50 | pool grew to 9 blocks; 99.5% tokens equal to dynamic |"
+        "| 0.77 | 0.80 | 0.80 | 0.50 | pool grew to 9 blocks; 99.5% tokens equal to dynamic |"
     )
     assert lines[6].endswith("| out of memory |")
 
