@@ -138,6 +138,8 @@ def paged_attention(
         if slot_mapping is not None:
             write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
         if prefix_len is not None:  # the decode reference reads the prefix through row 0's table, as the kernels do
+            if seq_lens.numel():  # it gathers every column of the table: only those the longest row reaches
+                block_tables = block_tables[:, : max(1, -(-int(seq_lens.max()) // k_cache.shape[1]))]
             result = paged_decode_ref(
                 query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=soft_cap, prefix_len=prefix_len
             )

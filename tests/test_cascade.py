@@ -279,7 +279,8 @@ def test_choose_num_prefix_splits():
 
 def test_paged_attention_cpu_path_and_errors():
     """The dispatcher: on the CPU a decode batch with prefix_len takes the decode reference (row 0's table for the
-    prefix) and fills ``out``; prefix_len with a prefill batch or a sliding window is refused."""
+    prefix) over the table's columns the longest row reaches, and fills ``out``; prefix_len with a prefill batch or
+    a sliding window is refused."""
     query, k_cache, v_cache, block_tables, seq_lens = _shared_inputs([40, 37, 0], 2, 4, 2, 16, 16, torch.float32)
     k_cache, v_cache, block_tables = k_cache.nan_to_num(0.0).cpu(), v_cache.nan_to_num(0.0).cpu(), block_tables.cpu()
     query, seq_lens = query.cpu(), seq_lens.cpu()
@@ -290,6 +291,12 @@ def test_paged_attention_cpu_path_and_errors():
     result = paged_attention(*args, max_query_len=1, out=out, prefix_len=prefix_len)
     assert result is out
     torch.testing.assert_close(out, paged_attention(*args))
+    # An engine's table is as wide as max_model_len: the columns past the longest row are not read (a NaN block).
+    wide = torch.cat([args[3], torch.full((3, 40), k_cache.shape[0], dtype=torch.int32)], dim=1)
+    k_wide = torch.cat([k_cache, torch.full_like(k_cache[:1], float("nan"))])
+    v_wide = torch.cat([v_cache, torch.full_like(v_cache[:1], float("nan"))])
+    wide_args = (query, k_wide, v_wide, wide, seq_lens, cu_seqlens_q, 0.25)
+    torch.testing.assert_close(paged_attention(*wide_args, max_query_len=1, prefix_len=prefix_len), out)
     with pytest.raises(ValueError, match=r"prefix_len is for decode batches \(max_query_len=1\), got max_query_len=2"):
         paged_attention(*args, max_query_len=2, prefix_len=prefix_len)
     with pytest.raises(ValueError, match=r"does not support sliding_window=4"):
