@@ -25,6 +25,19 @@ def _greedy_engine(model, **kwargs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+SHARED = [list(range(60, 84)) + tail for tail in ([5, 6], [7, 8, 9], [10], [11, 12, 13, 14])]  # 3 shared blocks
+
+
+def _shared_prefix_greedy(model, cascade: bool) -> tuple[list[list[int]], int]:
+    """Greedy tokens of four prompts on one 24-token prefix, and the steps that ran the shared-prefix decode."""
+    engine = ContinuousBatcher(model, block_size=8, num_blocks=64, cascade_attention=cascade)
+    engine.runner.cascade_min_saved_bytes = 0  # every decode step whose rows share a block reads it once
+    params = SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(SHARED, params, use_tqdm=False)
+    assert_engine_drained(engine)
+    return [o.outputs[0].token_ids for o in outs], engine.runner.num_cascade_steps
+
+
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "llama"
@@ -88,9 +101,11 @@ def _tp_worker(rank: int, world: int, port: int, path: str, results):
         assert cache.kv.num_kv_heads == model.config.num_key_value_heads // world
         out = model.generate(input_ids=torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=False,
                              past_key_values=cache)  # fmt: skip
-        results.put((rank, greedy, sampled, out[0].tolist()))
+        shared, cascade_steps = _shared_prefix_greedy(model, cascade=True)  # each rank: its own KV heads' prefix
+        assert cascade_steps > 0
+        results.put((rank, greedy, sampled, out[0].tolist(), shared))
     except Exception as exc:  # surface the worker's error in the parent
-        results.put((rank, repr(exc), None, None))
+        results.put((rank, repr(exc), None, None, None))
         raise
     finally:
         if torch.distributed.is_initialized():
@@ -122,6 +137,7 @@ def test_tensor_parallel_two_ranks_match_one_process(saved_model):
     expected = plain.generate(input_ids=torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=False,
                               past_key_values=DynamicCache(config=plain.config))  # fmt: skip
     assert got[0][2] == got[1][2] == expected[0].tolist()
+    assert got[0][3] == got[1][3] == _shared_prefix_greedy(plain, cascade=False)[0]  # cascade under TP: as plain
 
 
 def _tp_serving_worker(rank: int, world: int, port: int, path: str, results):
