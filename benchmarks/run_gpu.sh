@@ -17,6 +17,8 @@
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
+#   kernels-step-prefix  the same for the prefix workload's decode steps (224, 128 and 32 rows sharing a 341-token
+#             prefix, ~400 keys), shared-prefix decode on and off                                               (~3 min)
 #   fuse-ab   nano with EngineConfig.fuse_projections off and on, alternating twice (hf-paged bench --repeats 3)   (~4 min)
 #   fuse-ab-8b  the same on the Llama-8B shape's sharegpt workload, --repeats 1                           (~6 min)
 #   fused-write-ab  nano with the engine's decode K/V write fused into the decode kernel off and on, alternating
@@ -135,6 +137,13 @@ for part in "${parts[@]}"; do
             ;;
         kernels-step) timeout 150 python3 benchmarks/step_kernels.py --sizes 256 64 1 2>&1 | grep -v "USDT\|^STAGE" \
             | tee "$out/step_kernels.md" ;;
+        kernels-step-prefix)
+            for flag in on off; do
+                timeout 150 python3 benchmarks/step_kernels.py --batch 224 --prompt 400 --shared-prefix 341 \
+                    --sizes 224 128 32 --cascade-attention $flag 2>&1 | grep -v "USDT\|^STAGE" \
+                    | tee -a "$out/step_kernels_prefix.md"
+            done
+            ;;
         fuse-ab | fuse-ab-8b)
             args=(--workload nano --repeats 3)
             [ "$part" = fuse-ab-8b ] && args=(--workload sharegpt --model llama-8b --repeats 1)
@@ -222,8 +231,8 @@ for part in "${parts[@]}"; do
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, profile, trace," \
-                "kernels-step, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab, cascade-write-ab," \
-                "cascade-bytes-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
+                "cascade-write-ab, cascade-bytes-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

@@ -5,7 +5,12 @@ it with ``--batch`` requests of ``--prompt`` tokens, then for each batch size of
 aborting requests in between) profiles ``--steps`` decode steps with torch.profiler and prints the kernels by
 device time per step: name, launches per step, µs per step, share of the step's kernel time.
 
+``--shared-prefix N``: every prompt starts with the same N tokens (prefix caching shares their full blocks, and the
+default engine's decode steps on CUDA read them once per step: shared-prefix "cascade" decode), as in the bench's
+prefix workload (a 341-token prefix, 21 full blocks of 16: ``--batch 224 --prompt 400 --shared-prefix 341``).
+
 Run: python benchmarks/step_kernels.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--sizes 256 64 1]
+     [--shared-prefix N]
 """
 
 import argparse
@@ -15,7 +20,7 @@ import warnings
 import torch
 
 from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
-from hf_paged.frontends.bench import build_model
+from hf_paged.frontends.bench import ON_OFF, build_model
 
 
 def _kernel_table(prof, steps: int, top: int) -> str:
@@ -44,20 +49,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (no kernels to list)")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    parser.add_argument(
+        "--cascade-attention",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="EngineConfig.cascade_attention (auto: on for CUDA)",
+    )
     parser.add_argument("--no-fuse", dest="fuse", action="store_false", help="EngineConfig(fuse_projections=False)")
     args = parser.parse_args(argv)
+    if not 0 <= args.shared_prefix <= args.prompt:
+        parser.error(f"--shared-prefix must be in [0, --prompt={args.prompt}], got {args.shared_prefix}")
     warnings.filterwarnings("ignore")
     from torch.profiler import ProfilerActivity, profile
 
     model = build_model(args.model, args.device)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    config = EngineConfig(compile_model=None if cuda else False, fuse_projections=None if args.fuse else False)
+    config = EngineConfig(compile_model=None if cuda else False, fuse_projections=None if args.fuse else False,
+                          cascade_attention=ON_OFF[args.cascade_attention])  # fmt: skip
     engine = ContinuousBatcher(model, config=config)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
+    shared = torch.randint(10, 1000, (args.shared_prefix,), generator=gen).tolist()
     for _ in range(args.batch):
-        engine.add_request(torch.randint(10, 1000, (args.prompt,), generator=gen).tolist(), params)
+        own = torch.randint(10, 1000, (args.prompt - args.shared_prefix,), generator=gen).tolist()
+        engine.add_request(shared + own, params)
     while any(not o.outputs[0].token_ids for o in map(engine.get_output, list(engine.requests))):
         engine.step()  # prefill everything
     for size in sorted(args.sizes, reverse=True):
@@ -71,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                 engine.step()
             sync()
         print(
-            f"\n### {args.model}, decode batch {size}, context ~{args.prompt}, {args.steps} steps profiled, "
-            f"projections fused: {bool(engine.runner.fused_groups)}"
+            f"\n### {args.model}, decode batch {size}, context ~{args.prompt} ({args.shared_prefix} shared), "
+            f"{args.steps} steps profiled, projections fused: {bool(engine.runner.fused_groups)}, graph replays "
+            f"so far {engine.runner.graph_steps}, shared-prefix steps so far {engine.runner.num_cascade_steps}"
         )
         print(_kernel_table(prof, args.steps, args.top))
     engine.close()
