@@ -122,8 +122,9 @@ def test_beam_search_through_graph_buckets():
                          ids=["eager", "graphs", "graphs-cascade"])  # fmt: skip
 def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkeypatch):
     """The engine's decode steps hand each layer's new K/V to the decode kernel (paged_attention's slot_mapping: one
-    launch a layer, attention.ENGINE_FUSED_DECODE_WRITE); prefill and mixed steps, and shared-prefix (cascade)
-    decode, write them with write_kv first. Every layer of every forward writes exactly once, either way, and tokens
+    launch a layer, attention.ENGINE_FUSED_DECODE_WRITE; shared-prefix (cascade) decode steps too, with
+    attention.CASCADE_FUSED_DECODE_WRITE, the default); prefill and mixed steps write them with write_kv first. Every
+    layer of every forward writes exactly once, either way, and tokens
     and logprobs equal the separate write's, with forks (copy-on-write), prefix hits, arrivals and preemption. With
     cascade on, a decode step replays the plain (fused) decode graph unless its rows share a prefix, then the
     "cascade" graph."""
@@ -175,8 +176,8 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
     num_layers = engine.runner.model.config.num_hidden_layers
     assert calls["fused"] > 0 and calls["write_kv"] > 0, calls  # decode steps fused; prefills, mixed, cascade not
     runs = engine.runner.graph_steps
-    if graphs:  # the plain decode graphs write in the decode kernel; the cascade and mixed graphs with write_kv
-        assert calls["fused"] == runs["decode"] * num_layers, (calls, runs)
+    if graphs:  # the decode graphs (plain and cascade) write in the decode kernel; the mixed graphs with write_kv
+        assert calls["fused"] == (runs["decode"] + runs["cascade"]) * num_layers, (calls, runs)
         assert runs["decode"] > 0 and runs["mixed"] > 0, runs  # (the cascade graphs: tests/test_engine_cascade.py)
     else:
         assert sum(runs.values()) == 0, runs
