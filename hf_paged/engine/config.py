@@ -54,8 +54,9 @@ class EngineConfig:
             the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py);
             used on the steps where the bytes saved are worth it, the other decode steps replaying a plain decode
             graph. None (default): on for a model on CUDA, off elsewhere. On an H100 (thirteenth session,
-            benchmarks/RESULTS.md) it made the bench's prefix workload (a 341-token prefix shared by every request)
-            ~12% faster and left workloads without a shared prefix unchanged (nano 1.000x, sharegpt-8B 0.996x).
+            benchmarks/RESULTS.md) it left workloads without a shared prefix unchanged (nano 1.000x, sharegpt-8B
+            0.996x); on the bench's prefix workload (a 341-token prefix shared by every request) it was 10.8% faster
+            in the twelfth session, and 0.4% more since its decode steps write K/V in the decode kernel.
         fuse_projections: one GEMM for the sibling projections that read the same input (q/k/v, gate/up), their
             ``nn.Linear`` weights concatenated in place (hf_paged.engine.fuse: no extra memory, the modules' outputs
             and ``state_dict`` unchanged); None = on for a model on CUDA (not under tensor parallelism), where a
