@@ -50,17 +50,11 @@ def test_bench_without_a_gpu_is_one_clear_error(capsys):
 def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys, tmp_path):
     """benchmarks/module_ab.py (run_gpu.sh's A/B parts): literals set on existing module attributes, then the bench
     with the arguments after ``--``; a missing attribute or a malformed assignment stops it before any run."""
-    import importlib.util
-    from pathlib import Path
-
     import hf_paged.kernels.decode as decode
 
     import hf_paged.attention as attention
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "module_ab.py"
-    spec = importlib.util.spec_from_file_location("module_ab", path)
-    module_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module_ab)
+    module_ab = _script("module_ab")
     monkeypatch.setattr(attention, "ENGINE_FUSED_DECODE_WRITE", True)
     monkeypatch.setattr(decode, "LONG_SETTINGS", decode.LONG_SETTINGS)
     with pytest.raises(SystemExit) as exit_info:  # the bench got the arguments after "--" (a bad one: no run)
@@ -80,3 +74,31 @@ def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys
     script.write_text("import sys\nimport hf_paged.attention as a\nprint(sys.argv[1:], a.ENGINE_FUSED_DECODE_WRITE)\n")
     assert module_ab.main(["hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=True", "--", str(script), "--x", "1"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "['--x', '1'] True"
+
+
+def _script(name: str):
+    """A benchmarks/ script as a module (they are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_trace_and_step_kernels_run_on_the_cpu(capsys):
+    """The GPU calls' step-by-step tools (run_gpu.sh parts trace, cascade-ab, kernels-step-prefix) on a tiny model:
+    the CPU replay of a schedule, and a profiled decode step over a shared prefix with cascade forced on."""
+    _script("engine_trace").main(["--device", "cpu", "--model", "tiny", "--workload", "prefix", "--num-requests", "4",
+                                  "--repeats", "0", "--cascade-attention", "on"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "prefix caching True, cascade True, cpu" in out and "| decode <= " in out
+    _script("step_kernels").main(["--device", "cpu", "--model", "tiny", "--batch", "3", "--prompt", "40",
+                                  "--shared-prefix", "32", "--sizes", "3", "1", "--steps", "1",
+                                  "--cascade-attention", "on"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "### tiny, decode batch 3, context ~40 (32 shared)" in out and "### tiny, decode batch 1" in out
+    with pytest.raises(SystemExit):
+        _script("step_kernels").main(["--device", "cpu", "--prompt", "8", "--shared-prefix", "9"])
