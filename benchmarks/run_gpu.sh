@@ -32,6 +32,9 @@
 #   cascade-bytes-ab  the prefix workload with the shared-prefix decode's threshold (model_runner.
 #             CASCADE_MIN_SAVED_BYTES) at 16 MiB a layer (now) and 64 MiB (cascade from ~48 rows of a 336-token prefix
 #             on Qwen3-0.6B, where the thirteenth session's trace saw it pay), alternating, then both traced (~4 min)
+#   autotune-ab  nano and prefix with the decoder layers compiled by default and with inductor's max-autotune (Triton
+#             GEMM templates, pointwise epilogues fused), alternating (module_ab.py: LAYER_COMPILE_OPTIONS; start-up
+#             in the table's column)                                                                        (~9 min)
 #   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
 #             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
@@ -202,6 +205,16 @@ for part in "${parts[@]}"; do
                     --workload prefix --repeats 1 2>&1 | tail -14 | tee -a "$out/trace.md"
             done
             ;;
+        autotune-ab)
+            for options in "{}" "{'mode': 'max-autotune-no-cudagraphs'}" "{'mode': 'max-autotune-no-cudagraphs'}" "{}"; do
+                echo "LAYER_COMPILE_OPTIONS=$options"
+                for workload in nano prefix; do
+                    PYTHONPATH=$PWD timeout 140 python3 benchmarks/module_ab.py \
+                        "hf_paged.engine.model_runner.LAYER_COMPILE_OPTIONS=$options" -- --workload $workload \
+                        --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+                done
+            done
+            ;;
         mixed-ab-8b)
             old="(16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)"
             new=$(python3 -c "from hf_paged.engine.model_runner import MIXED_TOKEN_SIZES as s; print(s)")
@@ -232,7 +245,7 @@ for part in "${parts[@]}"; do
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, autotune-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

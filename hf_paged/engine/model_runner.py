@@ -97,6 +97,10 @@ CASCADE_MIN_SAVED_BYTES = 16 << 20
 LAYER_SUFFIXES = ("DecoderLayer",)
 AUTO_COMPILE_MODE = "layers"  # what compile_model=None means with CUDA graphs (the GPU tests set False: speed)
 FALLBACK_SUFFIXES = ("RMSNorm", "MLP", "Attention")
+# Extra torch.compile options for the layers (e.g. {"mode": "max-autotune-no-cudagraphs"}: Triton GEMM templates that
+# can take the residual adds as epilogues, a few launches a layer fewer, autotuned at start-up). A module switch for
+# benchmarks/module_ab.py (run_gpu.sh part autotune-ab); none by default.
+LAYER_COMPILE_OPTIONS: dict = {}
 
 
 def compile_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -105,7 +109,7 @@ def compile_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     for suffixes in (LAYER_SUFFIXES, FALLBACK_SUFFIXES):
         for module in model.modules():
             if type(module).__name__.endswith(suffixes) and not getattr(module, "_hf_paged_compiled", False):
-                module.forward = torch.compile(module.forward, dynamic=True)
+                module.forward = torch.compile(module.forward, dynamic=True, **LAYER_COMPILE_OPTIONS)
                 module._hf_paged_compiled = True
                 compiled.append(module)
         if compiled or any(getattr(m, "_hf_paged_compiled", False) for m in model.modules()):
