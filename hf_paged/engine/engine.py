@@ -148,10 +148,7 @@ class ContinuousBatcher:
         self.requests: dict[str, Request] = {}  # unfinished, or finished and not yet returned
         self._ids = itertools.count()
         self._metrics = MetricsRecorder()
-        async_scheduling = config.async_scheduling
-        if async_scheduling is None:
-            async_scheduling = self.runner.device.type == "cuda"
-        self.async_scheduling = bool(async_scheduling)
+        self.async_scheduling = _on_cuda_by_default(config.async_scheduling, info)
         self._inflight: _Launched | None = None  # the step queued last, not processed yet
         self._rows: _Rows | None = None  # the last step's sampling rows, while reusable (see _Rows)
         self._lock = threading.RLock()  # held by the thread inside the engine
@@ -727,7 +724,7 @@ class _Rows:
 
 
 def _on_cuda_by_default(value: bool | None, info: ModelInfo) -> bool:
-    """A setting whose None means on for a model on CUDA (EngineConfig.cascade_attention)."""
+    """A setting whose None means on for a model on CUDA (EngineConfig.async_scheduling, cascade_attention)."""
     return value if value is not None else info.devices[0].type == "cuda"
 
 

@@ -85,7 +85,9 @@ MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 
 # Shared-prefix decode runs when the KV bytes it saves in a layer, (decode rows - 1) x prefix tokens x K/V bytes of a
 # token, reach this: 16 MiB is about 5 us of an H100's HBM bandwidth (3.35 TB/s), above the fixed cost of the
 # prefix kernel, the merge and one partial per row (a few us a layer). Qwen3-0.6B (4 KiB of K/V a token a layer):
-# 200 rows from 21 shared tokens on, 8 rows from 586.
+# 200 rows from 21 shared tokens on, 8 rows from 586. Measured (H100, thirteenth session, engine_trace.py on the prefix
+# workload, 336 shared tokens): cascade steps of 17-32 rows took ~0.13 ms longer than plain ones, 48-64 rows even,
+# 80 and up faster; so the break-even is nearer 64 MiB here (run_gpu.sh part cascade-bytes-ab, not yet run).
 CASCADE_MIN_SAVED_BYTES = 16 << 20
 
 
