@@ -10,6 +10,11 @@ SDPA (enable_gqa) on contiguous K/V of the same shape. The split count is the on
 ``choose_num_splits(--max-seq-len, batch, ...)`` (default 40 960, Qwen3's ``max_position_embeddings``).
 
     python benchmarks/decode_sweep.py [--shapes 16x8:256x512 32x8:256x2048 ...] [--max-seq-len N] [--out FILE]
+    python benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 ...   # shared-prefix (cascade) decode
+
+With ``--prefix-len P`` every row's first P keys are row 0's blocks and the call is the engine's cascade decode
+(the shared-prefix kernel, the split kernel over each row's keys from P on, the merge), as its cascade graphs run
+it (``max_prefix_len = --max-seq-len``); the bandwidth share counts the prefix's bytes once.
 
 Shape ``HQxHKV:BATCHxCONTEXT``: query heads x KV heads (head_dim 128, block_size 16, shuffled block tables, bf16).
 Prints µs per call (median of the graph replays) and the share of the copy bandwidth the K/V reads reach.
@@ -51,9 +56,10 @@ def copy_gbs(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
-def make_inputs(hq, hkv, batch, context, l2_bytes, generator):
-    """Rotating sets of (k_cache, v_cache, block_tables) spanning 2x L2, one query; contiguous K/V for SDPA too."""
-    kv_bytes = 2 * batch * context * hkv * HEAD_DIM * 2
+def make_inputs(hq, hkv, batch, context, l2_bytes, generator, prefix_len=0):
+    """Rotating sets of (k_cache, v_cache, block_tables) spanning 2x L2, one query; contiguous K/V for SDPA too.
+    With ``prefix_len`` (a multiple of BLOCK_SIZE) every row's first blocks are row 0's."""
+    kv_bytes = 2 * (prefix_len + batch * (context - prefix_len)) * hkv * HEAD_DIM * 2
     num_sets = min(triton.cdiv(2 * l2_bytes, kv_bytes), 64) if kv_bytes < 2 * l2_bytes else 1
     blocks_per_seq = triton.cdiv(context, BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
@@ -62,7 +68,9 @@ def make_inputs(hq, hkv, batch, context, l2_bytes, generator):
         k = torch.randn((num_blocks, BLOCK_SIZE, hkv, HEAD_DIM), device="cuda", dtype=DTYPE, generator=generator)
         v = torch.randn_like(k)
         perm = torch.randperm(num_blocks, device="cuda", generator=generator)
-        paged.append((k, v, perm.view(batch, blocks_per_seq).to(torch.int32)))
+        tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+        tables[:, : prefix_len // BLOCK_SIZE] = tables[0, : prefix_len // BLOCK_SIZE].clone()
+        paged.append((k, v, tables))
         kd = torch.randn(batch, hkv, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
         dense.append((kd, torch.randn_like(kd)))
     query = torch.randn(batch, hq, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
@@ -74,8 +82,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
     parser.add_argument("--max-seq-len", type=int, default=40960, help="the bound the split count is chosen by")
+    parser.add_argument("--prefix-len", type=int, default=0, help="keys every row shares (cascade decode)")
+    parser.add_argument("--settings", nargs="+", help="BLOCK_N/stages/warps triples to time (default: a grid)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.prefix_len % BLOCK_SIZE or args.prefix_len < 0:
+        parser.error(f"--prefix-len {args.prefix_len}: must be a non-negative multiple of the block size {BLOCK_SIZE}")
+    settings = [tuple(int(x) for x in t.split("/")) for t in args.settings] if args.settings else SETTINGS
     if not torch.cuda.is_available():
         print("decode_sweep.py: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -87,13 +100,18 @@ def main(argv=None) -> int:
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     generator = torch.Generator(device="cuda").manual_seed(0)
     shapes = [parse_shape(s) for s in args.shapes]
-    inputs = [make_inputs(*shape, l2_bytes, generator) for shape in shapes]
+    if any(args.prefix_len >= context for *_, context in shapes):
+        parser.error(f"--prefix-len {args.prefix_len}: every shape's context must be longer")
+    inputs = [make_inputs(*shape, l2_bytes, generator, args.prefix_len) for shape in shapes]
+    prefix = None
+    if args.prefix_len:
+        prefix = torch.tensor([args.prefix_len], dtype=torch.int32, device="cuda")
     saved = (decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE)
     current = decode.long_split_settings(torch.device("cuda"))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = [decode.choose_num_splits(args.max_seq_len, batch, hkv, num_sms) for _, hkv, batch, _ in shapes]
     rows = []
-    for setting in SETTINGS:
+    for setting in settings:
         decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE = setting, {}
         decode._PLANS.clear()
         cells = []
@@ -104,7 +122,8 @@ def main(argv=None) -> int:
             def run(rotation=rotation, query=query, seq_lens=seq_lens, out=out, n=n):
                 k, v, tables = next(rotation)
                 decode.paged_decode_triton(query, k, v, tables, seq_lens, HEAD_DIM**-0.5,
-                                           max_seq_len=args.max_seq_len, num_splits=n, out=out)  # fmt: skip
+                                           max_seq_len=args.max_seq_len, num_splits=n, out=out, prefix_len=prefix,
+                                           max_prefix_len=args.max_seq_len)  # fmt: skip
 
             try:
                 us = graph_us(run)
@@ -118,7 +137,7 @@ def main(argv=None) -> int:
     decode._PLANS.clear()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     cells = []
-    for (hq, _, batch, _), (query, _, _, dense, kv_bytes) in zip(shapes, inputs, strict=True):
+    for (hq, _, batch, _), (query, _, _, dense, _) in zip(shapes, inputs, strict=True):
         rotation = itertools.cycle(dense)
         q = query.view(batch, hq, 1, HEAD_DIM)
 
@@ -127,12 +146,15 @@ def main(argv=None) -> int:
             sdpa(q, k, v, enable_gqa=True)
 
         us = graph_us(run_sdpa)
-        cells.append(f"{us:.1f} ({kv_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
+        dense_bytes = dense[0][0].numel() * dense[0][0].element_size() * 2  # every row's keys and values
+        cells.append(f"{us:.1f} ({dense_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
     rows.append("| SDPA, contiguous K/V | " + " | ".join(cells) + " |")
     header = (
         f"### Decode launch settings for long splits, {torch.cuda.get_device_name()}, copy bandwidth "
         f"{bandwidth:.0f} GB/s, in a CUDA graph, µs (share of the copy bandwidth); splits chosen for max_seq_len "
-        f"{args.max_seq_len}\n\n"
+        f"{args.max_seq_len}"
+        + (f"; every row shares its first {args.prefix_len} keys (cascade)" if prefix is not None else "")
+        + "; SDPA reads every row's keys\n\n"
         "| BLOCK_N / stages / warps | "
         + " | ".join(f"{s} ({n} split{'s' * (n > 1)})" for s, n in zip(args.shapes, splits, strict=True))
         + " |\n|---|"

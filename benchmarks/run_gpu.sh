@@ -32,6 +32,9 @@
 #   cascade-bytes-ab  the prefix workload with the shared-prefix decode's threshold (model_runner.
 #             CASCADE_MIN_SAVED_BYTES) at 16 MiB a layer (now) and 64 MiB (cascade from ~48 rows of a 336-token prefix
 #             on Qwen3-0.6B, where the thirteenth session's trace saw it pay), alternating, then both traced (~4 min)
+#   cascade-suffix-ab  the decode kernel's settings for shared-prefix calls (decode_sweep.py --prefix-len 336: the
+#             prefix workload's steps and longer suffixes), then the fastest at 224 rows end to end against the
+#             default, alternating (module_ab.py: kernels.decode.CASCADE_SUFFIX_SETTINGS)                     (~4 min)
 #   autotune-ab  nano and prefix with the decoder layers compiled by default and with inductor's max-autotune (Triton
 #             GEMM templates, pointwise epilogues fused), alternating (module_ab.py: LAYER_COMPILE_OPTIONS; start-up
 #             in the table's column)                                                                        (~9 min)
@@ -87,21 +90,24 @@ grid_spread() {  # grid_spread NAME SHAPE:POINT...: one process a point, the poi
     # process on one GPU, so a multi-GPU machine runs the grid in a fraction of the time, with the same comparisons.
     local name=$1
     shift
-    local ngpu ncpu per queue_len budget
+    local ngpu ncpu per queue_len deadline
     ngpu=$(nvidia-smi -L | wc -l)
     ncpu=$(nproc)
     per=$((ncpu / ngpu))
     queue_len=$((($# + ngpu - 1) / ngpu))
-    budget=$((${GRID_BUDGET_S:-560} / queue_len))  # seconds a point may take: the queues end within the budget
+    # Every queue ends by the deadline: a point may use what the points before it on its GPU left (a Qwen point
+    # ends sooner than a Llama one), and a point cut by it still reports the rows it finished.
+    deadline=$((SECONDS + ${GRID_BUDGET_S:-560}))
     mkdir -p "$out/$name"
-    echo "grid $name: $# points on $ngpu GPUs, up to $queue_len a GPU, ${budget} s a point, --repeats ${GRID_REPEATS:-3}"
+    echo "grid $name: $# points on $ngpu GPUs, up to $queue_len a GPU, ${GRID_BUDGET_S:-560} s in all," \
+        "--repeats ${GRID_REPEATS:-3}"
     for ((g = 0; g < ngpu; g++)); do
         (
             local i=0 item pin=()
-            command -v taskset >/dev/null && pin=(taskset -c "$((g * per))-$((g * per + per - 1))")
+            ((per > 0)) && command -v taskset >/dev/null && pin=(taskset -c "$((g * per))-$((g * per + per - 1))")
             for item in "$@"; do
-                if ((i % ngpu == g)); then
-                    CUDA_VISIBLE_DEVICES=$g timeout "$budget" "${pin[@]}" python3 benchmarks/generate.py \
+                if ((i % ngpu == g && deadline - SECONDS > 10)); then
+                    CUDA_VISIBLE_DEVICES=$g timeout "$((deadline - SECONDS))" "${pin[@]}" python3 benchmarks/generate.py \
                         --shapes "${item%%:*}" --points "${item#*:}" --modes greedy samples4 beams4 \
                         --systems dynamic static paged paged-compiled --new-tokens 32 --repeats "${GRID_REPEATS:-3}" \
                         --out "$out/$name/${item/:/-}.md" 2>&1 | grep "^|" >"$out/$name/${item/:/-}.rows"
@@ -131,7 +137,8 @@ for part in "${parts[@]}"; do
         grid-llama-b) grid llama-8b grid-llama-b 8x1024 64x512 ;;
         grid-spread-qwen) grid_spread grid-spread-qwen qwen3-0.6b:{1x512,8x1024,32x512,64x512} ;;
         grid-spread-llama) grid_spread grid-spread-llama llama-8b:{1x512,8x1024,32x512,64x512} ;;
-        grid-spread) grid_spread grid-spread {qwen3-0.6b,llama-8b}:{1x512,8x1024,32x512,64x512} ;;
+        # Qwen points in order, then Llama points in reverse: each GPU of four gets a light point and a heavy one.
+        grid-spread) grid_spread grid-spread qwen3-0.6b:{1x512,8x1024,32x512,64x512} llama-8b:{64x512,32x512,8x1024,1x512} ;;
         trace)
             timeout 150 python3 benchmarks/engine_trace.py --workload nano --repeats 1 2>&1 | tail -16 | tee "$out/trace.md"
             for flag in "" --no-prefix-caching; do
@@ -205,6 +212,22 @@ for part in "${parts[@]}"; do
                     --workload prefix --repeats 1 2>&1 | tail -14 | tee -a "$out/trace.md"
             done
             ;;
+        cascade-suffix-ab)
+            timeout 150 python3 benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 \
+                16x8:32x440 16x8:224x1360 32x8:128x1360 --settings 64/3/4 64/2/4 32/3/4 32/2/4 16/2/4 16/3/4 32/2/2 \
+                16/2/2 --out "$out/cascade-sweep.md" 2>&1 | tail -14
+            # The setting fastest at the prefix workload's big steps (first column), end to end against the default.
+            best=$(python3 -c "import re,sys; rows=[r.split('|') for r in open(sys.argv[1]) if re.match(r'\| \d[^|]*\| \d', r)]
+print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().replace(' / ', ', '))" \
+                "$out/cascade-sweep.md")
+            [ -n "$best" ] || continue
+            for settings in None "($best)" "($best)" None; do
+                echo "CASCADE_SUFFIX_SETTINGS=$settings"
+                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
+                    "hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS=$settings" -- --workload prefix \
+                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         autotune-ab)
             for options in "{}" "{'mode': 'max-autotune-no-cudagraphs'}" "{'mode': 'max-autotune-no-cudagraphs'}" "{}"; do
                 echo "LAYER_COMPILE_OPTIONS=$options"
@@ -245,7 +268,7 @@ for part in "${parts[@]}"; do
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, autotune-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, autotune-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

@@ -76,6 +76,11 @@ DECODE_NUM_WARPS = 4
 # name contains a key of LONG_SETTINGS_BY_DEVICE takes that entry instead (none yet: both Hopper cards swept agree).
 LONG_SETTINGS = (64, 3, 4)
 LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
+# Shared-prefix (cascade) calls: (keys per tile, stages, warps) of the split kernel, which then reads only each row's
+# keys past the prefix, often a few tiles (the engine's cascade graphs are captured with max_seq_len =
+# max_model_len, so they would otherwise run the long settings, whose 96 KB of stages hold two programs an SM).
+# None = the same settings as plain decode. Under measurement (benchmarks/decode_sweep.py --prefix-len).
+CASCADE_SUFFIX_SETTINGS: tuple[int, int, int] | None = None
 MERGE_VALUES_PER_WARP = 32 * 128  # 128 fp32 values a thread
 MERGE_MAX_NUM_WARPS = 4
 # SM count used when no CUDA device is present (TRITON_INTERPRET=1 runs); an H100 SXM has 132.
@@ -701,7 +706,10 @@ def paged_decode_triton(
     partial_strides = (*partial_acc.stride(), *partial_lse.stride())
     out_strides = out.stride()
 
-    decode_args, min_tiles, num_stages, num_warps = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
+    if has_prefix and len(plan.variants) > 2:
+        decode_args, min_tiles, num_stages, num_warps = plan.variants[2]
+    else:
+        decode_args, min_tiles, num_stages, num_warps = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
     fused = new_key is not None
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
@@ -779,6 +787,8 @@ class _Plan:
         if head_dim_pad == 128:
             long = long_split_settings(query.device)
             settings = ((SHORT_BLOCK_N, SHORT_NUM_STAGES, DECODE_NUM_WARPS), long)
+            if CASCADE_SUFFIX_SETTINGS is not None:
+                settings += (CASCADE_SUFFIX_SETTINGS,)
         else:
             settings = ((base_block_n, 2, DECODE_NUM_WARPS),) * 2
         use_window = sliding_window is not None and sliding_window > 0
@@ -790,7 +800,8 @@ class _Plan:
         )
         self.strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
         self.new_kv_strides = (0,) * 6 if new_key is None else (*new_key.stride(), *new_value.stride())
-        # (decode_args, MIN_TILES_PER_SPLIT, num_stages, num_warps) for short splits, then for long ones.
+        # (decode_args, MIN_TILES_PER_SPLIT, num_stages, num_warps) for short splits, then for long ones, then (with
+        # CASCADE_SUFFIX_SETTINGS) for shared-prefix calls.
         self.variants = tuple(
             (
                 (
