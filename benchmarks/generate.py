@@ -228,7 +228,7 @@ def _median_range(values: list[float], fmt: str) -> str:
 
 
 def _gib(num_bytes: int | None) -> str:
-    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.2f}"
+    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.3f}"  # 3 decimals: pools that tie to 10 MB
 
 
 def format_table(cells: list[Cell], title: str) -> str:

@@ -10,7 +10,7 @@ Cache slots nothing may read are NaN, and ``out`` starts as NaN.
 import pytest
 import torch
 from helpers import needs_triton
-from hf_paged.kernels import cascade, paged_attention, paged_decode
+from hf_paged.kernels import cascade, decode, paged_attention, paged_decode
 from hf_paged.kernels.decode import paged_decode_triton
 from hf_paged.kernels.reference import paged_attention_ref, paged_decode_ref
 
@@ -186,6 +186,20 @@ def test_one_launch_serves_every_prefix_length():
             max_prefix_len=1024,
         )  # fmt: skip
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_suffix_settings_at_head_dim_128(block_size):
+    """At head_dim 128 a shared-prefix call's split kernel takes its own settings (CASCADE_SUFFIX_SETTINGS: 16-key
+    tiles, one block-table entry a tile at block size 16, a lookup per key at 8) and still equals plain attention."""
+    assert decode.CASCADE_SUFFIX_SETTINGS is not None
+    decode._PLANS.clear()
+    seq_lens = [70, 49, 48, 0, 64]
+    _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=2)
+    (plan,) = decode._PLANS.values()
+    assert len(plan.variants) == 3 and plan.variants[2][2:] == decode.CASCADE_SUFFIX_SETTINGS[1:]
+    assert plan.variants[2][0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]  # BLOCK_N
 
 
 @needs_triton
