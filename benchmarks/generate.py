@@ -14,7 +14,8 @@ Grid: shapes x (batch x prompt) points x modes x systems.
   pool is sized at the prefill for every row to reach max_cache_len; beam search runs eagerly in transformers).
 
 Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles;
-the systems of a (shape, point, mode) take turns, one call each per round, so host noise hits them alike):
+the systems of a (shape, point, mode) take turns, one call each per round, so host noise hits them alike; with
+``--eager-repeats N`` DynamicCache and eager PagedCache, host-bound and cheap, go on alternating to N rounds):
 - ms/step: the median interval between two decode steps of a call, timed by a logits processor that generate runs
   once per new token after the forward (each CUDA step ends in generate's host sync, so an interval is a step's
   wall time; the processor runs outside compiled forwards too); the table gives the median (min-max) of the runs'
@@ -62,6 +63,7 @@ MODES = {
     "samples4": dict(do_sample=True, num_return_sequences=4, top_k=50),
 }
 SYSTEMS = ("dynamic", "static", "paged", "paged-compiled")
+EAGER_SYSTEMS = ("dynamic", "paged")  # what --eager-repeats adds rounds of
 
 
 @dataclass
@@ -183,10 +185,14 @@ def measure_once(model, cell: Cell, prompts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def run_cells(model, cells: list[Cell], prompts: torch.Tensor, repeats: int, device: str) -> None:
+def run_cells(
+    model, cells: list[Cell], prompts: torch.Tensor, repeats: int, device: str, eager_repeats: int | None = None
+) -> None:
     """The systems of one (shape, point, mode), interleaved: a warm-up call each (JIT, compile, allocator), then
-    ``repeats`` rounds of one call per system, so that a slow spell of the host hits every system alike. DynamicCache
-    comes first; its greedy output is the reference for the others' token agreement."""
+    ``repeats`` rounds of one call per system, so that a slow spell of the host hits every system alike, then rounds
+    of the eager systems alone (DynamicCache and PagedCache: host-bound, so noisier, and cheap) up to
+    ``eager_repeats``. DynamicCache comes first; its greedy output is the reference for the others' token
+    agreement."""
     live = []
     for cell in cells:
         try:
@@ -196,8 +202,10 @@ def run_cells(model, cells: list[Cell], prompts: torch.Tensor, repeats: int, dev
             cell.error = _describe(error)
         _release(device)
     outputs: dict[int, torch.Tensor] = {}
-    for _ in range(repeats):
+    for round_idx in range(max(repeats, eager_repeats or 0)):
         for cell in list(live):
+            if round_idx >= repeats and cell.system not in EAGER_SYSTEMS:
+                continue
             try:
                 outputs[id(cell)] = measure_once(model, cell, prompts)
             except Exception as error:
@@ -254,8 +262,8 @@ def format_table(cells: list[Cell], title: str) -> str:
         time_ratio = f"{step / statistics.median(ref.step_ms):.2f}" if ref else "-"
         cpu_ratio = f"{statistics.median(c.step_cpu_ms) / statistics.median(ref.step_cpu_ms):.2f}" if ref else "-"
         paired = "-"  # round i's call of this system against round i's DynamicCache call
-        if ref and len(c.step_ms) == len(ref.step_ms):
-            paired = f"{statistics.median(a / b for a, b in zip(c.step_ms, ref.step_ms, strict=True)):.2f}"
+        if ref and len(c.step_ms) <= len(ref.step_ms):  # DynamicCache may have more rounds (--eager-repeats)
+            paired = f"{statistics.median(a / b for a, b in zip(c.step_ms, ref.step_ms, strict=False)):.2f}"
         memory_ratio = (
             f"{c.peak_allocated / ref.peak_allocated:.2f}" if ref and c.peak_allocated and ref.peak_allocated else "-"
         )
@@ -281,6 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eager-repeats", type=int, help="rounds of DynamicCache and eager PagedCache (default: "
+                        "--repeats); the compiled systems run --repeats rounds")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="qwen3-0.6b; 1x512 and 32x512; greedy, beams4; 32 tokens")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run on a tiny model")
     parser.add_argument("--out", help="also append the markdown table to this file")
@@ -300,6 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--points must be BATCHxPROMPT pairs of positive ints, got {args.points}")
     if args.new_tokens < 2 or args.repeats < 1:
         parser.error(f"--new-tokens must be >= 2 and --repeats >= 1, got {args.new_tokens} and {args.repeats}")
+    if args.eager_repeats is not None and args.eager_repeats < args.repeats:
+        parser.error(f"--eager-repeats must be >= --repeats ({args.repeats}), got {args.eager_repeats}")
     return args
 
 
@@ -320,7 +332,7 @@ def run_grid(args: argparse.Namespace) -> list[Cell]:
                     Cell(shape, batch, prompt, mode, system, system_label(system, args.device), args.new_tokens, rows)
                     for system in sorted(args.systems, key=SYSTEMS.index)  # dynamic first: the reference
                 ]
-                run_cells(model, group, prompts, args.repeats, args.device)
+                run_cells(model, group, prompts, args.repeats, args.device, args.eager_repeats)
                 cells.extend(group)
                 for cell in group:
                     print(format_table([cell], "").splitlines()[-1], flush=True)
@@ -345,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         f"### generate: ms per decode step and peak memory — {device}, {datetime.date.today()}, torch "
         f"{torch.__version__}, transformers {transformers.__version__}, hf_paged {hf_paged.__version__}\n\n"
         f"{'bf16' if args.device == 'cuda' else 'fp32'} random weights, no padding, {args.new_tokens} new tokens "
-        f"(EOS ignored), median (min-max) of {args.repeats} runs; ms/step = median interval between decode steps; "
+        f"(EOS ignored), median (min-max) of {args.repeats} runs"
+        + (f" ({args.eager_repeats} for the eager systems)" if (args.eager_repeats or 0) > args.repeats else "")
+        + "; ms/step = median interval between decode steps; "
         "peak memory above the weights. `python benchmarks/generate.py "
         + " ".join(sys.argv[1:] if argv is None else argv)
         + "`"

@@ -13,7 +13,9 @@
 #   grid-spread-qwen / grid-spread-llama / grid-spread   the same grid, one process a point, spread over every
 #             visible GPU (4 points of one shape, or all 8); for the 2-, 4- and 8-GPU kinds: the whole grid in one call
 #             on nvidia-h100-x8 (or x4 with GRID_BUDGET_S's share), a shape a call on x2. GRID_REPEATS (default 3)
-#             sets --repeats                                                                    (~5-9 min)
+#             sets --repeats, GRID_EAGER_REPEATS --eager-repeats (more rounds of the two eager systems)  (~5-9 min)
+#   grid-spread-llama-modes   the Llama-8B points' samples4 and beams4 cells, a process each (8 over the visible GPUs;
+#             the fourteenth session's x4 call finished only the Llama points' greedy cells within its 555 s)  (~9 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
@@ -105,12 +107,15 @@ grid_spread() {  # grid_spread NAME SHAPE:POINT...: one process a point, the poi
         (
             local i=0 item pin=()
             ((per > 0)) && command -v taskset >/dev/null && pin=(taskset -c "$((g * per))-$((g * per + per - 1))")
-            for item in "$@"; do
+            for item in "$@"; do  # SHAPE:POINT, or SHAPE:POINT:MODE for one mode
+                local rest=${item#*:} modes=(greedy samples4 beams4)
+                [[ $rest == *:* ]] && modes=("${rest#*:}")
                 if ((i % ngpu == g && deadline - SECONDS > 10)); then
                     CUDA_VISIBLE_DEVICES=$g timeout "$((deadline - SECONDS))" "${pin[@]}" python3 benchmarks/generate.py \
-                        --shapes "${item%%:*}" --points "${item#*:}" --modes greedy samples4 beams4 \
+                        --shapes "${item%%:*}" --points "${rest%%:*}" --modes "${modes[@]}" \
                         --systems dynamic static paged paged-compiled --new-tokens 32 --repeats "${GRID_REPEATS:-3}" \
-                        --out "$out/$name/${item/:/-}.md" 2>&1 | grep "^|" >"$out/$name/${item/:/-}.rows"
+                        --eager-repeats "${GRID_EAGER_REPEATS:-${GRID_REPEATS:-3}}" \
+                        --out "$out/$name/${item//:/-}.md" 2>&1 | grep "^|" >"$out/$name/${item//:/-}.rows"
                 fi
                 i=$((i + 1))
             done
@@ -139,6 +144,8 @@ for part in "${parts[@]}"; do
         grid-spread-llama) grid_spread grid-spread-llama llama-8b:{1x512,8x1024,32x512,64x512} ;;
         # Qwen points in order, then Llama points in reverse: each GPU of four gets a light point and a heavy one.
         grid-spread) grid_spread grid-spread qwen3-0.6b:{1x512,8x1024,32x512,64x512} llama-8b:{64x512,32x512,8x1024,1x512} ;;
+        # The Llama points' sampling and beam modes, a process each (a whole Llama point overruns a call's share on x4).
+        grid-spread-llama-modes) grid_spread grid-spread-llama-modes llama-8b:{64x512,32x512,8x1024,1x512}:{samples4,beams4} ;;
         trace)
             timeout 150 python3 benchmarks/engine_trace.py --workload nano --repeats 1 2>&1 | tail -16 | tee "$out/trace.md"
             for flag in "" --no-prefix-caching; do
@@ -266,7 +273,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, profile, trace," \
+                "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, autotune-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2

@@ -22,6 +22,8 @@ def test_grid_arguments():
         bench.parse_args(["--points", "8by1024"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--new-tokens", "1"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeats", "3", "--eager-repeats", "2"])
 
 
 def test_table_has_ratios_to_dynamic_and_failed_cells():
@@ -40,11 +42,11 @@ def test_table_has_ratios_to_dynamic_and_failed_cells():
     lines = table.splitlines()
     assert lines[0] == "### title" and lines[2].startswith("| model | batch x prompt | mode | system | ms/step")
     assert lines[4] == (
-        "| qwen3-0.6b | 8 x 1024 | greedy | dynamic | 11.00 (10.00-12.00) | 9.00 (8.00-10.00) | 51.0 | 80 | 2.00 "
+        "| qwen3-0.6b | 8 x 1024 | greedy | dynamic | 11.00 (10.00-12.00) | 9.00 (8.00-10.00) | 51.0 | 80 | 2.000 "
         "| n/a | 1.00 | 1.00 | 1.00 | 1.00 |  |"
     )
     assert lines[5] == (
-        "| qwen3-0.6b | 8 x 1024 | greedy | paged | 8.50 (8.00-9.00) | 7.20 (6.00-8.00) | 51.0 | 80 | 1.00 | n/a "
+        "| qwen3-0.6b | 8 x 1024 | greedy | paged | 8.50 (8.00-9.00) | 7.20 (6.00-8.00) | 51.0 | 80 | 1.000 | n/a "
         "| 0.77 | 0.80 | 0.80 | 0.50 | pool grew to 9 blocks; 99.5% tokens equal to dynamic |"
     )
     assert lines[6].endswith("| out of memory |")
@@ -68,3 +70,25 @@ def test_cpu_smoke_run_writes_the_table(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 3 and "PagedCache + paged, eager" in rows[1] and "100.0% tokens equal to dynamic" in rows[1]
     assert "PagedCache(max_cache_len) + paged (planned steps" in rows[2] and "100.0% tokens equal" in rows[2]
+
+
+def test_eager_repeats_add_rounds_of_the_eager_systems_only(monkeypatch):
+    """--eager-repeats: DynamicCache and eager PagedCache go on alternating after the rounds of every system; the
+    paired ratio of a compiled system pairs its rounds with DynamicCache's first ones."""
+    calls = []
+
+    def fake_measure(model, cell, prompts):
+        calls.append(cell.system)
+        cell.step_ms.append(10.0 if cell.system == "dynamic" else 5.0)
+        cell.step_cpu_ms.append(1.0)
+        cell.prefill_ms.append(1.0)
+        cell.total_s.append(1.0)
+
+    monkeypatch.setattr(bench, "generate_once", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench, "measure_once", fake_measure)
+    cells = [bench.Cell("tiny", 1, 8, "greedy", s, s, 3, 1) for s in ("dynamic", "static", "paged")]
+    bench.run_cells(None, cells, None, repeats=2, device="cpu", eager_repeats=4)
+    assert calls == ["dynamic", "static", "paged"] * 2 + ["dynamic", "paged"] * 2
+    assert [len(c.step_ms) for c in cells] == [4, 2, 4]
+    rows = bench.format_table(cells, "").splitlines()[4:]
+    assert all("| 0.50 | 0.50 |" in row for row in rows[1:])  # time / dynamic, and paired
