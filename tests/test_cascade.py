@@ -203,14 +203,15 @@ def test_suffix_settings_at_head_dim_128(block_size):
 
 
 @needs_triton
+@pytest.mark.parametrize("head_dim", [32, 128])  # 128: the split kernel's shared-prefix settings
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_kv_write_with_a_shared_prefix(dtype, num_splits):
+def test_fused_kv_write_with_a_shared_prefix(dtype, num_splits, head_dim):
     """new_key/new_value/slot_mapping with prefix_len (an engine's cascade decode step with the K/V write fused): the
     split kernel writes each row's new K/V, at or above the prefix as in an engine step, and attends to it from
     registers; the prefix kernel reads the shared blocks. The new slots start as NaN (never read), a padding row
     has slot -1, one row's new token is the first key past the prefix."""
-    seq_lens, block_size, num_kv_heads, head_dim = [70, 49, 0, 64, 57], 16, 2, 32
+    seq_lens, block_size, num_kv_heads = [70, 49, 0, 64, 57], 16, 2
     query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
         seq_lens, 3, 8, num_kv_heads, head_dim, block_size, dtype
     )
