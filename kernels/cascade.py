@@ -16,10 +16,11 @@ rows of every sequence of one KV head (row r -> sequence r // group, query head 
 the same physical blocks in every row (the caller's contract), so each K/V tile is loaded once for ``BLOCK_M``
 rows instead of once per row. Row s sees the keys ``[0, min(prefix_len, seq_len[s]))``: a row whose whole context
 lies in the prefix works, and a padding row (``seq_len == 0``) sees nothing. Each split writes a partial
-(normalized acc, log-sum-exp in the log2 domain) into the partial slots after the decode kernel's own splits;
-the decode kernel's merge combines them all. ``prefix_len`` is a device int32 scalar (shape [1]): a CUDA graph
-captured once serves every prefix length, and with ``prefix_len == 0`` every program returns at once and the
-merge reads no prefix partial (the result is exactly the plain decode).
+(normalized acc, log-sum-exp in the log2 domain) into the partial slots after the decode kernel's own splits,
+and the decode kernel's merge combines them all; or, when the decode kernel runs one split, into the first slots,
+before the decode kernel, which folds them into its own softmax (kernels/decode.py). ``prefix_len`` is a device
+int32 scalar (shape [1]): a CUDA graph captured once serves every prefix length, and with ``prefix_len == 0`` every
+program returns at once and no prefix partial is read (the result is exactly the plain decode).
 
 Not covered (the caller passes no prefix): sliding-window layers (their window already bounds what each row
 reads, and a window cutting through the prefix would need a per-row lower bound here). Soft capping is applied.
@@ -135,7 +136,7 @@ def _shared_prefix_kernel(
     split_idx = tl.program_id(2)
 
     prefix_len = tl.load(prefix_len_ptr)
-    if prefix_len <= 0:  # no shared prefix this step: the merge reads no prefix partial
+    if prefix_len <= 0:  # no shared prefix this step: no prefix partial is read
         return
 
     offs_m = row_tile_idx * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of this program

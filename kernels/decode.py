@@ -25,9 +25,11 @@ Two kernels:
 
 With ``prefix_len`` (shared-prefix "cascade" decode, kernels/cascade.py) a third kernel reads the keys below
 ``prefix_len``, which every row shares, once per KV head for all rows; the split kernel then starts each row at
-``prefix_len`` and the merge also combines the prefix kernel's partials. ``prefix_len`` is read on the device, so
-with 0 the three kernels do exactly the plain decode (one split: the split kernel writes ``out`` and the merge
-returns at once).
+``prefix_len``. With several splits the merge also combines the prefix kernel's partials. With one split (large
+batches) the prefix kernel runs first and the split kernel folds its partials into its own online softmax and writes
+``out``: two launches, no merge (``CASCADE_MERGE_IN_SPLIT``). ``prefix_len`` is read on the device, so with 0 the
+kernels do exactly the plain decode (the prefix kernel returns at once; with one split the split kernel writes
+``out`` and reads no partial, with several the merge reads only the split kernel's).
 
 The split is per sequence (each sequence divides its own length, and uses only as many of the grid's
 splits as give each ``MIN_KEYS_PER_SPLIT`` keys), so ``max_seq_len`` only sizes the grid and never
@@ -84,6 +86,11 @@ LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
 # long suffixes 348.5 -> 357.9 (224 x 1360, 16 heads) and 213.4 -> 202.1 (128 x 1360, 32 heads); the prefix workload
 # end to end +1.5% (alternating runs). None = the plain decode's settings.
 CASCADE_SUFFIX_SETTINGS: tuple[int, int, int] | None = (16, 2, 2)
+# A shared-prefix call with one split (large batches): the prefix kernel first, then the split kernel folds the
+# prefix's partials into its own softmax and writes out, instead of split kernel, prefix kernel, merge (one launch
+# fewer a layer: the merge took 4 µs a layer at 224 rows on the H100, 2.2 at 32; RESULTS.md, fourteenth session).
+# A module switch, so that one tree runs both sides (benchmarks/module_ab.py). Not yet measured on a GPU.
+CASCADE_MERGE_IN_SPLIT = True
 MERGE_VALUES_PER_WARP = 32 * 128  # 128 fp32 values a thread
 MERGE_MAX_NUM_WARPS = 4
 # SM count used when no CUDA device is present (TRITON_INTERPRET=1 runs); an H100 SXM has 132.
@@ -95,7 +102,7 @@ _LOG2E = 1.4426950408889634
 # Sizes that change from step to step are not specialised (Triton would compile a new kernel whenever one
 # of them became 1 or a multiple of 16 in the middle of serving): the split count, the block table's width,
 # and the strides of the partial log-sum-exps that follow the split count.
-@triton.jit(do_not_specialize=["num_splits", "stride_bts", "stride_pls", "stride_plh"])
+@triton.jit(do_not_specialize=["num_splits", "num_prefix_splits", "stride_bts", "stride_pls", "stride_plh"])
 def _paged_decode_kernel(
     # pointers
     query_ptr,  # [num_seqs, num_heads, head_dim]
@@ -142,6 +149,7 @@ def _paged_decode_kernel(
     stride_nvd,
     # sizes
     num_splits,
+    num_prefix_splits,  # MERGE_PREFIX: the shared-prefix kernel's partials, slots [0, num_prefix_splits)
     scale_log2,  # softmax scale * log2(e): scores live in the log2 domain so exp2 can be used
     cap_in,  # scale / soft_cap; used only when USE_SOFT_CAP
     cap_out,  # soft_cap * log2(e); used only when USE_SOFT_CAP
@@ -164,6 +172,9 @@ def _paged_decode_kernel(
     # The new token's K/V come in new_k/new_v instead of the cache: the program whose split holds position
     # seq_len - 1 writes them at their slot and attends to them from registers; the cache is read below it only.
     FUSED_WRITE: tl.constexpr,
+    # WRITE_OUT with a prefix: the shared-prefix kernel ran first; this program folds its partials into its own
+    # online softmax and writes out (no merge launch, no partial of its own).
+    MERGE_PREFIX: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -293,6 +304,29 @@ def _paged_decode_kernel(
             acc = acc * alpha[:, None] + p_new.to(nv.dtype).to(tl.float32)[:, None] * nv.to(tl.float32)[None, :]
             m_i = m_new
 
+    if MERGE_PREFIX:
+        if prefix_len > 0:  # else the prefix kernel wrote nothing: the plain decode
+            # Each prefix partial (normalized acc, lse in the log2 domain; lse -inf and no acc for a split without
+            # keys) is one more online-softmax step with weight exp2(lse - m).
+            pl_row = partial_lse_ptr + seq_idx.to(tl.int64) * stride_pls + head_idx * stride_plh  # [GROUP_PAD]
+            pa_row = (
+                partial_acc_ptr + seq_idx.to(tl.int64) * stride_pas + head_idx[:, None] * stride_pah
+                + offs_d[None, :] * stride_pad
+            )  # [GROUP_PAD, HEAD_DIM_PAD]  # fmt: skip
+            for p_idx in range(num_prefix_splits):
+                lse_p = tl.load(pl_row + p_idx * stride_plp, mask=g_mask, other=float("-inf"))  # [GROUP_PAD]
+                has_p = lse_p > float("-inf")
+                # a_p: [GROUP_PAD, HEAD_DIM_PAD]
+                a_p = tl.load(pa_row + p_idx * stride_pap, mask=(g_mask & has_p)[:, None] & d_mask[None, :],
+                              other=0.0)  # fmt: skip
+                m_new = tl.maximum(m_i, lse_p)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key on either side yet: weights 0
+                alpha = tl.exp2(m_i - m_safe)
+                w_p = tl.exp2(lse_p - m_safe)  # [GROUP_PAD]
+                l_i = l_i * alpha + w_p
+                acc = acc * alpha[:, None] + w_p[:, None] * a_p
+                m_i = m_new
+
     # l_i == 0 only for an empty split (no tiles): acc is 0 there, so out / lse become 0 / -inf.
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -310,7 +344,7 @@ def _paged_decode_kernel(
     acc_mask = store_mask & has_keys[:, None]
     if WRITE_OUT:
         out_ptrs = out_ptr + seq_idx * stride_os + head_idx[:, None] * stride_oh + offs_d[None, :] * stride_od
-        if HAS_PREFIX:
+        if HAS_PREFIX and not MERGE_PREFIX:
             # One split: out directly when no prefix is set this step (the merge then does nothing), else a
             # partial for the merge to combine with the prefix's.
             direct = (offs_g * 0 + prefix_len) == 0  # [GROUP_PAD], all equal (a tensor: masks must be)
@@ -696,7 +730,10 @@ def paged_decode_triton(
     if not has_prefix:
         num_prefix_splits = 0
         prefix_len = seq_lens  # placeholder pointer: never read without HAS_PREFIX
-    num_partials = num_splits + num_prefix_splits
+    # One split with a prefix: the prefix kernel runs first and the split kernel folds its partials in (one launch
+    # fewer than the merge, and no partial of the split's own).
+    merge_prefix = has_prefix and write_out and CASCADE_MERGE_IN_SPLIT
+    num_partials = num_prefix_splits if merge_prefix else num_splits + num_prefix_splits
 
     if write_out and not has_prefix:
         # Unused placeholders: the kernel never touches them when WRITE_OUT (kept per device: no allocation a call).
@@ -716,21 +753,8 @@ def paged_decode_triton(
     fused = new_key is not None
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
-    _DECODE(
-        (num_seqs, num_kv_heads, num_splits),
-        query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
-        new_key, new_value, slot_mapping,
-        *plan.strides, *out_strides, *partial_strides, *plan.new_kv_strides,
-        num_splits,
-        *decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
-        has_prefix, write_out,
-        min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
-        pdl,  # LAUNCH_DEPENDENTS
-        fused,  # FUSED_WRITE
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )  # fmt: skip
-    if has_prefix:
+
+    def launch_prefix(split_offset: int) -> None:
         _PREFIX(
             (cdiv(num_seqs * plan.group, plan.block_m), num_kv_heads, num_prefix_splits),
             query, k_cache, v_cache, block_tables, seq_lens, prefix_len, partial_acc, partial_lse,
@@ -738,12 +762,34 @@ def paged_decode_triton(
             *partial_strides,
             num_seqs * plan.group,  # num_rows
             num_prefix_splits,
-            num_splits,  # split_offset: the decode kernel's partials come first
+            split_offset,  # the first partial slot of the prefix kernel's
             *plan.prefix_args,  # scale_log2 .. MIN_TILES_PER_SPLIT
             plan.dot_fp32,
             num_warps=4,
             num_stages=2,
         )  # fmt: skip
+
+    if merge_prefix:
+        launch_prefix(0)  # its partials are the only ones
+    _DECODE(
+        (num_seqs, num_kv_heads, num_splits),
+        query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
+        new_key, new_value, slot_mapping,
+        *plan.strides, *out_strides, *partial_strides, *plan.new_kv_strides,
+        num_splits, num_prefix_splits,
+        *decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
+        has_prefix, write_out,
+        min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
+        pdl,  # LAUNCH_DEPENDENTS
+        fused,  # FUSED_WRITE
+        merge_prefix,  # MERGE_PREFIX
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    if merge_prefix:
+        return out
+    if has_prefix:
+        launch_prefix(num_splits)  # the decode kernel's partials come first
     elif write_out:
         return out
     num_partials_pad = next_power_of_2(num_partials)

@@ -129,12 +129,25 @@ def test_block_sizes(block_size):
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 2])  # 1: the split kernel folds the prefix partials in (no merge)
 @pytest.mark.parametrize("num_prefix_splits", [1, 2, 5])
-def test_long_prefix_over_several_prefix_splits(num_prefix_splits):
+def test_long_prefix_over_several_prefix_splits(num_prefix_splits, num_splits):
     """A prefix of 640 keys (10 blocks of 64): up to 3 prefix splits of at least 256 keys run; a grid with more
     leaves the others empty."""
-    _check([700, 641, 660, 0], 10, 640, 4, 2, 16, 64, torch.float32, num_splits=2,
+    _check([700, 641, 660, 0, 600], 10, 640, 4, 2, 16, 64, torch.float32, num_splits=num_splits,
            num_prefix_splits=num_prefix_splits)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("merge_in_split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_split_with_and_without_the_merge_launch(monkeypatch, dtype, merge_in_split):
+    """One split with a prefix: either the prefix kernel first and the split kernel folding its partials in
+    (CASCADE_MERGE_IN_SPLIT, the default) or split, prefix and merge kernels; both equal plain attention, with rows
+    inside the prefix, a padding row and several prefix splits."""
+    monkeypatch.setattr(decode, "CASCADE_MERGE_IN_SPLIT", merge_in_split)
+    out = _check(SEQ_LENS, 3, 48, 8, 2, 32, 16, dtype, num_splits=1, num_prefix_splits=3)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))  # the padding row
 
 
 @needs_triton

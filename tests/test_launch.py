@@ -50,13 +50,15 @@ def test_key_of_unspecialized_ints_keeps_only_their_class():
     lens = torch.zeros(2, dtype=torch.int32)
     acc, lse = torch.zeros(2, 4, 5, 8), torch.zeros(2, 4, 5)
 
-    def args(num_splits, stride_bts):
+    def args(num_splits, stride_bts, num_prefix_splits=2):
         return (q, kc, kc, tables, lens, lens, q, acc, lse, q, q, lens, *q.stride(), *kc.stride(), *kc.stride(),
-                stride_bts, 1, *q.stride(), *acc.stride(), *lse.stride(), *(0,) * 6, num_splits, 0.5, 0.0, 0.0, 0,
-                2, 16, 8, 16, 4, 64, False, False, False, False, False, 1, False, False, False)  # fmt: skip
+                stride_bts, 1, *q.stride(), *acc.stride(), *lse.stride(), *(0,) * 6, num_splits, num_prefix_splits,
+                0.5, 0.0, 0.0, 0, 2, 16, 8, 16, 4, 64, False, False, False, False, False, 1, False, False, False,
+                False)  # fmt: skip
 
     key_fn = launch._make_key_fn(_paged_decode_kernel, args(5, 3))
     assert key_fn(*args(5, 3)) == key_fn(*args(7, 40))  # num_splits and stride_bts are do_not_specialize
+    assert key_fn(*args(5, 3, 2)) == key_fn(*args(5, 3, 16))  # so is num_prefix_splits
     assert key_fn(*args(1, 3)) != key_fn(*args(7, 3))  # == 1 may matter to Triton: kept apart
     assert key_fn(*args(5, 3)) != key_fn(*args(5, 2**31))  # i32 vs i64
 
