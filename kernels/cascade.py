@@ -157,6 +157,11 @@ def _shared_prefix_kernel(
     tiles_per_split = tl.cdiv(num_tiles, splits_used)
     split_tile_lo = split_idx * tiles_per_split
     split_tile_hi = tl.minimum(split_tile_lo + tiles_per_split, num_tiles)
+    slot = split_offset + split_idx
+    pl_ptrs = partial_lse_ptr + seq_idx * stride_pls + head_idx * stride_plh + slot * stride_plp  # [BLOCK_M]
+    if split_tile_lo >= split_tile_hi:  # a split the prefix does not reach (the grid is sized for a bound): neutral
+        tl.store(pl_ptrs, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_mask)
+        return
 
     # q: [BLOCK_M, HEAD_DIM_PAD]; rows past num_rows and padded lanes are 0.
     q_ptrs = query_ptr + seq_idx[:, None] * stride_qs + head_idx[:, None] * stride_qh + offs_d[None, :] * stride_qd
@@ -218,7 +223,6 @@ def _shared_prefix_kernel(
     has_keys = l_i > 0.0  # [BLOCK_M]
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
-    slot = split_offset + split_idx
     pa_ptrs = (
         partial_acc_ptr
         + seq_idx[:, None] * stride_pas
@@ -227,5 +231,4 @@ def _shared_prefix_kernel(
         + offs_d[None, :] * stride_pad
     )
     tl.store(pa_ptrs, acc, mask=(m_mask & has_keys)[:, None] & d_mask[None, :])
-    pl_ptrs = partial_lse_ptr + seq_idx * stride_pls + head_idx * stride_plh + slot * stride_plp
     tl.store(pl_ptrs, lse, mask=m_mask)

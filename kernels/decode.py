@@ -175,6 +175,8 @@ def _paged_decode_kernel(
     # WRITE_OUT with a prefix: the shared-prefix kernel ran first; this program folds its partials into its own
     # online softmax and writes out (no merge launch, no partial of its own).
     MERGE_PREFIX: tl.constexpr,
+    PREFIX_BLOCK_N: tl.constexpr,  # MERGE_PREFIX: the prefix kernel's keys per tile and tiles a split at least: no
+    PREFIX_MIN_TILES: tl.constexpr,  # prefix split past cdiv(cdiv(prefix_len, BLOCK_N), MIN_TILES) has keys
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -313,7 +315,9 @@ def _paged_decode_kernel(
                 partial_acc_ptr + seq_idx.to(tl.int64) * stride_pas + head_idx[:, None] * stride_pah
                 + offs_d[None, :] * stride_pad
             )  # [GROUP_PAD, HEAD_DIM_PAD]  # fmt: skip
-            for p_idx in range(num_prefix_splits):
+            # The prefix kernel's splits past this bound are empty (its split rule with the longest possible row).
+            prefix_splits_used = tl.maximum(tl.cdiv(tl.cdiv(prefix_len, PREFIX_BLOCK_N), PREFIX_MIN_TILES), 1)
+            for p_idx in range(tl.minimum(num_prefix_splits, prefix_splits_used)):
                 lse_p = tl.load(pl_row + p_idx * stride_plp, mask=g_mask, other=float("-inf"))  # [GROUP_PAD]
                 has_p = lse_p > float("-inf")
                 # a_p: [GROUP_PAD, HEAD_DIM_PAD]
@@ -783,6 +787,7 @@ def paged_decode_triton(
         pdl,  # LAUNCH_DEPENDENTS
         fused,  # FUSED_WRITE
         merge_prefix,  # MERGE_PREFIX
+        *plan.prefix_split_rule,  # PREFIX_BLOCK_N, PREFIX_MIN_TILES
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -819,7 +824,8 @@ class _Plan:
     """What paged_decode_triton's launches need that depends only on a checked argument signature."""
 
     __slots__ = ("num_seqs", "num_heads", "head_dim", "num_kv_heads", "group", "num_sms", "head_dim_pad", "block_m",
-                 "strides", "variants", "prefix_args", "dot_fp32", "pdl_ok", "new_kv_strides")  # fmt: skip
+                 "strides", "variants", "prefix_args", "prefix_split_rule", "dot_fp32", "pdl_ok",
+                 "new_kv_strides")  # fmt: skip
 
     def __init__(self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap, new_key, new_value):
         self.num_seqs, self.num_heads, self.head_dim = query.shape
@@ -868,11 +874,12 @@ class _Plan:
             for block_n, num_stages, num_warps in settings
         )  # fmt: skip
         self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
+        self.prefix_split_rule = (base_block_n, max(1, MIN_KEYS_PER_PREFIX_SPLIT // base_block_n))
         self.prefix_args = (
             *scale_args,
             group, self.head_dim, head_dim_pad, block_size, self.block_m, base_block_n,  # GROUP .. BLOCK_N
             block_size % base_block_n == 0, use_soft_cap,  # ONE_BLOCK_PER_TILE, USE_SOFT_CAP
-            max(1, MIN_KEYS_PER_PREFIX_SPLIT // base_block_n),  # MIN_TILES_PER_SPLIT
+            self.prefix_split_rule[1],  # MIN_TILES_PER_SPLIT
         )  # fmt: skip
         # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
         self.dot_fp32 = query.dtype == torch.bfloat16 and _INTERPRETED
