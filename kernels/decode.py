@@ -80,7 +80,8 @@ LONG_SETTINGS = (64, 3, 4)
 LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
 # Shared-prefix (cascade) calls at head_dim 128: (keys per tile, stages, warps) of the split kernel, which then reads
 # only each row's keys past the prefix, often a few tiles (the engine's cascade graphs are captured with max_seq_len =
-# max_model_len, so they would otherwise run the long settings, whose 96 KB of stages hold two programs an SM). Swept
+# max_model_len, so they would otherwise run the long settings: 64-key tiles, 3 stages; 22.5 KB of shared memory on
+# sm_90, 8.7 KB for 16/2/2, per tests/gpu_compile.py, so the gain is not shared-memory occupancy). Swept
 # on the H100 (`decode_sweep.py --prefix-len 336`, whole cascade call in a graph, fourteenth session): 16-key tiles,
 # 2 stages, 2 warps took 224 rows x 400 keys 51.7 -> 44.5 µs, 128 x 420 39.4 -> 36.9, 32 x 440 22.4 -> 22.2, and
 # long suffixes 348.5 -> 357.9 (224 x 1360, 16 heads) and 213.4 -> 202.1 (128 x 1360, 32 heads); the prefix workload
