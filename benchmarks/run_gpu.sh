@@ -40,6 +40,8 @@
 #   cascade-merge-ab  the prefix workload with a one-split shared-prefix call's merge launch (CASCADE_MERGE_IN_SPLIT
 #             off) and without it (on: the split kernel folds the prefix partials in), alternating (module_ab.py),
 #             then the cascade call's sweep row at the default settings                                     (~3 min)
+#   cascade-prefix-ab  the prefix workload with the shared-prefix kernel's settings before (64-key tiles, 4 warps:
+#             spills, per ptxas) and now (32, 8 warps), alternating (module_ab.py: CASCADE_PREFIX_SETTINGS)    (~3 min)
 #   autotune-ab  nano and prefix with the decoder layers compiled by default and with inductor's max-autotune (Triton
 #             GEMM templates, pointwise epilogues fused), alternating (module_ab.py: LAYER_COMPILE_OPTIONS; start-up
 #             in the table's column)                                                                        (~9 min)
@@ -248,6 +250,14 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 150 python3 benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 \
                 16x8:32x440 --settings 16/2/2 --out "$out/cascade-sweep.md" 2>&1 | tail -5
             ;;
+        cascade-prefix-ab)
+            for settings in None "(32, 8)" "(32, 8)" None; do
+                echo "CASCADE_PREFIX_SETTINGS=$settings"
+                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
+                    "hf_paged.kernels.decode.CASCADE_PREFIX_SETTINGS=$settings" -- --workload prefix \
+                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         autotune-ab)
             for options in "{}" "{'mode': 'max-autotune-no-cudagraphs'}" "{'mode': 'max-autotune-no-cudagraphs'}" "{}"; do
                 echo "LAYER_COMPILE_OPTIONS=$options"
@@ -288,7 +298,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, autotune-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

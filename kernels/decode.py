@@ -80,13 +80,18 @@ LONG_SETTINGS = (64, 3, 4)
 LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
 # Shared-prefix (cascade) calls at head_dim 128: (keys per tile, stages, warps) of the split kernel, which then reads
 # only each row's keys past the prefix, often a few tiles (the engine's cascade graphs are captured with max_seq_len =
-# max_model_len, so they would otherwise run the long settings: 64-key tiles, 3 stages; 22.5 KB of shared memory on
-# sm_90, 8.7 KB for 16/2/2, per tests/gpu_compile.py, so the gain is not shared-memory occupancy). Swept
+# max_model_len, so they would otherwise run the long settings: 64-key tiles, 3 stages, 4 warps at 255 registers a
+# thread, two programs an SM; 16/2/2 takes 157 registers, six an SM; ptxas -v on Triton 3.6's sm_90 build). Swept
 # on the H100 (`decode_sweep.py --prefix-len 336`, whole cascade call in a graph, fourteenth session): 16-key tiles,
 # 2 stages, 2 warps took 224 rows x 400 keys 51.7 -> 44.5 µs, 128 x 420 39.4 -> 36.9, 32 x 440 22.4 -> 22.2, and
 # long suffixes 348.5 -> 357.9 (224 x 1360, 16 heads) and 213.4 -> 202.1 (128 x 1360, 32 heads); the prefix workload
 # end to end +1.5% (alternating runs). None = the plain decode's settings.
 CASCADE_SUFFIX_SETTINGS: tuple[int, int, int] | None = (16, 2, 2)
+# The shared-prefix kernel at head_dim 128: (keys per tile, warps). Its earlier 64-key tiles over 4 warps ran out of
+# registers at every BLOCK_M: compiled for sm_90 by the GPU image's Triton 3.6 (ptxas -v), 255 registers and 700-912
+# bytes of spill stores a thread; 32-key tiles over 8 warps take 197-229 registers and spill nothing (fourteenth
+# session, RESULTS.md). None = 64 keys, 4 warps. Predicted from the spills, not yet measured on a GPU.
+CASCADE_PREFIX_SETTINGS: tuple[int, int] | None = (32, 8)
 # A shared-prefix call with one split (large batches): the prefix kernel first, then the split kernel folds the
 # prefix's partials into its own softmax and writes out, instead of split kernel, prefix kernel, merge (one launch
 # fewer a layer: the merge took 4 µs a layer at 224 rows on the H100, 2.2 at 32; RESULTS.md, fourteenth session).
@@ -770,7 +775,7 @@ def paged_decode_triton(
             split_offset,  # the first partial slot of the prefix kernel's
             *plan.prefix_args,  # scale_log2 .. MIN_TILES_PER_SPLIT
             plan.dot_fp32,
-            num_warps=4,
+            num_warps=plan.prefix_num_warps,
             num_stages=2,
         )  # fmt: skip
 
@@ -825,8 +830,8 @@ class _Plan:
     """What paged_decode_triton's launches need that depends only on a checked argument signature."""
 
     __slots__ = ("num_seqs", "num_heads", "head_dim", "num_kv_heads", "group", "num_sms", "head_dim_pad", "block_m",
-                 "strides", "variants", "prefix_args", "prefix_split_rule", "dot_fp32", "pdl_ok",
-                 "new_kv_strides")  # fmt: skip
+                 "strides", "variants", "prefix_args", "prefix_split_rule", "prefix_num_warps", "dot_fp32",
+                 "pdl_ok", "new_kv_strides")  # fmt: skip
 
     def __init__(self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap, new_key, new_value):
         self.num_seqs, self.num_heads, self.head_dim = query.shape
@@ -875,11 +880,14 @@ class _Plan:
             for block_n, num_stages, num_warps in settings
         )  # fmt: skip
         self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
-        self.prefix_split_rule = (base_block_n, max(1, MIN_KEYS_PER_PREFIX_SPLIT // base_block_n))
+        prefix_block_n, self.prefix_num_warps = base_block_n, 4
+        if head_dim_pad == 128 and CASCADE_PREFIX_SETTINGS is not None:
+            prefix_block_n, self.prefix_num_warps = CASCADE_PREFIX_SETTINGS
+        self.prefix_split_rule = (prefix_block_n, max(1, MIN_KEYS_PER_PREFIX_SPLIT // prefix_block_n))
         self.prefix_args = (
             *scale_args,
-            group, self.head_dim, head_dim_pad, block_size, self.block_m, base_block_n,  # GROUP .. BLOCK_N
-            block_size % base_block_n == 0, use_soft_cap,  # ONE_BLOCK_PER_TILE, USE_SOFT_CAP
+            group, self.head_dim, head_dim_pad, block_size, self.block_m, prefix_block_n,  # GROUP .. BLOCK_N
+            block_size % prefix_block_n == 0, use_soft_cap,  # ONE_BLOCK_PER_TILE, USE_SOFT_CAP
             self.prefix_split_rule[1],  # MIN_TILES_PER_SPLIT
         )  # fmt: skip
         # Triton's interpreter (3.9) returns garbage for tl.dot on bf16 operands; upcast there only.
