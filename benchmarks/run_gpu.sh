@@ -130,6 +130,16 @@ grid_spread() {  # grid_spread NAME SHAPE:POINT...: one process a point, the poi
     cat "$out/$name"/*.rows | tee "$out/$name.rows"
 }
 
+prefix_ab() {  # prefix_ab MODULE.SWITCH VALUE...: the prefix workload (one process each) with the switch at each value
+    local switch=$1 value
+    shift
+    for value in "$@"; do
+        echo "${switch##*.}=$value"
+        PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py "$switch=$value" -- --workload prefix \
+            --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+    done
+}
+
 for part in "${parts[@]}"; do
     case "$part" in
         tests) run_tests ;;
@@ -203,21 +213,9 @@ for part in "${parts[@]}"; do
                     | tee -a "$out/trace.md"
             done
             ;;
-        cascade-write-ab)
-            for flag in False True False True; do
-                echo "CASCADE_FUSED_DECODE_WRITE=$flag"
-                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
-                    "hf_paged.attention.CASCADE_FUSED_DECODE_WRITE=$flag" -- --workload prefix \
-                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
-            done
-            ;;
+        cascade-write-ab) prefix_ab hf_paged.attention.CASCADE_FUSED_DECODE_WRITE False True False True ;;
         cascade-bytes-ab)
-            for bytes in 16777216 67108864 67108864 16777216; do
-                echo "CASCADE_MIN_SAVED_BYTES=$bytes"
-                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
-                    "hf_paged.engine.model_runner.CASCADE_MIN_SAVED_BYTES=$bytes" -- --workload prefix \
-                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
-            done
+            prefix_ab hf_paged.engine.model_runner.CASCADE_MIN_SAVED_BYTES 16777216 67108864 67108864 16777216
             for bytes in 16777216 67108864; do
                 PYTHONPATH=$PWD timeout 70 python3 benchmarks/module_ab.py \
                     "hf_paged.engine.model_runner.CASCADE_MIN_SAVED_BYTES=$bytes" -- benchmarks/engine_trace.py \
@@ -233,31 +231,14 @@ for part in "${parts[@]}"; do
 print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().replace(' / ', ', '))" \
                 "$out/cascade-sweep.md")
             [ -n "$best" ] || continue
-            for settings in None "($best)" "($best)" None; do
-                echo "CASCADE_SUFFIX_SETTINGS=$settings"
-                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
-                    "hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS=$settings" -- --workload prefix \
-                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
-            done
+            prefix_ab hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS None "($best)" "($best)" None
             ;;
         cascade-merge-ab)
-            for flag in False True True False; do
-                echo "CASCADE_MERGE_IN_SPLIT=$flag"
-                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
-                    "hf_paged.kernels.decode.CASCADE_MERGE_IN_SPLIT=$flag" -- --workload prefix \
-                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
-            done
+            prefix_ab hf_paged.kernels.decode.CASCADE_MERGE_IN_SPLIT False True True False
             timeout 150 python3 benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 \
                 16x8:32x440 --settings 16/2/2 --out "$out/cascade-sweep.md" 2>&1 | tail -5
             ;;
-        cascade-prefix-ab)
-            for settings in None "(32, 8)" "(32, 8)" None; do
-                echo "CASCADE_PREFIX_SETTINGS=$settings"
-                PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py \
-                    "hf_paged.kernels.decode.CASCADE_PREFIX_SETTINGS=$settings" -- --workload prefix \
-                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
-            done
-            ;;
+        cascade-prefix-ab) prefix_ab hf_paged.kernels.decode.CASCADE_PREFIX_SETTINGS None "(32, 8)" "(32, 8)" None ;;
         autotune-ab)
             for options in "{}" "{'mode': 'max-autotune-no-cudagraphs'}" "{'mode': 'max-autotune-no-cudagraphs'}" "{}"; do
                 echo "LAYER_COMPILE_OPTIONS=$options"
