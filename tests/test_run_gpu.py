@@ -1,0 +1,57 @@
+"""benchmarks/run_gpu.sh off the GPU: every part it names runs its plumbing to the end with stand-ins for
+``nvidia-smi`` and ``python3`` (each device call is 10 minutes of a 30-minute budget: a part that dies on a typo wastes
+one). The stand-in ``python3`` prints the command it was given, so the test also sees what each part would run."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
+
+
+def _parts() -> list[str]:
+    """The parts the script's own usage error lists."""
+    text = SCRIPT.read_text()
+    listed = re.search(r"unknown part '\$part' \(([^)]*)\)", text.replace('" \\\n                "', " "))
+    assert listed, "run_gpu.sh's usage error no longer lists its parts"
+    return [p.strip() for p in listed.group(1).split(",")]
+
+
+@pytest.fixture
+def fake_path(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/bash\nif [ "$1" = "-L" ]; then echo "GPU 0: stand-in"; echo "GPU 1: stand-in"; '
+        'else echo "stand-in GPU, 80 GiB, 1"; fi\n'
+    )
+    (bin_dir / "python3").write_text('#!/bin/bash\necho "| hf_paged | ran: $* |"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_every_part_runs_through(fake_path, tmp_path):
+    parts = [p for p in _parts() if p != "all"]
+    assert {"tests", "kernels", "table", "grid-spread", "cascade-prefix-ab", "cascade-merge-ab"} <= set(parts)
+    env = dict(os.environ, PATH=fake_path, GRID_BUDGET_S="30")
+    for part in parts:
+        out = tmp_path / part
+        result = subprocess.run(["bash", str(SCRIPT), str(out), part], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 0, f"{part}: {result.stderr[-2000:]}"
+        for error in ("unknown part", "command not found", "syntax error", "unbound variable", "No such file",
+                      "bad substitution", "integer expression expected"):  # fmt: skip
+            assert error not in result.stderr, f"{part}: {result.stderr[-2000:]}"
+        assert "ran:" in result.stdout or any(out.rglob("*.md")) or any(out.rglob("*.rows")), f"{part} ran nothing"
+
+
+def test_an_unknown_part_is_refused(fake_path, tmp_path):
+    env = dict(os.environ, PATH=fake_path)
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "no-such-part"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "unknown part 'no-such-part'" in result.stderr
