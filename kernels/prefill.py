@@ -383,6 +383,13 @@ def _paged_prefill_kernel(
 _PREFILL = Launcher(_paged_prefill_kernel)
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) forcing the tiles of 2-byte dtypes at head_dim in (64, 128],
+# keyed by contig_kv (fresh prompts' K/V from the new-token tensors) or not; None = _default_tiles' choice. A module
+# switch for benchmarks/prefill_sweep.py and module_ab.py: the defaults spill registers on sm_90 (ptxas -v on Triton
+# 3.6: 604 and 220 bytes a thread), 128 x 32 tiles over 8 warps do not (RESULTS.md, fourteenth session); unmeasured.
+PREFILL_TILES: dict[bool, tuple[int, int, int, int, bool]] | None = None
+
+
 def _default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) -> tuple[int, int, int, int, bool]:
     """Default (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) for Hopper (H100/H200).
 
@@ -405,6 +412,8 @@ def _default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) ->
     if block_d <= 64:
         return 128, 64, 4, 3, False
     if block_d <= 128:
+        if PREFILL_TILES is not None and contig_kv in PREFILL_TILES:
+            return PREFILL_TILES[contig_kv]
         return (128, 64, 8, 3, False) if contig_kv else (128, 32, 4, 4, True)
     return 64, 32, 8, 2, False
 

@@ -202,6 +202,17 @@ def test_key_major_tiles(dtype, block_size):
     _check(MIXED, head_dim=128, block_size=block_size, dtype=dtype, sliding_window=9, soft_cap=20.0)
 
 
+@pytest.mark.parametrize("contig_kv", [False, True])
+def test_forced_tiles(monkeypatch, contig_kv):
+    """PREFILL_TILES (benchmarks/prefill_sweep.py's switch) replaces the head_dim-128 tiles of 2-byte dtypes, key-major
+    K loads or not, and the result still equals the reference."""
+    for setting in ((32, 32, 8, 3, False), (32, 16, 8, 2, True)):
+        monkeypatch.setattr(prefill, "PREFILL_TILES", {contig_kv: setting})
+        assert prefill._default_tiles(torch.bfloat16, 128, contig_kv) == setting
+        assert prefill._default_tiles(torch.bfloat16, 128, not contig_kv) != setting  # the other path keeps its own
+        _check(MIXED, head_dim=128, dtype=torch.bfloat16, contig_kv=contig_kv)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_several_row_tiles_per_sequence(dtype):
     # 4 * 50 rows over BLOCK_M = 16 or the default: many row tiles, each with its own causal range.
