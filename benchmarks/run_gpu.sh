@@ -48,6 +48,8 @@
 #   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
 #             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
+#   prefill-sweep  benchmarks/prefill_sweep.py: the prefill kernel's tiles (kernels.prefill.PREFILL_TILES) beside
+#             SDPA, fresh prompts of both model shapes, K/V through the block table and from the new tokens  (~2 min)
 #   stages-ab-8b  the 8B sharegpt workload with the long-split settings 64/2/4 and 64/3/4 forced, alternating
 #             (benchmarks/module_ab.py: LONG_SETTINGS, LONG_SETTINGS_BY_DEVICE={}; --repeats 1)             (~7 min)
 #   table     the README's engine table, Qwen3-0.6B rows: nano, prefix caching on vs off, the short workload beside
@@ -259,7 +261,8 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
                     --systems hf_paged --repeats 2 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
-        sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -18 ;;
+        sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -21 ;;
+        prefill-sweep) timeout 240 python3 benchmarks/prefill_sweep.py --out "$out/prefill-sweep.md" 2>&1 | tail -14 ;;
         table)
             bench=(timeout 150 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md")
             "${bench[@]}" --workload nano --systems hf_paged 2>&1 | grep "^| hf_paged"
@@ -279,7 +282,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac
