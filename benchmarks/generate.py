@@ -84,6 +84,7 @@ class Cell:
     total_s: list[float] = field(default_factory=list)
     peak_allocated: int | None = None  # bytes above the call's start; None off CUDA
     peak_reserved: int | None = None
+    prefill_peak_allocated: int | None = None  # the peak as the prefill's logits arrive: prefill, or the decode steps
     same_tokens: float | None = None  # share of output tokens equal to DynamicCache's (greedy)
     note: str = ""
     error: str = ""
@@ -118,16 +119,19 @@ class StepTimer(LogitsProcessor):
     def __init__(self):
         self.times: list[float] = []
         self.cpu_times: list[float] = []  # the process's CPU time (time.process_time) at the same moments
+        self.prefill_peak: int | None = None  # CUDA: max_memory_allocated when the prefill's logits arrive
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.times.append(time.perf_counter())
         self.cpu_times.append(time.process_time())
+        if len(self.times) == 1 and scores.is_cuda:  # the allocator's host-side count: no sync
+            self.prefill_peak = torch.cuda.max_memory_allocated()
         return scores
 
 
 def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str, seed: int = 0):
     """One generate call: (wall s, prefill s, decode step ms, decode step CPU ms, peak allocated and reserved bytes or
-    None, out, cache).
+    None, out, cache, peak allocated by the prefill's end or None).
 
     The cache is built inside the timed region, so a pool allocated up front counts in full. The prefill runs from
     the call to the first logits; the steps are the intervals between later logits.
@@ -162,15 +166,16 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
     cpu_steps = [(b - a) * 1e3 for a, b in zip(timer.cpu_times, timer.cpu_times[1:], strict=False)]
     prefill = timer.times[0] - start
     if not cuda:
-        return elapsed, prefill, steps, cpu_steps, None, None, out, cache
+        return elapsed, prefill, steps, cpu_steps, None, None, out, cache, None
     peak = torch.cuda.max_memory_allocated() - base
     reserved = torch.cuda.max_memory_reserved() - base_reserved
-    return elapsed, prefill, steps, cpu_steps, peak, reserved, out, cache
+    prefill_peak = timer.prefill_peak - base if timer.prefill_peak is not None else None
+    return elapsed, prefill, steps, cpu_steps, peak, reserved, out, cache, prefill_peak
 
 
 def measure_once(model, cell: Cell, prompts: torch.Tensor) -> torch.Tensor:
     """One measured call of ``cell`` (its warm-up ran before); appends to the cell, returns the output."""
-    total, prefill, steps, cpu_steps, peak, reserved, out, cache = generate_once(
+    total, prefill, steps, cpu_steps, peak, reserved, out, cache, prefill_peak = generate_once(
         model, cell.system, prompts, cell.new_tokens, cell.mode
     )
     cell.prefill_ms.append(prefill * 1e3)
@@ -180,6 +185,8 @@ def measure_once(model, cell: Cell, prompts: torch.Tensor) -> torch.Tensor:
     if peak is not None:
         cell.peak_allocated = max(cell.peak_allocated or 0, peak)
         cell.peak_reserved = max(cell.peak_reserved or 0, reserved)
+    if prefill_peak is not None:
+        cell.prefill_peak_allocated = max(cell.prefill_peak_allocated or 0, prefill_peak)
     if isinstance(cache, PagedCache):
         cell.note = f"pool grew to {cache.pool.num_blocks} blocks ({cache.peak_used_blocks} used at peak)"
     return out
@@ -268,6 +275,8 @@ def format_table(cells: list[Cell], title: str) -> str:
             f"{c.peak_allocated / ref.peak_allocated:.2f}" if ref and c.peak_allocated and ref.peak_allocated else "-"
         )
         notes = [c.note] if c.note else []
+        if c.prefill_peak_allocated is not None:
+            notes.append(f"{_gib(c.prefill_peak_allocated)} GiB by the prefill's end")
         if c.same_tokens is not None and c.system != "dynamic":
             notes.append(f"{c.same_tokens:.1%} tokens equal to dynamic")
         tok_s = c.rows * c.new_tokens / statistics.median(c.total_s)

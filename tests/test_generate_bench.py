@@ -50,6 +50,8 @@ def test_table_has_ratios_to_dynamic_and_failed_cells():
         "| 0.77 | 0.80 | 0.80 | 0.50 | pool grew to 9 blocks; 99.5% tokens equal to dynamic |"
     )
     assert lines[6].endswith("| out of memory |")
+    cells[1].prefill_peak_allocated = 3 * 2**29  # the peak split: by the prefill's end, and over the whole call
+    assert "pool grew to 9 blocks; 1.500 GiB by the prefill's end;" in bench.format_table(cells, "").splitlines()[5]
 
 
 def test_cpu_smoke_run_writes_the_table(tmp_path):
