@@ -40,8 +40,9 @@
 #   cascade-merge-ab  the prefix workload with a one-split shared-prefix call's merge launch (CASCADE_MERGE_IN_SPLIT
 #             off) and without it (on: the split kernel folds the prefix partials in), alternating (module_ab.py),
 #             then the cascade call's sweep row at the default settings                                     (~3 min)
-#   cascade-prefix-ab  the prefix workload with the shared-prefix kernel's settings before (64-key tiles, 4 warps:
-#             spills, per ptxas) and now (32, 8 warps), alternating (module_ab.py: CASCADE_PREFIX_SETTINGS)    (~3 min)
+#   cascade-prefix-ab  the prefix workload with the shared-prefix kernel's default settings (64-key tiles, 4 warps:
+#             spills, per ptxas, yet 5% faster on the H100) and the spill-free 32 keys, 8 warps, alternating
+#             (module_ab.py: CASCADE_PREFIX_SETTINGS)                                                         (~3 min)
 #   autotune-ab  nano and prefix with the decoder layers compiled by default and with inductor's max-autotune (Triton
 #             GEMM templates, pointwise epilogues fused), alternating (module_ab.py: LAYER_COMPILE_OPTIONS; start-up
 #             in the table's column)                                                                        (~9 min)

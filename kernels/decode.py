@@ -87,15 +87,19 @@ LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
 # long suffixes 348.5 -> 357.9 (224 x 1360, 16 heads) and 213.4 -> 202.1 (128 x 1360, 32 heads); the prefix workload
 # end to end +1.5% (alternating runs). None = the plain decode's settings.
 CASCADE_SUFFIX_SETTINGS: tuple[int, int, int] | None = (16, 2, 2)
-# The shared-prefix kernel at head_dim 128: (keys per tile, warps). Its earlier 64-key tiles over 4 warps ran out of
-# registers at every BLOCK_M: compiled for sm_90 by the GPU image's Triton 3.6 (ptxas -v), 255 registers and 700-912
-# bytes of spill stores a thread; 32-key tiles over 8 warps take 197-229 registers and spill nothing (fourteenth
-# session, RESULTS.md). None = 64 keys, 4 warps. Predicted from the spills, not yet measured on a GPU.
-CASCADE_PREFIX_SETTINGS: tuple[int, int] | None = (32, 8)
+# The shared-prefix kernel at head_dim 128: (keys per tile, warps); None = 64 keys, 4 warps. The 64-key tiles over 4
+# warps run out of registers at every BLOCK_M (sm_90 build of Triton 3.6, ptxas -v: 255 registers and 700-912 bytes
+# of spill stores a thread), and 32-key tiles over 8 warps spill nothing (197-229 registers). Measured anyway, the
+# spill-free setting is the slower one on the H100 (fifteenth session, RESULTS.md): the prefix workload ran 5% slower
+# (43 522 / 43 363 vs 45 803 / 45 546 tok/s, alternating), and the kernel took 409 µs a step at 224 rows and 338 at
+# 32, where the fourteenth session's profile (another H100) had 336 and 255 with 64 x 4. So the default stays None;
+# the switch is kept for other cards and head sizes.
+CASCADE_PREFIX_SETTINGS: tuple[int, int] | None = None
 # A shared-prefix call with one split (large batches): the prefix kernel first, then the split kernel folds the
 # prefix's partials into its own softmax and writes out, instead of split kernel, prefix kernel, merge (one launch
 # fewer a layer: the merge took 4 µs a layer at 224 rows on the H100, 2.2 at 32; RESULTS.md, fourteenth session).
-# A module switch, so that one tree runs both sides (benchmarks/module_ab.py). Not yet measured on a GPU.
+# Measured on the H100 (fifteenth session): the prefix workload +2.7% (42 529 / 43 391 vs 41 724 / 41 930 tok/s,
+# alternating). A module switch, so that one tree runs both sides (benchmarks/module_ab.py).
 CASCADE_MERGE_IN_SPLIT = True
 MERGE_VALUES_PER_WARP = 32 * 128  # 128 fp32 values a thread
 MERGE_MAX_NUM_WARPS = 4

@@ -202,26 +202,30 @@ def test_one_launch_serves_every_prefix_length():
 
 
 @needs_triton
+@pytest.mark.parametrize("prefix_settings", [None, (32, 8)], ids=["prefix-64x4", "prefix-32x8"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_suffix_settings_at_head_dim_128(block_size, num_splits):
+def test_suffix_settings_at_head_dim_128(block_size, num_splits, prefix_settings, monkeypatch):
     """At head_dim 128 a shared-prefix call's split kernel takes its own settings (CASCADE_SUFFIX_SETTINGS: 16-key
     tiles, one block-table entry a tile at block size 16, a lookup per key at 8) and the prefix kernel its own
-    (CASCADE_PREFIX_SETTINGS: 32-key tiles, a lookup per key), and the result still equals plain attention."""
-    assert decode.CASCADE_SUFFIX_SETTINGS is not None and decode.CASCADE_PREFIX_SETTINGS is not None
+    (CASCADE_PREFIX_SETTINGS: the default 64-key tiles over 4 warps, or the switch's 32-key tiles, a lookup per key
+    at block size 16 too), and the result still equals plain attention."""
+    assert decode.CASCADE_SUFFIX_SETTINGS is not None
+    monkeypatch.setattr(decode, "CASCADE_PREFIX_SETTINGS", prefix_settings)
     decode._PLANS.clear()
     seq_lens = [70, 49, 48, 0, 64]
     _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=num_splits)
     (plan,) = decode._PLANS.values()
+    decode._PLANS.clear()
     assert len(plan.variants) == 3 and plan.variants[2][2:] == decode.CASCADE_SUFFIX_SETTINGS[1:]
     assert plan.variants[2][0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]  # BLOCK_N
-    assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == decode.CASCADE_PREFIX_SETTINGS
+    assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (prefix_settings or (64, 4))
 
 
 @needs_triton
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_long_prefix_at_head_dim_128(num_splits):
-    """A 320-key prefix at head_dim 128: the prefix kernel's 32-key tiles fill 2 of 4 prefix splits (256 keys a split
+    """A 320-key prefix at head_dim 128: the prefix kernel's tiles fill 2 of 4 prefix splits (256 keys a split
     at least), which the split kernel folds in (one split) or the merge combines (three)."""
     _check([400, 333, 321, 0, 390], 20, 320, 4, 2, 128, 16, torch.bfloat16, num_splits=num_splits,
            num_prefix_splits=4)  # fmt: skip
