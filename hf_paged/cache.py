@@ -42,9 +42,12 @@ when the blocks they filled enter the prefix index. The pool tensors must keep t
 steps: a growing pool is sized once, at the prefill, for every row's real tokens up to max_cache_len columns (left
 padding takes no slot; generate's copies of one prompt, for ``num_return_sequences`` or beams, count its full
 blocks once), and a planned step never grows it. Modes: greedy, sampling and ``num_return_sequences``
-compile; transformers runs beam search and assisted generation (crop) eagerly, beam steps through the same planned
-path; any forward not planned ahead (prefills, verification forwards, chunked prefill) is planned by the hook as
-without max_cache_len (eager; inside a compiled call, behind graph breaks).
+compile; transformers runs beam search and assisted generation (crop) eagerly. A planned step whose forward
+runs eagerly (beam search, or generate without a compile) reads the same static buffers through the eager decode
+path instead (``update`` defers the K/V write to the attention's one decode launch, split for the rows' real
+lengths): the static path's separate write, split count for max_cache_len and merge launch cost host time a layer
+that only a compiled graph hides. Any forward not planned ahead (prefills, verification forwards, chunked
+prefill) is planned by the hook as without max_cache_len (eager; inside a compiled call, behind graph breaks).
 
 Calls: a ``generate`` call on a cache that still holds rows continues them, as with a DynamicCache (its
 prompt must extend every row: the previous output plus new tokens). Any other new batch (another batch
@@ -218,6 +221,8 @@ class PagedCache(Cache):
         self._static: _StaticStep | None = None  # device buffers of planned steps, kept across steps and calls
         self._planned = False  # a step is planned and its forward has not run yet
         self._planned_failed = False  # the last planned step's forward raised
+        self._planned_eager = False  # the planned step's forward runs eagerly (the decoder hook saw no compile)
+        self._planned_max_seq_len = 0  # the planned step's longest row (host), for its eager decode launch
         self._ids_pending = False  # the last planned step's token ids are still only on the device
         self._rows_to_index: list[int] = []  # rows whose last planned token filled a block: indexed once ids are in
         self._pool_frozen = False  # while planning ahead: the pool must not grow (compiled graphs keep its address)
@@ -255,6 +260,8 @@ class PagedCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write this step's K/V into the layer's blocks; return what the attention implementation reads."""
         if self._planned:
+            if self._planned_eager:  # a planned step run eagerly: the eager decode path over the static buffers
+                return self._update_from_context(key_states, value_states, layer_idx)
             return self._update_planned(key_states, value_states, layer_idx)
         if torch.compiler.is_compiling():  # the forward context is a context variable, which dynamo cannot read
             return self._update_from_context_disabled(key_states, value_states, layer_idx)
@@ -923,6 +930,7 @@ class PagedCache(Cache):
         finally:
             self._pool_frozen = False
         static.write(slots, seq_lens, self._tables, copy_tables=bool(changed) or static.tables_src is not self._tables)
+        self._planned_max_seq_len = int(seq_lens.max())
         self._num_columns += 1
         self._planned = self._ids_pending = True
         return static.mask
@@ -1313,9 +1321,43 @@ def _pre_forward(module, args, kwargs):
                 f"forward got {got}; a planned step needs input_ids of shape ({batch_size}, 1)"
             )
         cache._static.step_ids.copy_(input_ids.reshape(-1))  # read back by _finish_planned_step
+        if not torch.compiler.is_compiling():  # generate runs this step eagerly (beam search, no compile)
+            _begin_eager_planned_forward(module, cache)
+            return None
         return args, {**kwargs, PLANNED_CONTEXT_KWARG: cache._static.ctx}
     _plan_forward(module, cache, args, kwargs)
     return None
+
+
+def _begin_eager_planned_forward(module, cache: "PagedCache") -> None:
+    """A planned decode step whose forward runs eagerly: hand the layers an eager decode context over the static
+    buffers (the K/V write deferred to the attention's decode launch, splits for the real longest row)."""
+    static = cache._static.ctx
+    ctx = ForwardContext(
+        slot_mapping=static.slot_mapping,
+        block_tables=static.block_tables,
+        seq_lens=static.seq_lens,
+        cu_seqlens_q=static.cu_seqlens_q,
+        max_query_len=1,
+        max_seq_len=cache._planned_max_seq_len,
+        batch_size=static.batch_size,
+        query_len=1,
+        paged=True,
+        owner=cache,
+        defer_kv_write=True,
+    )
+    cache._planned_eager = True
+    module._hf_paged_token = set_forward_context(ctx)
+
+
+def _end_eager_planned_forward(module) -> None:
+    token = getattr(module, "_hf_paged_token", None)
+    if token is not None:
+        ctx = get_forward_context()
+        if ctx is not None:
+            ctx.flush_pending_kv()  # a deferred K/V write no attention took (not expected): keep the cache whole
+        module._hf_paged_token = None
+        reset_forward_context(token)
 
 
 @torch.compiler.disable  # host planning: under torch.compile a graph break (a planned step never gets here)
@@ -1343,6 +1385,9 @@ def _post_forward(module, args, kwargs, output):
     if cache._planned:  # traceable: the step's bookkeeping was done when it was planned
         cache._planned = False
         cache._planned_failed = output is None  # torch passes no output when the forward raised
+        if cache._planned_eager:  # never while compiling: the pre-hook sets it only outside a compile
+            cache._planned_eager = False
+            _end_eager_planned_forward(module)
         return None
     _end_hooked_forward(module, cache, output)
     return None

@@ -166,4 +166,6 @@ def paged_decode_ref(
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
     # A padding row (seq_len 0) has no allowed key: its softmax is NaN, zeroed here.
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    # Slots past a row's length are read but never written (NaN, inf or stale): their zero weight must not meet them.
+    v = v.masked_fill(~allowed[:, :, None, None], 0.0)
     return torch.einsum("shk,skhd->shd", probs, v).to(query.dtype)

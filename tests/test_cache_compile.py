@@ -95,7 +95,7 @@ def test_compiled_sampling_with_seed_matches_dynamic_cache(model):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_planned_steps_without_compile_match_dynamic_cache(family):
     """generate plans ahead whenever the cache is compileable; without a compile the planned steps run eagerly
-    through the same static buffers and the static-shape decode reference (sliding windows, soft caps too)."""
+    over the same static buffers, through the eager decode path (sliding windows, soft caps too)."""
     model = tiny_model(family)
     kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     ref = tiny_model(family, attn="eager" if family == "gemma2" else "sdpa")
@@ -103,6 +103,39 @@ def test_planned_steps_without_compile_match_dynamic_cache(family):
     cache = PagedCache(model, block_size=8, max_cache_len=21)
     assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
     assert cache.get_seq_length() == 20 and not cache._planned
+    assert_cache_released(cache)
+
+
+def test_planned_steps_run_eagerly_take_the_eager_decode_path(monkeypatch):
+    """A planned step whose forward is not compiled (beam search, generate without a compile) reads the static
+    buffers through the eager decode path: one decode launch a layer that also writes the new K/V, split for the
+    rows' real lengths, never the static path (separate write, max_cache_len's split count and a merge)."""
+    import hf_paged.attention as attention
+
+    model = tiny_model("llama")
+    kwargs = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=6, min_new_tokens=6, num_beams=2)
+    expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
+    cache = PagedCache(model, block_size=8, max_cache_len=40)
+    planned = []
+    plan = cache._plan_ahead
+    cache._plan_ahead = lambda *args: planned.append(plan(*args)) or planned[-1]
+    monkeypatch.setattr(cache, "_update_planned", lambda *args: pytest.fail("a planned step took the static path"))
+    decode_calls = []
+    real = attention.paged_attention
+
+    def spy(*args, **kw):
+        if kw.get("max_query_len") == 1:
+            decode_calls.append((kw["max_seq_len"], kw.get("slot_mapping") is not None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
+    steps = sum(m is not None for m in planned)
+    assert steps == 5  # every decode step was planned ahead ...
+    layers = model.config.num_hidden_layers
+    # ... and ran eagerly: the K/V write fused, the split count for the longest row (9 columns + the step), not 40.
+    assert decode_calls == [(10 + step, True) for step in range(steps) for _ in range(layers)]
+    assert not cache._planned and not cache._planned_eager
     assert_cache_released(cache)
 
 
