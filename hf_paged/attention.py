@@ -138,6 +138,17 @@ def _context_attention(
                 new_key, new_value, slots = pending[2], pending[3], ctx.slot_mapping
             else:  # not this layer's pools (not expected): write them the separate way
                 ctx.flush_pending_kv()
+        if not query.is_cuda and ctx.prefix_len is None:
+            # CPU: the decode reference, vectorised over the rows, over the table columns the longest row reaches
+            # (the varlen reference that paged_attention takes there loops over the rows).
+            if slots is not None:
+                write_kv(new_key, new_value, key, value, slots)
+            width = max(1, -(-ctx.max_seq_len // key.shape[1]))
+            out = paged_decode(
+                query.view(batch_size, num_heads, head_dim), key, value, ctx.block_tables[:, :width], ctx.seq_lens,
+                scaling, ctx.max_seq_len, sliding_window=sliding_window or None, soft_cap=softcap or None,
+            )  # fmt: skip
+            return out.view(batch_size, 1, num_heads, head_dim), None
         out = paged_attention(
             query.view(batch_size, num_heads, head_dim), key, value, ctx.block_tables, ctx.seq_lens,
             ctx.cu_seqlens_q, scaling, max_query_len=1, max_seq_len=ctx.max_seq_len,

@@ -144,16 +144,6 @@ def paged_attention(
                 query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=soft_cap, prefix_len=prefix_len
             )
             return result if out is None else out.copy_(result)
-        num_seqs = seq_lens.shape[0]
-        if max_query_len == 1 and max_seq_len is not None and query.shape[0] == num_seqs and num_seqs:
-            # A decode batch (one token a row: cu_seqlens_q is 0..num_seqs): the vectorised decode reference over
-            # the table columns the longest row reaches, not the varlen reference's loop over the rows.
-            if int(cu_seqlens_q[-1]) == num_seqs:
-                width = max(1, -(-max_seq_len // k_cache.shape[1]))
-                result = paged_decode_ref(
-                    query, k_cache, v_cache, block_tables[:, :width], seq_lens, scale, sliding_window, soft_cap
-                )
-                return result if out is None else out.copy_(result)
         return paged_attention_ref(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap, out
         )

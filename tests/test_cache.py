@@ -322,34 +322,57 @@ def test_sinks_are_found_as_parameter_or_attribute():
     assert _has_sinks(module)
 
 
-def test_decode_steps_write_kv_in_the_attention_kernel_call(monkeypatch):
-    """Eager decode with "paged" attention: update() leaves each layer's new K/V to the attention, whose one
-    paged_attention call writes them (slot_mapping) and attends; write_kv runs for the prefill only. Tokens equal
-    DynamicCache's, with left padding and across block boundaries."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda("the fused decode kernel"))])
+def test_decode_steps_write_kv_in_the_attention_call(monkeypatch, device):
+    """Eager decode with "paged" attention: update() leaves each layer's new K/V to the attention, which writes and
+    attends; the cache's write_kv runs for the prefill only. On CUDA that is one paged_attention call (the decode
+    kernel writes them, slot_mapping); on the CPU the attention writes them, then runs the decode reference over
+    the table columns the longest row reaches. Tokens equal DynamicCache's, with left padding and across block
+    boundaries."""
     import hf_paged.attention as attention_module
     import hf_paged.cache as cache_module
 
-    model = tiny_model("llama")
+    model = tiny_model("llama").to(device)
     num_layers = model.config.num_hidden_layers
-    calls = {"write_kv": 0, "fused": 0, "plain": 0}
+    calls = {"write_kv": 0, "fused": 0, "plain": 0, "cpu_write": 0, "cpu_decode": 0}
     write_kv, paged_attention = cache_module.write_kv, attention_module.paged_attention
+    attention_write_kv, paged_decode = attention_module.write_kv, attention_module.paged_decode
 
-    def counting_write_kv(*args, **kwargs):
-        calls["write_kv"] += 1
-        return write_kv(*args, **kwargs)
+    def counting(name, function):
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return count
 
     def counting_attention(*args, **kwargs):
         calls["fused" if kwargs.get("slot_mapping") is not None else "plain"] += 1
         return paged_attention(*args, **kwargs)
 
-    monkeypatch.setattr(cache_module, "write_kv", counting_write_kv)
+    def counting_decode(*args, **kwargs):
+        calls["cpu_decode"] += 1
+        assert args[3].shape[1] == -(-args[6] // 8)  # the block table cut to the longest row's blocks
+        return paged_decode(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "write_kv", counting("write_kv", write_kv))
+    monkeypatch.setattr(attention_module, "write_kv", counting("cpu_write", attention_write_kv))
     monkeypatch.setattr(attention_module, "paged_attention", counting_attention)
+    monkeypatch.setattr(attention_module, "paged_decode", counting_decode)
     cache = PagedCache(model, num_blocks=32, block_size=8)
-    out = _generate(model, cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    expected = _generate(tiny_model("llama", attn="sdpa"), _dynamic(model), max_new_tokens=20, min_new_tokens=20,
-                         do_sample=False)  # fmt: skip
+    ids, mask = IDS.to(device), MASK.to(device)
+    out = _generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
+                    do_sample=False)  # fmt: skip
+    ref = tiny_model("llama", attn="sdpa").to(device)
+    expected = _generate(ref, _dynamic(ref), input_ids=ids, attention_mask=mask, max_new_tokens=20,
+                         min_new_tokens=20, do_sample=False)  # fmt: skip
     assert torch.equal(out, expected)
-    assert calls == {"write_kv": num_layers, "fused": 19 * num_layers, "plain": num_layers}, calls
+    decode = 19 * num_layers
+    if device == "cuda":
+        assert calls == {"write_kv": num_layers, "fused": decode, "plain": num_layers, "cpu_write": 0,
+                         "cpu_decode": 0}, calls  # fmt: skip
+    else:
+        assert calls == {"write_kv": num_layers, "fused": 0, "plain": num_layers, "cpu_write": decode,
+                         "cpu_decode": decode}, calls  # fmt: skip
     assert_cache_released(cache)
 
 

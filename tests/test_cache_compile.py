@@ -108,8 +108,10 @@ def test_planned_steps_without_compile_match_dynamic_cache(family):
 
 def test_planned_steps_run_eagerly_take_the_eager_decode_path(monkeypatch):
     """A planned step whose forward is not compiled (beam search, generate without a compile) reads the static
-    buffers through the eager decode path: one decode launch a layer that also writes the new K/V, split for the
-    rows' real lengths, never the static path (separate write, max_cache_len's split count and a merge)."""
+    buffers through the eager decode path: the attention writes the new K/V (on CUDA inside its one decode launch)
+    and attends with the rows' real longest length, never the static path (a separate write in update(), the
+    decode split for max_cache_len and a merge). On the CPU the eager path writes, then runs the decode reference
+    over the table columns the longest row reaches."""
     import hf_paged.attention as attention
 
     model = tiny_model("llama")
@@ -120,21 +122,22 @@ def test_planned_steps_run_eagerly_take_the_eager_decode_path(monkeypatch):
     plan = cache._plan_ahead
     cache._plan_ahead = lambda *args: planned.append(plan(*args)) or planned[-1]
     monkeypatch.setattr(cache, "_update_planned", lambda *args: pytest.fail("a planned step took the static path"))
-    decode_calls = []
-    real = attention.paged_attention
+    decode_calls, writes = [], []
+    paged_decode, write_kv = attention.paged_decode, attention.write_kv
 
-    def spy(*args, **kw):
-        if kw.get("max_query_len") == 1:
-            decode_calls.append((kw["max_seq_len"], kw.get("slot_mapping") is not None))
-        return real(*args, **kw)
+    def spy_decode(*args, **kw):
+        decode_calls.append((args[6], args[3].shape[1]))  # max_seq_len, block-table columns read
+        return paged_decode(*args, **kw)
 
-    monkeypatch.setattr(attention, "paged_attention", spy)
+    monkeypatch.setattr(attention, "paged_decode", spy_decode)
+    monkeypatch.setattr(attention, "write_kv", lambda *args: writes.append(1) or write_kv(*args))
     assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
     steps = sum(m is not None for m in planned)
     assert steps == 5  # every decode step was planned ahead ...
     layers = model.config.num_hidden_layers
-    # ... and ran eagerly: the K/V write fused, the split count for the longest row (9 columns + the step), not 40.
-    assert decode_calls == [(10 + step, True) for step in range(steps) for _ in range(layers)]
+    # ... and ran eagerly: the longest row's length (9 columns + the step), not max_cache_len's 40 (5 blocks).
+    assert decode_calls == [(10 + step, -(-(10 + step) // 8)) for step in range(steps) for _ in range(layers)]
+    assert len(writes) == steps * layers
     assert not cache._planned and not cache._planned_eager
     assert_cache_released(cache)
 
