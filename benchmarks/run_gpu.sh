@@ -15,7 +15,9 @@
 #             on nvidia-h100-x8 (or x4 with GRID_BUDGET_S's share), a shape a call on x2. GRID_REPEATS (default 3)
 #             sets --repeats, GRID_EAGER_REPEATS --eager-repeats (more rounds of the two eager systems)  (~5-9 min)
 #   grid-spread-llama-modes   the Llama-8B points' samples4 and beams4 cells, a process each (8 over the visible GPUs;
-#             the fourteenth session's x4 call finished only the Llama points' greedy cells within its 555 s)  (~9 min)
+#             the fifteenth session's 4 x H200 ran them in 307 s)                                             (~5 min)
+#   grid-spread-modes-qwen / grid-spread-modes-llama / grid-spread-modes   the whole grid a process a (point, mode)
+#             cell: 12 cells of one shape (a shape a call on x4: ~150 s a Llama cell, 3 a GPU), or all 24 (x8)  (~4-8 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
@@ -164,6 +166,13 @@ for part in "${parts[@]}"; do
         grid-spread) grid_spread grid-spread qwen3-0.6b:{1x512,8x1024,32x512,64x512} llama-8b:{64x512,32x512,8x1024,1x512} ;;
         # The Llama points' sampling and beam modes, a process each (a whole Llama point overruns a call's share on x4).
         grid-spread-llama-modes) grid_spread grid-spread-llama-modes llama-8b:{64x512,32x512,8x1024,1x512}:{samples4,beams4} ;;
+        # Every cell a process, point-major and heavy points first: dealt round-robin, each GPU gets a mix.
+        grid-spread-modes-qwen) grid_spread grid-spread-modes-qwen \
+            qwen3-0.6b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} ;;
+        grid-spread-modes-llama) grid_spread grid-spread-modes-llama \
+            llama-8b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} ;;
+        grid-spread-modes) grid_spread grid-spread-modes llama-8b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} \
+            qwen3-0.6b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} ;;
         trace)
             timeout 150 python3 benchmarks/engine_trace.py --workload nano --repeats 1 2>&1 | tail -16 | tee "$out/trace.md"
             for flag in "" --no-prefix-caching; do
@@ -281,7 +290,8 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             ;;
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes, profile, trace," \
+                "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2

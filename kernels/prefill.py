@@ -386,7 +386,9 @@ _PREFILL = Launcher(_paged_prefill_kernel)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) forcing the tiles of 2-byte dtypes at head_dim in (64, 128],
 # keyed by contig_kv (fresh prompts' K/V from the new-token tensors) or not; None = _default_tiles' choice. A module
 # switch for benchmarks/prefill_sweep.py and module_ab.py: the defaults spill registers on sm_90 (ptxas -v on Triton
-# 3.6: 604 and 220 bytes a thread), 128 x 32 tiles over 8 warps do not (RESULTS.md, fourteenth session); unmeasured.
+# 3.6: 604 and 220 bytes a thread), 128 x 32 tiles over 8 warps do not (RESULTS.md, fourteenth session), yet ran
+# slower at 4 x 1024 tokens on an H200 (fifteenth session). There short fresh prompts (32 x 128) took 62.4 µs with
+# the contig_kv default and 51.1 with the paged-read tiles on the same path: a length rule, not made yet.
 PREFILL_TILES: dict[bool, tuple[int, int, int, int, bool]] | None = None
 
 

@@ -37,7 +37,7 @@ def fake_path(tmp_path):
 
 def test_every_part_runs_through(fake_path, tmp_path):
     parts = [p for p in _parts() if p != "all"]
-    assert {"tests", "kernels", "table", "grid-spread", "cascade-prefix-ab", "cascade-merge-ab"} <= set(parts)
+    assert {"tests", "kernels", "table", "grid-spread", "grid-spread-modes-llama", "cascade-merge-ab"} <= set(parts)
     env = dict(os.environ, PATH=fake_path, GRID_BUDGET_S="30")
     for part in parts:
         out = tmp_path / part
