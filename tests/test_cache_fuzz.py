@@ -22,6 +22,10 @@ the same call on a DynamicCache (fp32, CPU, same weights, attn "sdpa"). The oper
   first decode step, and random calls; MemoryError only when the call needs more blocks than the pool has without
   any sharing; after it, ``reset()`` frees everything and a prepare()d call on the failed prompt's prefix matches.
 
+Caches: fixed pools and, with ``max_cache_len=64`` (compileable), a growing pool sized at each prefill, a fixed one
+and a tiny one: generate then plans every decode step ahead (its mask step), and the planned steps run eagerly (no
+compile on the CPU) with beams, samples, chunked prefill, crop, prompt lookup and MemoryError in a planned step.
+
 Attention: "paged" (the Triton kernels; TRITON_INTERPRET=1 on CPU; mistral's sliding window too) and "sdpa"
 (update() gathers contiguous K/V). After every call without beams, each row holds its real prompt tokens plus the
 tokens fed back (the pool keeps none), one per pool slot. After every operation: ``cache.reset()``,
@@ -95,6 +99,7 @@ def _check_rows(cache: PagedCache, inputs: dict, kwargs: dict, out: torch.Tensor
     """Row b holds its real prompt tokens and every token fed back (all but the last one generated)."""
     prompt_len = inputs["input_ids"].shape[1]
     mask = inputs["attention_mask"].bool().repeat_interleave(kwargs.get("num_return_sequences", 1), dim=0)
+    cache._finish_planned_step()  # max_cache_len: the last planned step's ids stay on the device until a host call
     assert len(cache._rows) == out.shape[0]
     for b, row in enumerate(cache._rows):
         expected = out[b, :prompt_len][mask[b]].tolist() + out[b, prompt_len:-1].tolist()
@@ -103,11 +108,13 @@ def _check_rows(cache: PagedCache, inputs: dict, kwargs: dict, out: torch.Tensor
 
 
 class _Fuzzer:
-    def __init__(self, family: str, attn: str, block_size: int, num_blocks: int, seed: int):
+    def __init__(
+        self, family: str, attn: str, block_size: int, num_blocks: int | None, seed: int, max_cache_len: int | None
+    ):
         self.rng = random.Random(seed)
         self.model = tiny_model(family, attn=attn)
         self.ref = tiny_model(family, attn="sdpa")
-        self.cache = PagedCache(self.model, num_blocks=num_blocks, block_size=block_size)
+        self.cache = PagedCache(self.model, num_blocks=num_blocks, block_size=block_size, max_cache_len=max_cache_len)
         self.block_size = block_size
         self.history: list[list[int]] = []  # earlier prompts and outputs: sources of shared prefixes
         self.num_skipped = 0
@@ -148,7 +155,7 @@ class _Fuzzer:
             out = _generate(self.model, self.cache, inputs, kwargs, seed)
         except MemoryError:
             need = _num_blocks_unshared(inputs, kwargs, self.block_size)
-            assert need > self.cache.pool.num_blocks, (need, inputs, kwargs)
+            assert self.cache._max_num_blocks is None and need > self.cache.pool.num_blocks, (need, inputs, kwargs)
             self._count("memory_error")
             assert_cache_released(self.cache)
             if "input_ids" in inputs:  # row 0's prompt: its blocks were the first to be indexed
@@ -298,19 +305,26 @@ class _Fuzzer:
         assert self.cache.pool.stats == before
 
 
+# (family, attention, block_size, num_blocks (None: a growing pool), max_cache_len (given: compileable, every decode
+# step planned ahead by generate's mask step; without a compile, as on the CPU, they run eagerly over the static
+# buffers; beams and assisted decoding too)).
 CONFIGS = {
-    "llama-paged": ("llama", "paged", 8, 40),
-    "llama-sdpa-gather": ("llama", "sdpa", 8, 40),
-    "llama-paged-tiny-pool": ("llama", "paged", 8, 6),
-    "mistral-sliding-paged": ("mistral", "paged", 16, 12),
+    "llama-paged": ("llama", "paged", 8, 40, None),
+    "llama-sdpa-gather": ("llama", "sdpa", 8, 40, None),
+    "llama-paged-tiny-pool": ("llama", "paged", 8, 6, None),
+    "mistral-sliding-paged": ("mistral", "paged", 16, 12, None),
+    "llama-paged-planned-growing": ("llama", "paged", 8, None, 64),
+    "llama-paged-planned-fixed": ("llama", "paged", 8, 40, 64),
+    "llama-paged-planned-tiny-pool": ("llama", "paged", 8, 6, 64),
 }
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_fuzz_generate_matches_dynamic_cache(config):
-    family, attn, block_size, num_blocks = CONFIGS[config]
+    family, attn, block_size, num_blocks, max_cache_len = CONFIGS[config]
     seed = SEED * len(CONFIGS) + sorted(CONFIGS).index(config)
-    counts = _Fuzzer(family, attn, block_size, num_blocks, seed=seed).run(STEPS)
+    fuzzer = _Fuzzer(family, attn, block_size, num_blocks, seed=seed, max_cache_len=max_cache_len)
+    counts = fuzzer.run(STEPS)
     print(f"{config}: {dict(sorted(counts.items()))}")
 
 
