@@ -53,8 +53,9 @@
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
 #   prefill-sweep  benchmarks/prefill_sweep.py: the prefill kernel's tiles (kernels.prefill.PREFILL_TILES) beside
 #             SDPA, fresh prompts of both model shapes, K/V through the block table and from the new tokens  (~2 min)
-#   stages-ab-8b  the 8B sharegpt workload with the long-split settings 64/2/4 and 64/3/4 forced, alternating
-#             (benchmarks/module_ab.py: LONG_SETTINGS, LONG_SETTINGS_BY_DEVICE={}; --repeats 1)             (~7 min)
+#   stages-ab-8b  the 8B sharegpt workload with the long-split settings 64/3/4 (the default) and STAGES_AB
+#             (default 32/3/1) forced, alternating (benchmarks/module_ab.py: LONG_SETTINGS,
+#             LONG_SETTINGS_BY_DEVICE={}; --repeats 1)                                                       (~7 min)
 #   table     the README's engine table, Qwen3-0.6B rows: nano, prefix caching on vs off, the short workload beside
 #             transformers' continuous batching (one run of it)                                             (~6 min)
 #   table-8b  the table's Llama-3.1-8B row: sharegpt, 512 requests                                          (~3 min)
@@ -206,7 +207,8 @@ for part in "${parts[@]}"; do
             done
             ;;
         stages-ab-8b)
-            for setting in "(64, 2, 4)" "(64, 3, 4)" "(64, 2, 4)" "(64, 3, 4)"; do
+            candidate=${STAGES_AB:-(32, 3, 1)}  # the fifteenth session's H200 sweep: ahead of 64/3/4 at 9 of 10 shapes
+            for setting in "(64, 3, 4)" "$candidate" "$candidate" "(64, 3, 4)"; do
                 echo "LONG_SETTINGS=$setting"
                 PYTHONPATH=$PWD timeout 140 python3 benchmarks/module_ab.py "hf_paged.kernels.decode.LONG_SETTINGS=$setting" \
                     "hf_paged.kernels.decode.LONG_SETTINGS_BY_DEVICE={}" -- --workload sharegpt --model llama-8b \
