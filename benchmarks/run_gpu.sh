@@ -4,6 +4,7 @@
 # most 10 minutes (the device tool's limit; a part's own timeouts add up to less):
 #   tests     kernel tests with every direct launch checked against Triton's own lookup (HF_PAGED_CHECK_LAUNCH=1),
 #             PagedCache's CUDA/compile tests, the engine's tests on CUDA                                   (~9 min)
+#   tests-cache  PagedCache's CUDA/compile tests alone                                                     (~1 min)
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
 #   generate  benchmarks/generate.py --quick (Qwen3-0.6B, 1x512 and 32x512, greedy and beams4, every system)  (~5 min)
@@ -73,15 +74,19 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || ln -sfn ../kernels hf_paged/kernels
 python3 -c "import hf_paged.kernels" || exit 1
 
+run_cache_tests() {  # PagedCache on CUDA: generate with the Triton kernels, the compiled path (inductor, CUDA graphs)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_cache_compile.py \
+        -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tee "$out/tests-cache.log" | tail -4 \
+        | tee -a "$out/tests.txt"
+}
+
 run_tests() {  # the summary lines here; every failure's traceback in $out/tests-*.log
     HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py \
         tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tee "$out/tests-kernels.log" | tail -4 \
         | tee "$out/tests.txt"
     HF_PAGED_CHECK_LAUNCH=1 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 \
         | tee "$out/tests-prefill.log" | tail -4 | tee -a "$out/tests.txt"
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_cache_compile.py \
-        -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tee "$out/tests-cache.log" | tail -4 \
-        | tee -a "$out/tests.txt"
+    run_cache_tests
     # The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
     HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
         tests/test_engine.py tests/test_async.py tests/test_engine_reliability.py tests/test_graph_steps.py \
@@ -149,6 +154,7 @@ prefix_ab() {  # prefix_ab MODULE.SWITCH VALUE...: the prefix workload (one proc
 for part in "${parts[@]}"; do
     case "$part" in
         tests) run_tests ;;
+        tests-cache) run_cache_tests ;;
         kernels) timeout 150 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40 ;;
         engine)
             timeout 200 python3 -m hf_paged.frontends.bench --workload nano --systems hf_paged --repeats 3 \
@@ -291,7 +297,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
         *)
-            echo "run_gpu.sh: unknown part '$part' (tests, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
+            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
