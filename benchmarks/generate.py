@@ -55,6 +55,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 import hf_paged
 from hf_paged import PagedCache
 from hf_paged.frontends.bench import SHAPES, build_model, emit_table
+from hf_paged.model_info import ModelInfo
 
 POINTS = [(1, 512), (8, 1024), (32, 512), (64, 512)]
 MODES = {
@@ -85,6 +86,7 @@ class Cell:
     peak_allocated: int | None = None  # bytes above the call's start; None off CUDA
     peak_reserved: int | None = None
     prefill_peak_allocated: int | None = None  # the peak as the prefill's logits arrive: prefill, or the decode steps
+    kv_bytes: int | None = None  # the K/V the cache held at the call's end (StaticCache: what it reserves)
     same_tokens: float | None = None  # share of output tokens equal to DynamicCache's (greedy)
     note: str = ""
     error: str = ""
@@ -189,7 +191,27 @@ def measure_once(model, cell: Cell, prompts: torch.Tensor) -> torch.Tensor:
         cell.prefill_peak_allocated = max(cell.prefill_peak_allocated or 0, prefill_peak)
     if isinstance(cache, PagedCache):
         cell.note = f"pool grew to {cache.pool.num_blocks} blocks ({cache.peak_used_blocks} used at peak)"
+    cell.kv_bytes = kv_bytes(model, cache, cell.system, prompts, cell.new_tokens, cell.mode)
     return out
+
+
+def kv_bytes(model, cache, system: str, prompts: torch.Tensor, new_tokens: int, mode: str) -> int | None:
+    """Bytes of K/V a call's cache holds at its end: a PagedCache's pool, a DynamicCache's tensors, and for
+    StaticCache (built inside generate) what it reserves: every row (copies for beams and samples included) at
+    prompt + new tokens, each layer's K and V. Beside the peak, this splits it into cache and everything else."""
+    if isinstance(cache, PagedCache):
+        return sum(t.numel() * t.element_size() for t in (*cache.kv.k_cache, *cache.kv.v_cache))
+    if system == "static":
+        copies = max(MODES[mode].get("num_beams", 1), MODES[mode].get("num_return_sequences", 1))
+        tokens = prompts.shape[0] * copies * (prompts.shape[1] + new_tokens)
+        return tokens * ModelInfo.from_model(model).bytes_per_block(1)
+    total = 0
+    for layer in getattr(cache, "layers", None) or []:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total or None
 
 
 def run_cells(
@@ -277,6 +299,9 @@ def format_table(cells: list[Cell], title: str) -> str:
         notes = [c.note] if c.note else []
         if c.prefill_peak_allocated is not None:
             notes.append(f"{_gib(c.prefill_peak_allocated)} GiB by the prefill's end")
+        if c.kv_bytes is not None:
+            rest = f", peak {_gib(c.peak_allocated - c.kv_bytes)} GiB above it" if c.peak_allocated is not None else ""
+            notes.append(f"K/V {_gib(c.kv_bytes)} GiB{rest}")
         if c.same_tokens is not None and c.system != "dynamic":
             notes.append(f"{c.same_tokens:.1%} tokens equal to dynamic")
         tok_s = c.rows * c.new_tokens / statistics.median(c.total_s)

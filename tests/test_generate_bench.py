@@ -4,6 +4,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
+from models import cache_kwarg, tiny_model
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
 _spec = importlib.util.spec_from_file_location("generate_bench", _PATH)
@@ -52,6 +54,28 @@ def test_table_has_ratios_to_dynamic_and_failed_cells():
     assert lines[6].endswith("| out of memory |")
     cells[1].prefill_peak_allocated = 3 * 2**29  # the peak split: by the prefill's end, and over the whole call
     assert "pool grew to 9 blocks; 1.500 GiB by the prefill's end;" in bench.format_table(cells, "").splitlines()[5]
+    cells[1].kv_bytes = 3 * 2**28  # and into the cache's K/V and the rest
+    assert "; K/V 0.750 GiB, peak 0.250 GiB above it;" in bench.format_table(cells, "").splitlines()[5]
+
+
+def test_kv_bytes_of_each_cache():
+    """The K/V each system's cache holds: PagedCache's pool, DynamicCache's tensors, and StaticCache's reservation
+    (every row and copy at prompt + new tokens), computed as generate would build it."""
+    from transformers import DynamicCache
+
+    from hf_paged import PagedCache
+    from hf_paged.model_info import ModelInfo
+
+    model = tiny_model("llama")
+    per_token = ModelInfo.from_model(model).bytes_per_block(1)
+    prompts = torch.randint(3, 90, (2, 10))
+    paged = PagedCache(model, num_blocks=7, block_size=8)
+    assert bench.kv_bytes(model, paged, "paged", prompts, 5, "greedy") == 7 * 8 * per_token
+    assert bench.kv_bytes(model, None, "static", prompts, 5, "beams4") == 2 * 4 * 15 * per_token
+    dynamic = DynamicCache(config=model.config)
+    model.generate(prompts, max_new_tokens=5, min_new_tokens=5, do_sample=False, **{cache_kwarg(): dynamic})
+    assert bench.kv_bytes(model, dynamic, "dynamic", prompts, 5, "greedy") == 2 * 14 * per_token
+    assert bench.kv_bytes(model, DynamicCache(config=model.config), "dynamic", prompts, 5, "greedy") is None
 
 
 def test_cpu_smoke_run_writes_the_table(tmp_path):
