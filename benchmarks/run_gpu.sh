@@ -63,6 +63,8 @@
 #   table-8b  the table's Llama-3.1-8B row: sharegpt, 512 requests                                          (~3 min)
 #   all       tests, kernels, generate (the default; longer than one call)
 # Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR] [PART ...]
+#        bash benchmarks/run_gpu.sh OUTDIR --spread QUEUE...   (QUEUE = PART[+PART...], a GPU each, all at once; not the
+#        grid parts, tests or all)
 set -uo pipefail
 out=${1:-${OUT:-/tmp/hf_paged_out}}
 shift || true
@@ -152,7 +154,8 @@ prefix_ab() {  # prefix_ab MODULE.SWITCH VALUE...: the prefix workload (one proc
     done
 }
 
-for part in "${parts[@]}"; do
+run_part() {  # run_part PART: one part, its figures under $out
+    local part=$1
     case "$part" in
         tests) run_tests ;;
         tests-cache) run_cache_tests ;;
@@ -217,7 +220,7 @@ for part in "${parts[@]}"; do
             candidate=${STAGES_AB:-(32, 3, 1)}  # the fifteenth session's H200 sweep: ahead of 64/3/4 at 9 of 10 shapes
             for setting in "(64, 3, 4)" "$candidate" "$candidate" "(64, 3, 4)"; do
                 echo "LONG_SETTINGS=$setting"
-                PYTHONPATH=$PWD timeout 140 python3 benchmarks/module_ab.py "hf_paged.kernels.decode.LONG_SETTINGS=$setting" \
+                PYTHONPATH=$PWD timeout 130 python3 benchmarks/module_ab.py "hf_paged.kernels.decode.LONG_SETTINGS=$setting" \
                     "hf_paged.kernels.decode.LONG_SETTINGS_BY_DEVICE={}" -- --workload sharegpt --model llama-8b \
                     --systems hf_paged --repeats 1 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
@@ -262,7 +265,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         cascade-prefix-ab) prefix_ab hf_paged.kernels.decode.CASCADE_PREFIX_SETTINGS None "(32, 8)" "(32, 8)" None ;;
         autotune-ab)
             tuned="{'mode': 'max-autotune-no-cudagraphs'}"
-            for run in "100 {}" "230 $tuned" "150 $tuned" "100 {}"; do  # seconds, options (autotuning, then cached)
+            for run in "80 {}" "250 $tuned" "130 $tuned" "80 {}"; do  # seconds, options (autotuning, then cached)
                 echo "LAYER_COMPILE_OPTIONS=${run#* }"
                 PYTHONPATH=$PWD timeout "${run%% *}" python3 benchmarks/module_ab.py \
                     "hf_paged.engine.model_runner.LAYER_COMPILE_OPTIONS=${run#* }" -- --workload prefix \
@@ -305,4 +308,37 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             exit 2
             ;;
     esac
-done
+}
+
+if [ "${parts[0]}" = "--spread" ]; then
+    # --spread QUEUE...: each queue (parts joined by '+') on a GPU of its own, all queues at once, so a multi-GPU kind
+    # runs several single-GPU parts in one call. An A/B keeps its alternation on its one GPU; the queues share the
+    # host, so compare figures within a queue, never across queues.
+    queues=("${parts[@]:1}")
+    ngpu=$(nvidia-smi -L | wc -l)
+    for ((i = 0; i < ${#queues[@]}; i++)); do
+        IFS=+ read -ra queue <<<"${queues[$i]}"
+        for part in "${queue[@]}"; do
+            [[ $part == grid* || $part == all || $part == tests ]] && {
+                echo "run_gpu.sh: part '$part' spreads over every GPU or runs too long for --spread" >&2
+                exit 2
+            }
+        done
+    done
+    echo "spread: ${#queues[@]} queues over $ngpu GPUs"
+    pids=()
+    for ((i = 0; i < ${#queues[@]}; i++)); do
+        (
+            IFS=+ read -ra queue <<<"${queues[$i]}"
+            export CUDA_VISIBLE_DEVICES=$((i % ngpu))
+            for part in "${queue[@]}"; do run_part "$part"; done 2>&1 | sed -u "s/^/[gpu$CUDA_VISIBLE_DEVICES] /"
+            exit $((PIPESTATUS[0] == 2 ? 2 : 0))  # 2: an unknown part (a grep finding no row is not a failure)
+        ) &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+    exit $status
+else
+    for part in "${parts[@]}"; do run_part "$part"; done
+fi

@@ -29,7 +29,7 @@ def fake_path(tmp_path):
         '#!/bin/bash\nif [ "$1" = "-L" ]; then echo "GPU 0: stand-in"; echo "GPU 1: stand-in"; '
         'else echo "stand-in GPU, 80 GiB, 1"; fi\n'
     )
-    (bin_dir / "python3").write_text('#!/bin/bash\necho "| hf_paged | ran: $* |"\n')
+    (bin_dir / "python3").write_text('#!/bin/bash\necho "| hf_paged | ran: $* | gpu ${CUDA_VISIBLE_DEVICES:-all} |"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
@@ -55,3 +55,24 @@ def test_an_unknown_part_is_refused(fake_path, tmp_path):
     result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "no-such-part"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "unknown part 'no-such-part'" in result.stderr
+
+
+def test_spread_runs_each_queue_on_its_own_gpu(fake_path, tmp_path):
+    env = dict(os.environ, PATH=fake_path)
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "--spread", "kernels+sweep", "prefill-sweep"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    on = {gpu: [line for line in lines if line.startswith(f"[gpu{gpu}] ")] for gpu in (0, 1)}
+    assert any("decode_sweep.py" in line for line in on[0]) and any("kernels.py" in line for line in on[0])
+    assert any("prefill_sweep.py" in line for line in on[1]) and not any("prefill_sweep" in line for line in on[0])
+    assert all("gpu 0 " in line for line in on[0] if "ran:" in line)
+    assert all("gpu 1 " in line for line in on[1] if "ran:" in line)
+
+
+@pytest.mark.parametrize("queue", ["grid-spread-modes-qwen", "kernels+tests", "no-such-part"])
+def test_spread_refuses_what_cannot_share_the_host(fake_path, tmp_path, queue):
+    env = dict(os.environ, PATH=fake_path)
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "--spread", "kernels", queue], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2, (result.stdout[-1000:], result.stderr[-1000:])
