@@ -68,6 +68,26 @@ def stub_kernels() -> None:
     cache_module.write_kv = write_kv
     paged_attention_module.write_kv = write_kv
     paged_attention_module.paged_attention = paged_attention
+    gpu_decode_branch()
+
+
+def _flip_device_test(module, name: str, device_test: str, targets: tuple) -> None:
+    """Run ``module.name``'s own source with ``device_test`` flipped (``is_cuda`` -> ``is_cpu``) and install it in
+    ``targets``: the CPU tensors here then take the branch a GPU takes."""
+    source = inspect.getsource(getattr(module, name))
+    if source.count(device_test) != 1:
+        raise RuntimeError(f"cache_host_time: {name} no longer tests its device with {device_test!r}; update this")
+    scope = dict(vars(module))
+    exec(source.replace(device_test, device_test.replace("is_cuda", "is_cpu")), scope)  # noqa: S102
+    for target in targets:
+        if hasattr(target, name):
+            setattr(target, name, scope[name])
+
+
+def gpu_decode_branch() -> None:
+    """The eager decode step's attention takes its GPU branch (``paged_attention``), not the CPU one (the vectorised
+    decode reference, real arithmetic)."""
+    _flip_device_test(paged_attention_module, "_context_attention", "if not query.is_cuda and", (paged_attention_module,))
 
 
 def keep_wrappers() -> None:
@@ -79,14 +99,8 @@ def keep_wrappers() -> None:
     launch_module.Launcher.__call__ = no_launch
     # The dispatchers send CPU tensors to the torch references: run their own source with the device test flipped.
     for name, device_test in (("write_kv", "if k_cache.is_cuda:"), ("paged_attention", "if not query.is_cuda:")):
-        source = inspect.getsource(getattr(kernels_module, name))
-        if source.count(device_test) != 1:
-            raise RuntimeError(f"--wrappers: {name} no longer tests its device with {device_test!r}; update this")
-        scope = dict(vars(kernels_module))
-        exec(source.replace(device_test, device_test.replace("is_cuda", "is_cpu")), scope)  # noqa: S102
-        for module in (kernels_module, cache_module, paged_attention_module):
-            if hasattr(module, name):
-                setattr(module, name, scope[name])
+        _flip_device_test(kernels_module, name, device_test, (kernels_module, cache_module, paged_attention_module))
+    gpu_decode_branch()
 
 
 class PlanTimer:

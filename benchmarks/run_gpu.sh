@@ -19,6 +19,8 @@
 #             the fifteenth session's 4 x H200 ran them in 307 s)                                             (~5 min)
 #   grid-spread-modes-qwen / grid-spread-modes-llama / grid-spread-modes   the whole grid a process a (point, mode)
 #             cell: 12 cells of one shape (a shape a call on x4: ~150 s a Llama cell, 3 a GPU), or all 24 (x8)  (~4-8 min)
+#   memory    benchmarks/generate_memory.py: the allocator's live blocks at a generate() call's peak, by allocating
+#             code, compiled StaticCache vs compiled PagedCache (Qwen3-0.6B 64x512, Llama-3.1-8B 32x512, greedy) (~5 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
@@ -35,8 +37,8 @@
 #   cascade-write-ab  the prefix workload (cascade_attention on by default), its shared-prefix decode steps writing K/V
 #             in the decode kernel off and on, alternating twice (module_ab.py: CASCADE_FUSED_DECODE_WRITE)     (~3 min)
 #   cascade-bytes-ab  the prefix workload with the shared-prefix decode's threshold (model_runner.
-#             CASCADE_MIN_SAVED_BYTES) at 16 MiB a layer (now) and 64 MiB (cascade from ~48 rows of a 336-token prefix
-#             on Qwen3-0.6B, where the thirteenth session's trace saw it pay), alternating, then both traced (~4 min)
+#             CASCADE_MIN_SAVED_BYTES) at 16 MiB a layer (before the sixteenth session) and 64 MiB (now: cascade from
+#             ~48 rows of a 336-token prefix on Qwen3-0.6B), alternating, then both traced                     (~4 min)
 #   cascade-suffix-ab  the decode kernel's settings for shared-prefix calls (decode_sweep.py --prefix-len 336: the
 #             prefix workload's steps and longer suffixes), then the fastest at 224 rows end to end against the
 #             default, alternating (module_ab.py: kernels.decode.CASCADE_SUFFIX_SETTINGS)                     (~4 min)
@@ -293,6 +295,12 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             ;;
         table-8b) timeout 240 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md" --model llama-8b \
             --workload sharegpt --systems hf_paged 2>&1 | grep "^| hf_paged" ;;
+        memory)
+            timeout 150 python3 benchmarks/generate_memory.py --shape qwen3-0.6b --point 64x512 2>&1 | grep -v Warn \
+                | tee "$out/memory.txt" | tail -40
+            timeout 200 python3 benchmarks/generate_memory.py --shape llama-8b --point 32x512 2>&1 | grep -v Warn \
+                | tee -a "$out/memory.txt" | tail -40
+            ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -302,7 +310,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, profile, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, memory, profile, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2

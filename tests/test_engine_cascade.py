@@ -177,7 +177,7 @@ def test_default_threshold_is_the_bytes_model():
     runner = engine.runner
     bytes_per_token = 2 * 2 * 16 * 4  # K and V x 2 KV heads x head_dim 16 x fp32: the tiny llama's
     assert runner._kv_bytes_per_token == bytes_per_token
-    assert CASCADE_MIN_SAVED_BYTES == 16 << 20
+    assert CASCADE_MIN_SAVED_BYTES == 64 << 20
     tables = np.array([[4, 7, 9, 1], [4, 7, 2, 0], [4, 7, 3, 5]], dtype=np.int32)
     seq_lens = np.array([30, 20, 25], dtype=np.int32)  # 2 shared blocks of 8: a 16-token prefix
     plan = ForwardPlan(np.zeros(3, np.int64), np.zeros(3, np.int64), tables, seq_lens, np.arange(4, dtype=np.int32),

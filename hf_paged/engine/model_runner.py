@@ -83,12 +83,12 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192,
 MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 3072, 4096, 6144, 8192)
 
 # Shared-prefix decode runs when the KV bytes it saves in a layer, (decode rows - 1) x prefix tokens x K/V bytes of a
-# token, reach this: 16 MiB is about 5 us of an H100's HBM bandwidth (3.35 TB/s), above the fixed cost of the
-# prefix kernel, the merge and one partial per row (a few us a layer). Qwen3-0.6B (4 KiB of K/V a token a layer):
-# 200 rows from 21 shared tokens on, 8 rows from 586. Measured (H100, thirteenth session, engine_trace.py on the prefix
-# workload, 336 shared tokens): cascade steps of 17-32 rows took ~0.13 ms longer than plain ones, 48-64 rows even,
-# 80 and up faster; so the break-even is nearer 64 MiB here (run_gpu.sh part cascade-bytes-ab, not yet run).
-CASCADE_MIN_SAVED_BYTES = 16 << 20
+# token, reach this, above the fixed cost of the prefix kernel and one partial per row. Qwen3-0.6B (4 KiB of K/V a
+# token a layer): 48 rows of a 336-token prefix, 200 rows from 82 shared tokens on. Measured: the thirteenth
+# session's H100 trace of the prefix workload (336 shared tokens) had cascade steps of 17-32 rows ~0.13 ms slower
+# than plain ones, 48-64 even, 80 and up faster; the sixteenth session's H200 A/B (run_gpu.sh cascade-bytes-ab, A B B
+# A) ran the workload at 48 979 / 49 186 output tok/s with 64 MiB against 48 587 / 48 860 with the earlier 16 MiB.
+CASCADE_MIN_SAVED_BYTES = 64 << 20
 
 
 # compile_model="layers": each decoder layer (LlamaDecoderLayer, Qwen3DecoderLayer...) is compiled in place. The

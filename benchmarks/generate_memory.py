@@ -1,0 +1,112 @@
+"""Where a generate() call's peak memory goes, per system: the CUDA allocator's live blocks at the peak, by the code
+that allocated them (issue 14: compiled PagedCache peaked a few MB above compiled StaticCache at greedy, batch >= 8,
+with the same K/V bytes; this names the difference).
+
+For each system, one warm-up call (compile, CUDA graphs, allocator), then one call under
+``torch.cuda.memory._record_memory_history``; the trace is replayed (alloc / free events) to find the moment of the
+peak, and the blocks live then are grouped by their innermost frame in hf_paged, transformers or this benchmark's
+caller (a torch-internal frame when there is none). The tables print the largest groups and, against the first
+system, the groups that differ.
+
+Run (CUDA): python benchmarks/generate_memory.py [--shape qwen3-0.6b] [--point 64x512] [--mode greedy]
+            [--systems static paged-compiled]
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from generate import MODES, SYSTEMS, generate_once  # noqa: E402
+
+from hf_paged.frontends.bench import build_model  # noqa: E402
+
+OURS = ("hf_paged", "transformers", "generate.py")
+
+
+def frame_label(frames: list[dict]) -> str:
+    """The innermost frame of our code or transformers' (file:line function), else the innermost frame."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(part in name for part in OURS) and "torch/" not in name:
+            return f"{name.rsplit('site-packages/', 1)[-1].rsplit('/work/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+    if frames:
+        return f"{frames[0].get('filename', '?').rsplit('/', 1)[-1]}:{frames[0].get('line')} {frames[0].get('name')}"
+    return "(no frames)"
+
+
+def peak_groups(snapshot: dict) -> tuple[int, dict[str, int], int]:
+    """(peak bytes above the recording's start, {frame label: live bytes at the peak}, events replayed)."""
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    live: dict[int, int] = {}
+    current = peak = peak_at = 0
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"]
+            current += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])
+        if current > peak:
+            peak, peak_at = current, i
+    owner: dict[int, dict] = {}
+    for event in events[: peak_at + 1]:
+        if event["action"] == "alloc":
+            owner[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            owner.pop(event["addr"], None)
+    groups: dict[str, int] = collections.Counter()
+    for event in owner.values():
+        groups[frame_label(event.get("frames") or [])] += event["size"]
+    return peak, dict(groups), len(events)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--point", default="64x512")
+    parser.add_argument("--mode", default="greedy", choices=sorted(MODES))
+    parser.add_argument("--systems", nargs="+", default=["static", "paged-compiled"], choices=SYSTEMS)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/generate_memory.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    batch, prompt = (int(x) for x in args.point.split("x"))
+    model = build_model(args.shape, device="cuda")
+    prompts = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.cuda()
+    results = {}
+    for system in args.systems:
+        generate_once(model, system, prompts, args.new_tokens, args.mode)  # warm-up: compile, graphs, allocator
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        try:
+            out = generate_once(model, system, prompts, args.new_tokens, args.mode)
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        peak, groups, num_events = peak_groups(snapshot)
+        results[system] = groups
+        print(f"\n== {system}: peak {peak / 2**20:.1f} MiB above the call's start in the trace "
+              f"(max_memory_allocated above the start: {out[4] / 2**20:.1f} MiB), {num_events} allocator events")  # fmt: skip
+        for label, size in sorted(groups.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"  {size / 2**20:10.2f} MiB  {label}")
+        del out
+        torch.cuda.empty_cache()
+    first, *others = args.systems
+    for system in others:
+        print(f"\n== {system} minus {first}, live at each one's peak (groups differing by >= 0.1 MiB)")
+        labels = set(results[first]) | set(results[system])
+        diffs = {label: results[system].get(label, 0) - results[first].get(label, 0) for label in labels}
+        for label, diff in sorted(diffs.items(), key=lambda kv: -abs(kv[1])):
+            if abs(diff) >= 0.1 * 2**20:
+                print(f"  {diff / 2**20:+10.2f} MiB  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
