@@ -87,7 +87,8 @@ def _flip_device_test(module, name: str, device_test: str, targets: tuple) -> No
 def gpu_decode_branch() -> None:
     """The eager decode step's attention takes its GPU branch (``paged_attention``), not the CPU one (the vectorised
     decode reference, real arithmetic)."""
-    _flip_device_test(paged_attention_module, "_context_attention", "if not query.is_cuda and", (paged_attention_module,))
+    module = paged_attention_module
+    _flip_device_test(module, "_context_attention", "if not query.is_cuda and", (module,))
 
 
 def keep_wrappers() -> None:

@@ -32,7 +32,8 @@ def frame_label(frames: list[dict]) -> str:
     for frame in frames:
         name = frame.get("filename", "")
         if any(part in name for part in OURS) and "torch/" not in name:
-            return f"{name.rsplit('site-packages/', 1)[-1].rsplit('/work/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+            short = name.rsplit("site-packages/", 1)[-1].rsplit("/work/", 1)[-1]
+            return f"{short}:{frame.get('line')} {frame.get('name')}"
     if frames:
         return f"{frames[0].get('filename', '?').rsplit('/', 1)[-1]}:{frames[0].get('line')} {frames[0].get('name')}"
     return "(no frames)"
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.memory._record_memory_history(enabled=None)
         peak, groups, num_events = peak_groups(snapshot)
         results[system] = groups
-        print(f"\n== {system}: peak {peak / 2**20:.1f} MiB above the call's start in the trace "
-              f"(max_memory_allocated above the start: {out[4] / 2**20:.1f} MiB), {num_events} allocator events")  # fmt: skip
+        print(f"\n== {system}: peak {peak / 2**20:.1f} MiB above the call's start in the trace (max_memory_allocated"
+              f" above the start: {out[4] / 2**20:.1f} MiB), {num_events} allocator events")  # fmt: skip
         for label, size in sorted(groups.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"  {size / 2**20:10.2f} MiB  {label}")
         del out
