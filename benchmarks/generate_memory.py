@@ -25,18 +25,23 @@ from generate import MODES, SYSTEMS, generate_once  # noqa: E402
 from hf_paged.frontends.bench import build_model  # noqa: E402
 
 OURS = ("hf_paged", "transformers", "generate.py")
+LARGEST = 8  # the largest blocks live at the peak, printed with their frames
 
 
-def frame_label(frames: list[dict]) -> str:
-    """The innermost frame of our code or transformers' (file:line function), else the innermost frame."""
-    for frame in frames:
-        name = frame.get("filename", "")
-        if any(part in name for part in OURS) and "torch/" not in name:
-            short = name.rsplit("site-packages/", 1)[-1].rsplit("/work/", 1)[-1]
-            return f"{short}:{frame.get('line')} {frame.get('name')}"
-    if frames:
-        return f"{frames[0].get('filename', '?').rsplit('/', 1)[-1]}:{frames[0].get('line')} {frames[0].get('name')}"
-    return "(no frames)"
+def _short(frame: dict) -> str:
+    name = frame.get("filename", "?")
+    name = name.rsplit("-packages/", 1)[-1].rsplit("/work/", 1)[-1]
+    return f"{name}:{frame.get('line')} {frame.get('name')}"
+
+
+def frame_label(frames: list[dict], depth: int = 2) -> str:
+    """The innermost ``depth`` frames of our code, transformers' or this benchmark's (innermost first, joined by
+    " < "), else the innermost frame of any code."""
+    names = [f.get("filename", "") for f in frames]
+    ours = [f for f, name in zip(frames, names, strict=True) if any(p in name for p in OURS) and "torch/" not in name]
+    if ours:
+        return " < ".join(_short(f) for f in ours[:depth])
+    return _short(frames[0]) if frames else "(no frames)"
 
 
 def peak_groups(snapshot: dict) -> tuple[int, dict[str, int], int]:
@@ -61,6 +66,10 @@ def peak_groups(snapshot: dict) -> tuple[int, dict[str, int], int]:
     groups: dict[str, int] = collections.Counter()
     for event in owner.values():
         groups[frame_label(event.get("frames") or [])] += event["size"]
+    largest = sorted(owner.values(), key=lambda e: -e["size"])[:LARGEST]
+    for event in largest:
+        frames = event.get("frames") or []
+        print(f"    live at the peak: {event['size'] / 2**20:9.2f} MiB  {frame_label(frames, depth=4)}")
     return peak, dict(groups), len(events)
 
 

@@ -30,7 +30,12 @@ def test_the_peak_is_found_by_replay_and_grouped_by_our_frame():
     assert groups == {"main/hf_paged/cache.py:7 cache": 120, "main/hf_paged/attention.py:7 attention": 80}
 
 
+def test_labels_join_our_innermost_frames():
+    frames = [*_frames("attention"), {"filename": "/x/site-packages/transformers/a.py", "line": 2, "name": "f"}]
+    assert frame_label(frames) == "main/hf_paged/attention.py:7 attention < transformers/a.py:2 f"
+
+
 def test_a_block_of_no_frame_of_ours_takes_the_innermost_frame():
     frames = [{"filename": "/x/site-packages/torch/_ops.py", "line": 3, "name": "__call__"}]
-    assert frame_label(frames) == "_ops.py:3 __call__"
+    assert frame_label(frames) == "torch/_ops.py:3 __call__"
     assert frame_label([]) == "(no frames)"
