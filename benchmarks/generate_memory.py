@@ -26,6 +26,7 @@ from hf_paged.frontends.bench import build_model  # noqa: E402
 
 OURS = ("hf_paged", "transformers", "generate.py")
 LARGEST = 8  # the largest blocks live at the peak, printed with their frames
+SIZES: list[collections.Counter] = []  # each replayed peak: {block size: count live}
 
 
 def _short(frame: dict) -> str:
@@ -70,6 +71,7 @@ def peak_groups(snapshot: dict) -> tuple[int, dict[str, int], int]:
     for event in largest:
         frames = event.get("frames") or []
         print(f"    live at the peak: {event['size'] / 2**20:9.2f} MiB  {frame_label(frames, depth=4)}")
+    SIZES.append(collections.Counter(e["size"] for e in owner.values()))
     return peak, dict(groups), len(events)
 
 
@@ -108,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         del out
         torch.cuda.empty_cache()
     first, *others = args.systems
+    for system, sizes in zip(others, SIZES[1:], strict=False):
+        extra, missing = sizes - SIZES[0], SIZES[0] - sizes
+        print(
+            f"\n== blocks live at {system}'s peak and not at {first}'s, by size (bytes x count): "
+            f"{sum(k * v for k, v in extra.items()) / 2**20:.2f} MiB in {sorted(extra.items(), reverse=True)[:24]}"
+        )
+        print(f"   and the reverse: {sum(k * v for k, v in missing.items()) / 2**20:.2f} MiB in "
+              f"{sorted(missing.items(), reverse=True)[:24]}")  # fmt: skip
     for system in others:
         print(f"\n== {system} minus {first}, live at each one's peak (groups differing by >= 0.1 MiB)")
         labels = set(results[first]) | set(results[system])
