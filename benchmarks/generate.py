@@ -10,8 +10,9 @@ Grid: shapes x (batch x prompt) points x modes x systems.
 - systems: ``dynamic`` = DynamicCache + sdpa (transformers' default); ``static`` = ``cache_implementation="static"``
   + sdpa, which transformers compiles (``torch.compile``, CUDA graphs) for the decode steps; ``paged`` = PagedCache
   + "paged" attention, eager, with its default pool (it grows with what the call uses); ``paged-compiled`` =
-  ``PagedCache(model, max_cache_len=prompt + new tokens)``, which transformers compiles as it does StaticCache (its
-  pool is sized at the prefill for every row to reach max_cache_len; beam search runs eagerly in transformers).
+  ``PagedCache(model, max_cache_len=prompt + new tokens - 1)`` (the length generate gives StaticCache: the last new
+  token is never fed back), which transformers compiles as it does StaticCache (its pool is sized at the prefill for
+  every row to reach max_cache_len, in whole blocks; beam search runs eagerly in transformers).
 
 Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles;
 the systems of a (shape, point, mode) take turns, one call each per round, so host noise hits them alike; with
@@ -156,7 +157,7 @@ def generate_once(model, system: str, prompts: torch.Tensor, new_tokens: int, mo
         if system == "dynamic":
             cache = DynamicCache(config=model.config)
         elif system == "paged-compiled":
-            cache = PagedCache(model, max_cache_len=prompts.shape[1] + new_tokens)
+            cache = PagedCache(model, max_cache_len=prompts.shape[1] + new_tokens - 1)  # StaticCache's length
         else:
             cache = PagedCache(model)
         kwargs[_cache_kwarg()] = cache
@@ -198,12 +199,13 @@ def measure_once(model, cell: Cell, prompts: torch.Tensor) -> torch.Tensor:
 def kv_bytes(model, cache, system: str, prompts: torch.Tensor, new_tokens: int, mode: str) -> int | None:
     """Bytes of K/V a call's cache holds at its end: a PagedCache's pool, a DynamicCache's tensors, and for
     StaticCache (built inside generate) what it reserves: every row (copies for beams and samples included) at
-    prompt + new tokens, each layer's K and V. Beside the peak, this splits it into cache and everything else."""
+    prompt + new tokens - 1 (generate's max_length - 1), each layer's K and V. Beside the peak, this splits it into
+    cache and everything else."""
     if isinstance(cache, PagedCache):
         return sum(t.numel() * t.element_size() for t in (*cache.kv.k_cache, *cache.kv.v_cache))
     if system == "static":
         copies = max(MODES[mode].get("num_beams", 1), MODES[mode].get("num_return_sequences", 1))
-        tokens = prompts.shape[0] * copies * (prompts.shape[1] + new_tokens)
+        tokens = prompts.shape[0] * copies * (prompts.shape[1] + new_tokens - 1)
         return tokens * ModelInfo.from_model(model).bytes_per_block(1)
     total = 0
     for layer in getattr(cache, "layers", None) or []:

@@ -60,7 +60,7 @@ def test_table_has_ratios_to_dynamic_and_failed_cells():
 
 def test_kv_bytes_of_each_cache():
     """The K/V each system's cache holds: PagedCache's pool, DynamicCache's tensors, and StaticCache's reservation
-    (every row and copy at prompt + new tokens), computed as generate would build it."""
+    (every row and copy at prompt + new tokens - 1), computed as generate builds it."""
     from transformers import DynamicCache
 
     from hf_paged import PagedCache
@@ -71,7 +71,11 @@ def test_kv_bytes_of_each_cache():
     prompts = torch.randint(3, 90, (2, 10))
     paged = PagedCache(model, num_blocks=7, block_size=8)
     assert bench.kv_bytes(model, paged, "paged", prompts, 5, "greedy") == 7 * 8 * per_token
-    assert bench.kv_bytes(model, None, "static", prompts, 5, "beams4") == 2 * 4 * 15 * per_token
+    assert bench.kv_bytes(model, None, "static", prompts, 5, "beams4") == 2 * 4 * 14 * per_token
+    static = model.generate(prompts, max_new_tokens=5, min_new_tokens=5, do_sample=False, num_beams=4,
+                            cache_implementation="static", return_dict_in_generate=True).past_key_values  # fmt: skip
+    held = sum(t.numel() * t.element_size() for layer in static.layers for t in (layer.keys, layer.values))
+    assert bench.kv_bytes(model, None, "static", prompts, 5, "beams4") == held
     dynamic = DynamicCache(config=model.config)
     model.generate(prompts, max_new_tokens=5, min_new_tokens=5, do_sample=False, **{cache_kwarg(): dynamic})
     assert bench.kv_bytes(model, dynamic, "dynamic", prompts, 5, "greedy") == 2 * 14 * per_token
