@@ -22,6 +22,8 @@
 #   memory    benchmarks/generate_memory.py: the allocator's live blocks at a generate() call's peak, by allocating
 #             code, compiled StaticCache vs compiled PagedCache (Qwen3-0.6B 64x512, Llama-3.1-8B 32x512, greedy) (~5 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
+#   profile-python  the same call under cProfile (Python functions by own time): where eager PagedCache's greedy
+#             steps at batch 32-64 spend the 4-9% they trail DynamicCache by (sixteenth session's grid)      (~3 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
 #   kernels-step-prefix  the same for the prefix workload's decode steps (224, 128 and 32 rows sharing a 341-token
@@ -301,6 +303,8 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 200 python3 benchmarks/generate_memory.py --shape llama-8b --point 32x512 2>&1 | grep -v Warn \
                 | tee -a "$out/memory.txt" | tail -40
             ;;
+        profile-python) timeout 240 python3 benchmarks/generate_profile.py --python --rounds 3 --rows 30 2>&1 \
+            | grep -v Warning | tee "$out/profile-python.txt" | tail -80 ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -310,7 +314,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, memory, profile, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, memory, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
