@@ -11,8 +11,9 @@ Grid: shapes x (batch x prompt) points x modes x systems.
   + sdpa, which transformers compiles (``torch.compile``, CUDA graphs) for the decode steps; ``paged`` = PagedCache
   + "paged" attention, eager, with its default pool (it grows with what the call uses); ``paged-compiled`` =
   ``PagedCache(model, max_cache_len=prompt + new tokens - 1)`` (the length generate gives StaticCache: the last new
-  token is never fed back), which transformers compiles as it does StaticCache (its pool is sized at the prefill for
-  every row to reach max_cache_len, in whole blocks; beam search runs eagerly in transformers).
+  token is never fed back), which transformers compiles as it does StaticCache (its pool holds the prefill's blocks
+  during the prefill, then grows once, before the first decode step, for every row to reach max_cache_len, in whole
+  blocks; beam search runs eagerly in transformers).
 
 Measures, per grid cell, ``--repeats`` times (after a warm-up call with the same arguments, which also compiles;
 the systems of a (shape, point, mode) take turns, one call each per round, so host noise hits them alike; with

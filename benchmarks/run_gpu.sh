@@ -19,6 +19,7 @@
 #             the fifteenth session's 4 x H200 ran them in 307 s)                                             (~5 min)
 #   grid-spread-modes-qwen / grid-spread-modes-llama / grid-spread-modes   the whole grid a process a (point, mode)
 #             cell: 12 cells of one shape (a shape a call on x4: ~150 s a Llama cell, 3 a GPU), or all 24 (x8)  (~4-8 min)
+#   grid-spread-greedy   the greedy cells of both shapes, a process each (8 cells)                           (~5 min)
 #   memory    benchmarks/generate_memory.py: the allocator's live blocks at a generate() call's peak, by allocating
 #             code, compiled StaticCache vs compiled PagedCache (Qwen3-0.6B 64x512, Llama-3.1-8B 32x512, greedy) (~5 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
@@ -186,6 +187,10 @@ run_part() {  # run_part PART: one part, its figures under $out
             qwen3-0.6b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} ;;
         grid-spread-modes-llama) grid_spread grid-spread-modes-llama \
             llama-8b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} ;;
+        # The greedy row of both shapes (issue 14's memory target is greedy's): 8 cells; on 4 GPUs each gets a Llama
+        # cell and a Qwen cell, the heaviest Llama with the lightest Qwen.
+        grid-spread-greedy) grid_spread grid-spread-greedy llama-8b:{64x512,32x512,8x1024,1x512}:greedy \
+            qwen3-0.6b:{1x512,8x1024,32x512,64x512}:greedy ;;
         grid-spread-modes) grid_spread grid-spread-modes llama-8b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} \
             qwen3-0.6b:{64x512,32x512,8x1024,1x512}:{greedy,samples4,beams4} ;;
         trace)
@@ -314,7 +319,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, memory, profile, profile-python, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2

@@ -39,9 +39,11 @@ static context to the attention function as a forward kwarg, ``update`` writes a
 attention calls ``paged_decode`` (a custom op over the Triton kernel on CUDA, a static-shape reference elsewhere).
 The token ids come back to the host at the next host call (the next plan, ``reset``, ``crop``, a beam reorder),
 when the blocks they filled enter the prefix index. The pool tensors must keep their address between compiled
-steps: a growing pool is sized once, at the prefill, for every row's real tokens up to max_cache_len columns (left
-padding takes no slot; generate's copies of one prompt, for ``num_return_sequences`` or beams, count its full
-blocks once), and a planned step never grows it. Modes: greedy, sampling and ``num_return_sequences``
+steps: a growing pool holds the prefill's blocks for the prefill (its activations never meet the decode steps'
+blocks, as StaticCache's max_cache_len slots a row meet them), then grows once, before the first planned step, for
+every row's real tokens up to max_cache_len columns (left padding takes no slot; generate's copies of one prompt,
+for ``num_return_sequences`` or beams, count its full blocks once; a cap too low for that raises at the prefill),
+and a planned step never grows it. Modes: greedy, sampling and ``num_return_sequences``
 compile; transformers runs beam search and assisted generation (crop) eagerly. A planned step whose forward
 runs eagerly (beam search, or generate without a compile) reads the same static buffers through the eager decode
 path instead (``update`` defers the K/V write to the attention's one decode launch, split for the rows' real
@@ -227,6 +229,7 @@ class PagedCache(Cache):
         self._rows_to_index: list[int] = []  # rows whose last planned token filled a block: indexed once ids are in
         self._pool_frozen = False  # while planning ahead: the pool must not grow (compiled graphs keep its address)
         self._presize_left: int | None = None  # columns left after a fresh prefill, until _start_rows sizes the pool
+        self._grow_target: int | None = None  # blocks the planned steps need: the pool grows at the first one
         self._marked_pool: torch.Tensor | None = None
         _install_hooks(model)
 
@@ -289,7 +292,7 @@ class PagedCache(Cache):
         self._free_rows(self._rows)
         self._rows = []
         self._num_columns = 0
-        self._presize_left = None
+        self._presize_left = self._grow_target = None
         self._left_padded = True
         self._tables = None
         self._prepared = False
@@ -923,6 +926,7 @@ class PagedCache(Cache):
         if not decode:
             self._presize(shape, mask)
             return None
+        self._grow_for_planned_steps()
         static = self._static_buffers(batch_size)
         self._pool_frozen = True
         try:
@@ -981,7 +985,7 @@ class PagedCache(Cache):
         past_real = [rows[b * len(rows) // batch_size].num_computed if rows else 0 for b in range(batch_size)]
         left = max(0, self._max_cache_len - self._num_columns - query_len)
         target = sum(-(-(int(p) + int(n) + left) // self.block_size) for p, n in zip(past_real, new_real, strict=True))
-        self._grow_to(target, batch_size)
+        self._defer_growth(target, batch_size)
 
     def _fresh_rows_blocks(self, prompt_lens: list[int], copies: list[int], left: int) -> int:
         """The most blocks fresh rows can hold up to ``left`` more tokens each: ``copies[d]`` rows share prompt d
@@ -991,15 +995,24 @@ class PagedCache(Cache):
         bs = self.block_size
         return sum(n // bs + k * (-(-(n + left) // bs) - n // bs) for n, k in zip(prompt_lens, copies, strict=True))
 
-    def _grow_to(self, target: int, batch_size: int) -> None:
-        """Grow the pool in one allocation to ``target`` blocks (``_presize``), or raise if its cap is lower."""
+    def _defer_growth(self, target: int, batch_size: int) -> None:
+        """Record that the planned steps of this call need ``target`` blocks (``_presize``), or raise at once if the
+        cap is lower. The pool grows to it at the first planned step (``_grow_for_planned_steps``), not before the
+        prefill: the prefill's activations then coexist with its own blocks only, not with every decode step's
+        (StaticCache allocates max_cache_len slots a row before its prefill's attention)."""
         if target > self._max_num_blocks:
             raise MemoryError(
                 f"PagedCache needs {target} blocks of {self.block_size} tokens for {batch_size} rows to reach "
                 f"max_cache_len={self._max_cache_len} columns, over the {self._max_num_blocks} blocks that "
                 "memory_fraction allows; pass a smaller max_cache_len= or a larger memory_fraction= (or num_blocks=)"
             )
-        if target > self.pool.num_blocks:
+        self._grow_target = max(target, self._grow_target or 0)
+
+    def _grow_for_planned_steps(self) -> None:
+        """Grow the pool in one allocation (a copy of the prefill's blocks, one layer's tensor at a time) to what the
+        call's planned steps need, before the first of them: a compiled graph keeps the pool's address after."""
+        target, self._grow_target = self._grow_target, None
+        if target is not None and target > self.pool.num_blocks:
             self.kv.grow(target)
             self.pool.grow(target - self.pool.num_blocks)
             if self.kv.k_cache[0].is_cuda:
@@ -1054,9 +1067,9 @@ class PagedCache(Cache):
                 )
                 distinct.setdefault(key, [n, 0])[1] += 1
             left, self._presize_left = self._presize_left, None
-            if left is not None:  # planned decode steps follow (max_cache_len): size the pool for all of them now
+            if left is not None:  # planned decode steps follow (max_cache_len): their size, grown at the first one
                 lens, copies = zip(*distinct.values(), strict=True)
-                self._grow_to(self._fresh_rows_blocks(list(lens), list(copies), left), batch_size)
+                self._defer_growth(self._fresh_rows_blocks(list(lens), list(copies), left), batch_size)
             self._reserve(sum(-(-n // self.block_size) for n, _ in distinct.values()))
         first_of: dict[tuple, _Row] = {}
         rows: list[_Row] = []
@@ -1151,7 +1164,7 @@ class PagedCache(Cache):
         if self._pool_frozen:
             raise MemoryError(
                 f"PagedCache's pool ({self.pool.num_blocks} blocks of {self.block_size} tokens, "
-                f"{self.pool.num_free_blocks} free) was sized at the prefill for every row to reach "
+                f"{self.pool.num_free_blocks} free) was sized before the first planned step for every row to reach "
                 f"max_cache_len={self._max_cache_len} columns, and a planned (compiled) decode step cannot grow it: "
                 f"it needs {short} more. Pass a larger max_cache_len= or num_blocks= to PagedCache"
             )

@@ -49,6 +49,12 @@ def test_compiled_greedy_matches_dynamic_cache_without_recompiling(model):
     planned = []
     plan = cache._plan_ahead
     cache._plan_ahead = lambda *args: planned.append(plan(*args)) or planned[-1]
+    grow, sizes = cache._grow_for_planned_steps, []  # the pool's size before and after each call's growth
+    cache._grow_for_planned_steps = lambda: (
+        sizes.append(cache.pool.num_blocks),
+        grow(),
+        sizes.append(cache.pool.num_blocks),
+    )
     out = model.generate(**kwargs, compile_config=_compile_config(), **{CACHE: cache})
     assert torch.equal(out, expected)
     assert model._compiled_call is not None and sum(m is not None for m in planned) == 11  # every decode step
@@ -56,9 +62,12 @@ def test_compiled_greedy_matches_dynamic_cache_without_recompiling(model):
     cache._finish_planned_step()  # ... until a host method needs it (reset, crop, the next forward)
     assert cache._rows[0].token_ids == out[0, 3:-1].tolist()
     graphs = _num_graphs()
-    # The pool was sized once, at the prefill, for each row's real tokens up to max_cache_len (padding takes no
-    # slot): no more than StaticCache's 2 x 40 slots here.
-    assert cache.pool.num_blocks == -(-(6 + 40 - 9) // 8) + -(-(9 + 40 - 9) // 8) and cache.pool.num_blocks * 8 <= 80
+    # The prefill ran with its own blocks (6 and 9 real tokens: 1 + 2 blocks of 8); the pool grew once, before the
+    # first planned step, for each row's real tokens up to max_cache_len (padding takes no slot): no more than
+    # StaticCache's 2 x 40 slots here, and no planned step grew it.
+    full = -(-(6 + 40 - 9) // 8) + -(-(9 + 40 - 9) // 8)
+    assert sizes[:2] == [3, full] and sizes[2:] == [full] * (len(sizes) - 2) and full * 8 <= 80
+    assert cache.pool.num_blocks == full
     cache.reset()
     again = model.generate(**kwargs, compile_config=_compile_config(), **{CACHE: cache})
     assert torch.equal(again, expected)
