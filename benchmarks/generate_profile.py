@@ -8,17 +8,28 @@ of each under ``torch.profiler`` (CPU and CUDA activities) and prints the operat
 summed device time, so the two systems' host costs can be compared op by op; ``--python`` profiles the Python
 functions instead (cProfile, by own time).
 
+``--phases`` splits each decode step instead, without a profiler: the host's time from the forward's start to its
+return (issuing the step's kernels), the host's time from there to the next forward (generate's logits processing,
+its stop-check sync, the next step's input preparation), and the GPU's time from the forward's first kernel to its
+last (CUDA events recorded at the forward's start and end, read after the call: no sync added). A step bound by the
+host shows issue + rest = the step and a GPU time well below it. ``--syncs`` lists where the host waits on the
+GPU during one call (torch's sync debug mode): the calling lines, counted per system.
+
 Run (CUDA): python benchmarks/generate_profile.py [--shape qwen3-0.6b] [--batch 64] [--prompt 512] [--mode greedy]
-    [--python]
+    [--python | --phases [--syncs]]
 """
 
 import argparse
+import collections
 import cProfile
 import io
 import os
 import pstats
 import statistics
 import sys
+import time
+import traceback
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -44,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         help="profile the Python functions (cProfile, by own "
         "time) instead of torch's operators: where the host's time goes inside the step",
     )
+    parser.add_argument("--phases", action="store_true", help="split each step: host issue, host rest, GPU time")
+    parser.add_argument("--syncs", action="store_true", help="with --phases: where the host syncs, per system")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the costs it looks for are the CUDA host's)")
@@ -57,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             steps = generate.generate_once(model, system, prompts, args.new_tokens, args.mode)[2]
             print(f"{system}: step ms median {statistics.median(steps):.2f}; steps {[round(x, 1) for x in steps]}")
+    if args.phases:
+        for _ in range(args.rounds):
+            for system in systems:
+                print(f"{system}: {format_phases(step_phases(model, system, prompts, args.new_tokens, args.mode))}")
+        if args.syncs:
+            for system in systems:
+                print(f"\n== {system}: host syncs in one call (calling line: count)")
+                for line, count in count_syncs(model, system, prompts, args.new_tokens, args.mode):
+                    print(f"{count:5d}  {line}")
+        return 0
     if args.python:
         for system in systems:
             profiler = cProfile.Profile()
@@ -77,6 +100,73 @@ def main(argv: list[str] | None = None) -> int:
               f"{device_ms:.1f} ms over the call's prefill and {len(steps)} steps")  # fmt: skip
         print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     return 0
+
+
+def step_phases(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str) -> dict[str, list[float]]:
+    """Per decode step of one generate call (the prefill left out): host ms from the forward's start to its return
+    ("issue"), host ms from its return to the next forward's start ("rest"), GPU ms from the forward's start to its
+    end ("gpu", CUDA events), and the step's wall ms (from one forward's start to the next one's)."""
+    marks: list[tuple[float, torch.cuda.Event]] = []
+    ends: list[tuple[float, torch.cuda.Event]] = []
+
+    def mark(into):
+        def hook(*args):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            into.append((time.perf_counter(), event))
+
+        return hook
+
+    pre = model.register_forward_pre_hook(mark(marks))
+    post = model.register_forward_hook(mark(ends))
+    try:
+        generate.generate_once(model, system, prompts, new_tokens, mode)
+    finally:
+        pre.remove()
+        post.remove()
+    torch.cuda.synchronize()
+    phases = {"step": [], "issue": [], "rest": [], "gpu": []}
+    for i in range(1, len(ends) - 1):  # forward 0 is the prefill; the last forward has no next one
+        (t0, e0), (t1, e1), (t2, _) = marks[i], ends[i], marks[i + 1]
+        phases["step"].append((t2 - t0) * 1e3)
+        phases["issue"].append((t1 - t0) * 1e3)
+        phases["rest"].append((t2 - t1) * 1e3)
+        phases["gpu"].append(e0.elapsed_time(e1))
+    return phases
+
+
+def format_phases(phases: dict[str, list[float]]) -> str:
+    return ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in phases.items()) + " ms (medians)"
+
+
+def count_syncs(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str) -> list[tuple[str, int]]:
+    """(calling line, count) of every host sync in one generate call, most frequent first: torch's sync debug mode
+    warns at each synchronizing CUDA call; the line is the innermost frame outside torch."""
+    counts: collections.Counter = collections.Counter()
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(torch_dir)]
+        frame = frames[-1] if frames else None
+        where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} {frame.name}" if frame else "?"
+        counts[f"{where}: {str(message)[:60]}"] += 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                generate.generate_once(model, system, prompts, new_tokens, mode)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = shown
+    return counts.most_common()
 
 
 if __name__ == "__main__":

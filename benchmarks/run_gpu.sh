@@ -5,6 +5,8 @@
 #   tests     kernel tests with every direct launch checked against Triton's own lookup (HF_PAGED_CHECK_LAUNCH=1),
 #             PagedCache's CUDA/compile tests, the engine's tests on CUDA                                   (~9 min)
 #   tests-cache  PagedCache's CUDA/compile tests alone                                                     (~1 min)
+#   tests-kernels / tests-prefill / tests-engine   the other three pieces of tests, one each (for --spread:
+#             tests-kernels tests-prefill+tests-cache tests-engine runs the whole suite in the engine's ~5 min)
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
 #   generate  benchmarks/generate.py --quick (Qwen3-0.6B, 1x512 and 32x512, greedy and beams4, every system)  (~5 min)
@@ -22,6 +24,8 @@
 #   grid-spread-greedy   the greedy cells of both shapes, a process each (8 cells)                           (~5 min)
 #   memory    benchmarks/generate_memory.py: the allocator's live blocks at a generate() call's peak, by allocating
 #             code, compiled StaticCache vs compiled PagedCache (Qwen3-0.6B 64x512, Llama-3.1-8B 32x512, greedy) (~5 min)
+#   phases    benchmarks/generate_profile.py --phases --syncs at 64 x 512 greedy, Qwen3-0.6B then Llama-3.1-8B:
+#             each eager step's host issue time, host rest and GPU time, and where the host syncs, paged vs dynamic (~4 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   profile-python  the same call under cProfile (Python functions by own time): where eager PagedCache's greedy
 #             steps at batch 32-64 spend the 4-9% they trail DynamicCache by (sixteenth session's grid)      (~3 min)
@@ -88,18 +92,29 @@ run_cache_tests() {  # PagedCache on CUDA: generate with the Triton kernels, the
         | tee -a "$out/tests.txt"
 }
 
-run_tests() {  # the summary lines here; every failure's traceback in $out/tests-*.log
+run_kernel_tests() {
     HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py \
         tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tee "$out/tests-kernels.log" | tail -4 \
-        | tee "$out/tests.txt"
+        | tee -a "$out/tests.txt"
+}
+
+run_prefill_tests() {
     HF_PAGED_CHECK_LAUNCH=1 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 \
         | tee "$out/tests-prefill.log" | tail -4 | tee -a "$out/tests.txt"
-    run_cache_tests
-    # The engine's tests on the GPU: every engine there captures CUDA graphs, warms up and runs async scheduling.
+}
+
+run_engine_tests() {  # every engine on the GPU captures CUDA graphs, warms up and runs async scheduling
     HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
         tests/test_engine.py tests/test_async.py tests/test_engine_reliability.py tests/test_graph_steps.py \
         tests/test_engine_cascade.py tests/test_fuse.py -W ignore::FutureWarning -rf 2>&1 | tee "$out/tests-engine.log" | tail -6 \
         | tee -a "$out/tests.txt"
+}
+
+run_tests() {  # the summary lines here (and in $out/tests.txt); every failure's traceback in $out/tests-*.log
+    run_kernel_tests
+    run_prefill_tests
+    run_cache_tests
+    run_engine_tests
 }
 
 grid() {  # grid SHAPE NAME POINT...: every mode and system of issue 14's grid at these points of one model shape
@@ -164,6 +179,9 @@ run_part() {  # run_part PART: one part, its figures under $out
     case "$part" in
         tests) run_tests ;;
         tests-cache) run_cache_tests ;;
+        tests-kernels) run_kernel_tests ;;
+        tests-prefill) run_prefill_tests ;;
+        tests-engine) run_engine_tests ;;
         kernels) timeout 150 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40 ;;
         engine)
             timeout 200 python3 -m hf_paged.frontends.bench --workload nano --systems hf_paged --repeats 3 \
@@ -310,6 +328,12 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             ;;
         profile-python) timeout 240 python3 benchmarks/generate_profile.py --python --rounds 3 --rows 30 2>&1 \
             | grep -v Warning | tee "$out/profile-python.txt" | tail -80 ;;
+        phases)
+            for shape in qwen3-0.6b llama-8b; do
+                timeout 200 python3 benchmarks/generate_profile.py --shape "$shape" --phases --syncs --rounds 3 \
+                    --new-tokens 32 2>&1 | grep -v Warning | tee -a "$out/phases.txt" | tail -40
+            done
+            ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -317,9 +341,9 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
         *)
-            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
+            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, profile, profile-python, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
