@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         reset_forward_context(token)
         paged._end_forward(completed=True)
     results["plan"] = issue_us(plan_step, 1, args.repeats)
+    card = torch.cuda.get_device_name() if device == "cuda" else device
     print(
-        f"{args.shape}, batch {batch}, context {context}, {torch.cuda.get_device_name() if device == 'cuda' else device}: host µs a call, min "
+        f"{args.shape}, batch {batch}, context {context}, {card}: host µs a call, min "
         f"(median) of {args.repeats} repeats of {args.calls} calls (plan: 1 call a repeat)"
     )
     print("| per layer: DynamicCache + sdpa | per layer: PagedCache + paged | per step: PagedCache's plan |")
