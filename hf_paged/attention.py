@@ -30,6 +30,10 @@ ATTN_NAME = "paged"
 # split streams at least this many keys (one split up to 2048 keys: no merge launch, no partial buffers); at batch
 # 1 x 2048 one split of 8 KV heads reads 8 MB in tens of µs, against ~1 ms of host time a layer.
 EAGER_MIN_KEYS_PER_SPLIT = 2048
+# An eager PagedCache decode step on CUDA keeps its first layer's decode launch and repeats it for the other layers
+# (kernels.decode.DecodeBinding: no argument checks, split choice or launch key a layer). False: every layer takes
+# paged_attention (for A/Bs).
+DECODE_BINDING = True
 # The forward kwarg that carries a planned decode step's static ForwardContext (set by PagedCache's decoder hook).
 PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
 # The engine's decode steps (every row one new token, no shared-prefix decode): the decode kernel writes each row's
@@ -149,13 +153,26 @@ def _context_attention(
                 scaling, ctx.max_seq_len, sliding_window=sliding_window or None, soft_cap=softcap or None,
             )  # fmt: skip
             return out.view(batch_size, 1, num_heads, head_dim), None
+        q = query.view(batch_size, num_heads, head_dim)
+        binding = ctx.decode_binding
+        kind = (scaling, sliding_window, softcap, slots is None)
+        # The first layer's launch, kept (kernels.decode.DecodeBinding), serves every layer of the same kind: its
+        # tables, lengths and slots are this step's, so a layer with the same scale, window, cap and fused write
+        # only brings its own tensors. A layer of another kind takes the full path (and binds nothing).
+        if binding and binding[0] == kind:
+            out = binding[1].launch(q, key, value, new_key, new_value)
+            if out is not None:
+                return out.view(batch_size, 1, num_heads, head_dim), None
+        bind = [] if binding is None and ctx.prefix_len is None and DECODE_BINDING else None
         out = paged_attention(
-            query.view(batch_size, num_heads, head_dim), key, value, ctx.block_tables, ctx.seq_lens,
+            q, key, value, ctx.block_tables, ctx.seq_lens,
             ctx.cu_seqlens_q, scaling, max_query_len=1, max_seq_len=ctx.max_seq_len,
             sliding_window=sliding_window or None, soft_cap=softcap or None,
             prefix_len=ctx.prefix_len if not sliding_window else None, max_prefix_len=ctx.max_prefix_len,
-            key=new_key, value=new_value, slot_mapping=slots, min_keys_per_split=EAGER_MIN_KEYS_PER_SPLIT,
+            key=new_key, value=new_value, slot_mapping=slots, min_keys_per_split=EAGER_MIN_KEYS_PER_SPLIT, bind=bind,
         )  # fmt: skip
+        if bind is not None:
+            ctx.decode_binding = (kind, bind[0]) if bind else False
         return out.view(batch_size, 1, num_heads, head_dim), None
     if ctx.pending_kv is not None:  # a deferred write the fast path did not take (not expected)
         ctx.flush_pending_kv()

@@ -66,6 +66,11 @@ class ForwardContext:
     # attention took is written by the next update() or at the end of the forward (flush_pending_kv).
     defer_kv_write: bool = False
     pending_kv: tuple | None = None
+    # (kind, kernels.decode.DecodeBinding): the decode launch of this step's first paged layer, which the layers of
+    # the same kind (scale, window, cap, fused write) repeat with their own tensors (an eager PagedCache decode step
+    # on CUDA). None until the first layer; False when that layer's launch could not be kept (several splits, a
+    # shared prefix, direct launches off): no layer tries again.
+    decode_binding: tuple | bool | None = None
     _per_device: dict = field(default_factory=dict, repr=False)
 
     def flush_pending_kv(self) -> None:

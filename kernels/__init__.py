@@ -98,6 +98,7 @@ def paged_attention(
     max_prefix_len: int | None = None,
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], int32/int64: write key/value here first; -1 = skip
     min_keys_per_split: int | None = None,
+    bind: list | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -115,6 +116,10 @@ def paged_attention(
 
     ``min_keys_per_split`` (decode batches on CUDA): the fewest keys a context split gets; eager callers, whose GPU
     waits for the host, pass more than the default for fewer splits (one split needs no merge launch).
+
+    ``bind`` (decode batches on CUDA): a list that receives a ``decode.DecodeBinding`` of the launch when it was one
+    launch (``paged_decode_triton``'s ``bind``); its ``launch`` repeats the call for another layer's tensors at a
+    fraction of the host time. Nothing is appended elsewhere.
 
     ``prefix_len`` (decode batches only: ``max_query_len == 1``, no sliding window): shared-prefix ("cascade")
     decode, kernels/cascade.py. The keys below it are read once per KV head for all rows, through row 0's block
@@ -162,7 +167,7 @@ def paged_attention(
                 max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
                 prefix_len=prefix_len, max_prefix_len=max_prefix_len,
                 new_key=None if slot_mapping is None else key, new_value=None if slot_mapping is None else value,
-                slot_mapping=slot_mapping, min_keys_per_split=min_keys_per_split,
+                slot_mapping=slot_mapping, min_keys_per_split=min_keys_per_split, bind=bind,
             )  # fmt: skip
         if slot_mapping is not None:
             _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)

@@ -451,6 +451,62 @@ def _merge_splits_kernel(
 _DECODE = Launcher(_paged_decode_kernel)
 _MERGE = Launcher(_merge_splits_kernel)
 _PREFIX = Launcher(_shared_prefix_kernel)
+# The decode kernel's arguments that a DecodeBinding takes anew at each launch: query, k_cache, v_cache, out,
+# new_key, new_value (the other arguments describe the step: tables, lengths, slots, strides, constants).
+_BOUND_POSITIONS = (0, 1, 2, 6, 9, 10)
+
+
+class DecodeBinding:
+    """``paged_decode_triton``'s launch for one layer, kept for the next layers of the same eager decode step.
+
+    An eager decode step runs the same decode launch once per layer: the same block tables, lengths and slots, and
+    query / pool / new-K/V tensors of one layout. ``launch`` checks that a layer's tensors have the layout the kept
+    launch was made for (shapes, strides, dtype, 16-byte alignment, the current device) and relaunches the kernel
+    with them: no argument checks, split choice or launch-key computation (the host time an eager step pays once a
+    layer). A layer that differs (another pool geometry, a sliding window, a misaligned view) gets None and takes
+    ``paged_decode_triton``.
+    """
+
+    def __init__(self, bound, query, k_cache, v_cache, new_key, new_value, out):
+        self._bound = bound
+        self._device = torch.cuda.current_device()
+        self._query_layout = (query.shape, query.stride(), query.dtype)
+        self._cache_layout = (k_cache.shape, k_cache.stride(), v_cache.stride(), k_cache.dtype)
+        self._out_stride = out.stride()
+        self._fused = new_key is not None
+        self._new_kv_layout = None
+        if self._fused:
+            self._new_kv_layout = (new_key.shape, new_key.stride(), new_value.stride(), new_key.dtype)
+
+    def launch(
+        self,
+        query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        new_key: torch.Tensor | None,  # [num_seqs, num_kv_heads, head_dim], as at the bind (or None, as there)
+        new_value: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The layer's decode output [num_seqs, num_heads, head_dim], or None (nothing launched) when its tensors do
+        not fit the kept launch."""
+        if (
+            (query.shape, query.stride(), query.dtype) != self._query_layout
+            or (k_cache.shape, k_cache.stride(), v_cache.stride(), k_cache.dtype) != self._cache_layout
+            or (new_key is not None) != self._fused
+            or torch.cuda.current_device() != self._device
+        ):
+            return None
+        pointers = query.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+        if self._fused:
+            if (new_key.shape, new_key.stride(), new_value.stride(), new_key.dtype) != self._new_kv_layout:
+                return None
+            pointers |= new_key.data_ptr() | new_value.data_ptr()
+        else:
+            new_key = new_value = query  # the placeholders the bind launched with (never read without FUSED_WRITE)
+        out = torch.empty_like(query)
+        if (pointers | out.data_ptr()) & 15 or out.stride() != self._out_stride:
+            return None
+        self._bound.launch(query, k_cache, v_cache, out, new_key, new_value)
+        return out
 
 
 # Read once: the interpreter is chosen when the process starts (Triton reads the variable at import too).
@@ -624,6 +680,7 @@ def paged_decode_triton(
     new_value: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor | None = None,  # [num_seqs], int32/int64; -1 = not written
     min_keys_per_split: int | None = None,
+    bind: list | None = None,
 ) -> torch.Tensor:
     """Decode attention: each sequence's last token over its paged context (flash-decoding).
 
@@ -658,6 +715,10 @@ def paged_decode_triton(
         min_keys_per_split: Give each split at least this many keys when picking ``num_splits`` (default
             ``MIN_KEYS_PER_SPLIT``). Eager callers, whose GPU waits for the host's next launch, pass more: fewer
             splits, and one split writes ``out`` itself (no merge launch, no partial buffers).
+        bind: A list to receive a ``DecodeBinding`` of this call's launch (appended when the call was one launch:
+            one split, no prefix, no PDL, direct launches on): later calls with other layers' tensors of the same
+            layout and the same block tables, lengths and slots take ``DecodeBinding.launch`` instead of this
+            function (an eager decode step's layers after the first).
 
     Returns:
         out: [num_seqs, num_heads, head_dim] in query's dtype.
@@ -785,8 +846,8 @@ def paged_decode_triton(
 
     if merge_prefix:
         launch_prefix(0)  # its partials are the only ones
-    _DECODE(
-        (num_seqs, num_kv_heads, num_splits),
+    grid = (num_seqs, num_kv_heads, num_splits)
+    args = (
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
         new_key, new_value, slot_mapping,
         *plan.strides, *out_strides, *partial_strides, *plan.new_kv_strides,
@@ -798,9 +859,12 @@ def paged_decode_triton(
         fused,  # FUSED_WRITE
         merge_prefix,  # MERGE_PREFIX
         *plan.prefix_split_rule,  # PREFIX_BLOCK_N, PREFIX_MIN_TILES
-        num_warps=num_warps,
-        num_stages=num_stages,
     )  # fmt: skip
+    _DECODE(grid, *args, num_warps=num_warps, num_stages=num_stages)
+    if bind is not None and write_out and not has_prefix and not pdl:
+        bound = _DECODE.bind(grid, args, _BOUND_POSITIONS, num_warps=num_warps, num_stages=num_stages)
+        if bound is not None:
+            bind.append(DecodeBinding(bound, query, k_cache, v_cache, new_key if fused else None, new_value, out))
     if merge_prefix:
         return out
     if has_prefix:

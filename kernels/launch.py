@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["Launcher", "cdiv", "direct_launch_enabled", "next_power_of_2", "on_device"]
+__all__ = ["BoundLaunch", "Launcher", "cdiv", "direct_launch_enabled", "next_power_of_2", "on_device"]
 
 
 def _version_ok() -> bool:
@@ -146,12 +146,75 @@ class Launcher:
                     "HF_PAGED_DIRECT_LAUNCH=0 and report this"
                 )
         stream = self._stream(device)
-        enter, leave = self._hooks.launch_enter_hook, self._hooks.launch_exit_hook
+        enter, leave = _active(self._hooks.launch_enter_hook), _active(self._hooks.launch_exit_hook)
         grid0 = grid[0]
         grid1 = grid[1] if len(grid) > 1 else 1
         grid2 = grid[2] if len(grid) > 2 else 1
         metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
         kernel.run(grid0, grid1, grid2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *args)
+
+    def bind(self, grid: tuple, args: tuple, positions: tuple[int, ...], *, num_warps: int = 4, num_stages: int = 2):
+        """A ``BoundLaunch`` of the kernel this launcher launched last for ``args`` on the current device: ``grid``
+        and ``args`` kept, the arguments at ``positions`` given anew at each launch. None where direct launches are
+        off, a Triton launch hook is set, or no launch with these arguments' key has happened yet.
+
+        The caller's contract (checked by the caller, cheaply, before each ``BoundLaunch.launch``): the new
+        arguments have the facts the key records (``_make_key_fn``: a tensor's dtype and 16-byte alignment), and
+        the kept arguments still describe them (strides, sizes)."""
+        if self._enabled is None:
+            self._setup()
+        if not self._enabled or self._key_fn is None:
+            return None
+        device = torch.cuda.current_device()
+        kernel = self._cache.get((device, num_warps, num_stages, False, self._key_fn(*args)))
+        if kernel is None:
+            return None
+        return BoundLaunch(self, kernel, grid, args, positions, num_warps, num_stages, self._stream(device))
+
+
+class BoundLaunch:
+    """One kernel launch kept whole (``Launcher.bind``): ``launch(*values)`` relaunches it with ``values`` at the
+    bound positions, on the stream of the bind, without computing a launch key (a few µs a call less than a
+    ``Launcher`` call, with its argument list built once). For a launch repeated with other tensors of the same
+    layout, e.g. one attention layer after another in an eager decode step."""
+
+    def __init__(self, launcher, kernel, grid, args, positions, num_warps, num_stages, stream):
+        self._launcher = launcher
+        self._kernel = kernel
+        self._function, self._metadata = kernel.function, kernel.packed_metadata
+        self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self._args = list(args)
+        self._positions = positions
+        self._options = {"num_warps": num_warps, "num_stages": num_stages}
+        self._stream = stream
+
+    def launch(self, *values) -> None:
+        args = self._args
+        for position, value in zip(self._positions, values, strict=True):
+            args[position] = value
+        if self._launcher._check:
+            expected = self._launcher.jit_fn.run(*args, grid=self._grid, warmup=True, **self._options)
+            if expected is not self._kernel:
+                raise RuntimeError(
+                    f"hf_paged bound launch of {self._launcher.jit_fn.__name__}: the kept kernel is not the one "
+                    "Triton selects for these arguments (a new argument breaks the bind's contract); set "
+                    "HF_PAGED_DIRECT_LAUNCH=0 and report this"
+                )
+        hooks = self._launcher._hooks
+        if _active(hooks.launch_enter_hook) is not None or _active(hooks.launch_exit_hook) is not None:
+            self._launcher(self._grid, *args, **self._options)  # a profiler's hooks: the launcher calls them
+            return
+        g0, g1, g2 = self._grid
+        self._kernel.run(g0, g1, g2, self._stream, self._function, self._metadata, None, None, None, *args)
+
+
+def _active(hook):
+    """A Triton launch hook, or None when there is none to call. From Triton 3.5 the knobs hold a ``HookChain`` that
+    is never None, even with no hook in it: passing it makes every launch build ``kernel.launch_metadata`` (a
+    dict and a LazyDict) for nobody."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are ConstexprFunctions in Triton 3.x: 7 µs a

@@ -325,16 +325,18 @@ def test_sinks_are_found_as_parameter_or_attribute():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda("the fused decode kernel"))])
 def test_decode_steps_write_kv_in_the_attention_call(monkeypatch, device):
     """Eager decode with "paged" attention: update() leaves each layer's new K/V to the attention, which writes and
-    attends; the cache's write_kv runs for the prefill only. On CUDA that is one paged_attention call (the decode
-    kernel writes them, slot_mapping); on the CPU the attention writes them, then runs the decode reference over
-    the table columns the longest row reaches. Tokens equal DynamicCache's, with left padding and across block
-    boundaries."""
+    attends; the cache's write_kv runs for the prefill only. On CUDA that is one decode launch a layer (the kernel
+    writes them, slot_mapping): paged_attention for a step's first layer, its kept launch (DecodeBinding) for the
+    others; on the CPU the attention writes them, then runs the decode reference over the table columns the longest
+    row reaches. Tokens equal DynamicCache's, with left padding and across block boundaries."""
+    from hf_paged.kernels.decode import DecodeBinding
+
     import hf_paged.attention as attention_module
     import hf_paged.cache as cache_module
 
     model = tiny_model("llama").to(device)
     num_layers = model.config.num_hidden_layers
-    calls = {"write_kv": 0, "fused": 0, "plain": 0, "cpu_write": 0, "cpu_decode": 0}
+    calls = {"write_kv": 0, "fused": 0, "plain": 0, "cpu_write": 0, "cpu_decode": 0, "bound": 0}
     write_kv, paged_attention = cache_module.write_kv, attention_module.paged_attention
     attention_write_kv, paged_decode = attention_module.write_kv, attention_module.paged_decode
 
@@ -358,6 +360,14 @@ def test_decode_steps_write_kv_in_the_attention_call(monkeypatch, device):
     monkeypatch.setattr(attention_module, "write_kv", counting("cpu_write", attention_write_kv))
     monkeypatch.setattr(attention_module, "paged_attention", counting_attention)
     monkeypatch.setattr(attention_module, "paged_decode", counting_decode)
+    bound_launch = DecodeBinding.launch
+
+    def counting_bound(self, *args):
+        out = bound_launch(self, *args)
+        calls["bound"] += out is not None
+        return out
+
+    monkeypatch.setattr(DecodeBinding, "launch", counting_bound)
     cache = PagedCache(model, num_blocks=32, block_size=8)
     ids, mask = IDS.to(device), MASK.to(device)
     out = _generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
@@ -368,11 +378,11 @@ def test_decode_steps_write_kv_in_the_attention_call(monkeypatch, device):
     assert torch.equal(out, expected)
     decode = 19 * num_layers
     if device == "cuda":
-        assert calls == {"write_kv": num_layers, "fused": decode, "plain": num_layers, "cpu_write": 0,
-                         "cpu_decode": 0}, calls  # fmt: skip
+        assert calls == {"write_kv": num_layers, "fused": 19, "plain": num_layers, "cpu_write": 0,
+                         "cpu_decode": 0, "bound": decode - 19}, calls  # fmt: skip
     else:
         assert calls == {"write_kv": num_layers, "fused": 0, "plain": num_layers, "cpu_write": decode,
-                         "cpu_decode": decode}, calls  # fmt: skip
+                         "cpu_decode": decode, "bound": 0}, calls  # fmt: skip
     assert_cache_released(cache)
 
 
@@ -403,3 +413,28 @@ def test_a_deferred_kv_write_no_attention_takes_is_still_written():
         flat_k = kv.k_cache[layer].view(-1, kv.num_kv_heads, kv.head_dim)
         flat_v = kv.v_cache[layer].view(-1, kv.num_kv_heads, kv.head_dim)
         assert torch.equal(flat_k[slots], key[:, :, 0]) and torch.equal(flat_v[slots], value[:, :, 0])
+
+
+@pytest.mark.gpu
+@needs_cuda("the kept decode launch (DecodeBinding) of eager decode steps")
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_kept_decode_launches_on_cuda_give_the_full_paths_tokens(monkeypatch, family):
+    """An eager decode step's layers after the first repeat its kept launch (attention.DECODE_BINDING): the tokens
+    equal those of every layer taking paged_attention, for Gemma2's sliding-window layers between global ones too (a
+    layer of another kind takes the full path), and DynamicCache + sdpa's (fp32; Gemma2's soft-capped logits have no
+    sdpa counterpart)."""
+    import hf_paged.attention as attention_module
+
+    model = tiny_model(family).to("cuda")
+    kwargs = dict(input_ids=IDS.cuda(), attention_mask=MASK.cuda(), max_new_tokens=20, min_new_tokens=20,
+                  do_sample=False)  # fmt: skip
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(attention_module, "DECODE_BINDING", on)
+        cache = PagedCache(model, num_blocks=32, block_size=8)
+        outs[on] = _generate(model, cache, **kwargs)
+        assert_cache_released(cache)
+    assert torch.equal(outs[True], outs[False])
+    if family != "gemma2":
+        ref = tiny_model(family, attn="sdpa").to("cuda")
+        assert torch.equal(outs[True], _generate(ref, _dynamic(ref), **kwargs))

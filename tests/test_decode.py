@@ -479,3 +479,60 @@ def test_min_keys_per_split():
     assert choose_num_splits(4096, 1, 8, 132, min_keys_per_split=2048) == 2
     assert choose_num_splits(512, 1, 8, 132, min_keys_per_split=1) == 8  # raised to MIN_KEYS_PER_SPLIT
     assert choose_num_splits(8192, 64, 8, 132, min_keys_per_split=2048) == choose_num_splits(8192, 64, 8, 132)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: a DecodeBinding keeps a direct Triton launch (kernels/launch.py), which the CPU interpreter "
+    "of CI does not make (device machine: run_gpu.sh tests)",
+)
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bound_decode_launch_repeats_the_call_for_other_layers(fused):
+    """paged_decode_triton(bind=[...]) keeps its launch (one split, no prefix); DecodeBinding.launch then gives
+    another layer's output bit for bit as the full call does, writing the new K/V when fused, and refuses (None,
+    nothing launched) tensors of another layout: another pool geometry, a misaligned query, a fused call on an
+    unfused bind or the reverse."""
+    seq_lens = [1, 17, 64, 150]
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    query, k_cache, v_cache, tables, lens = _make_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16
+    )
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    slots = torch.stack([tables[s, (n - 1) // block_size] * block_size + (n - 1) % block_size
+                         for s, n in enumerate(seq_lens)]).long()  # fmt: skip
+
+    def layer():  # another layer's tensors: same layout, same tables and lengths
+        k = torch.randn(k_cache.shape, generator=gen, device="cuda").to(torch.bfloat16)
+        v = torch.randn(v_cache.shape, generator=gen, device="cuda").to(torch.bfloat16)
+        q = torch.randn(query.shape, generator=gen, device="cuda").to(torch.bfloat16)
+        new = torch.randn((len(seq_lens), num_kv_heads, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+        return q, k, v, new, -new
+
+    def full_call(q, k, v, nk, nv, bind=None):
+        kwargs = dict(new_key=nk, new_value=nv, slot_mapping=slots) if fused else {}
+        return paged_decode_triton(q, k, v, tables, lens, head_dim**-0.5, max_seq_len=max(seq_lens),
+                                   min_keys_per_split=2048, bind=bind, **kwargs)  # fmt: skip
+
+    bind = []
+    first = layer()
+    full_call(*first, bind=bind)
+    assert len(bind) == 1
+    binding = bind[0]
+    for _ in range(2):
+        q, k, v, nk, nv = layer()
+        k_ref, v_ref = k.clone(), v.clone()
+        expected = full_call(q, k_ref, v_ref, nk, nv)
+        out = binding.launch(q, k, v, nk if fused else None, nv if fused else None)
+        assert out is not None and torch.equal(out, expected)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # fused: the same slots written; else untouched
+    q, k, v, nk, nv = layer()
+    bigger = torch.zeros((k.shape[0] + 1, *k.shape[1:]), dtype=k.dtype, device="cuda")
+    assert binding.launch(q, bigger, bigger, nk if fused else None, nv if fused else None) is None
+    storage = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    misaligned = storage[1:].view(q.shape).copy_(q)
+    assert binding.launch(misaligned, k, v, nk if fused else None, nv if fused else None) is None
+    assert binding.launch(q, k, v, None if fused else nk, None if fused else nv) is None
+    # Several splits (a merge launch follows): nothing is kept.
+    many = []
+    paged_decode_triton(q, k, v, tables, lens, head_dim**-0.5, max_seq_len=max(seq_lens), num_splits=3, bind=many)
+    assert many == []

@@ -119,3 +119,26 @@ def test_check_mode_catches_a_wrong_cached_kernel(monkeypatch):
     launcher._cache[first_key] = kernels[1]  # the wrong kernel under the fp32 key
     with pytest.raises(RuntimeError, match="misses a specialization"):
         write_kv_triton(key, key, kc, kc.clone(), slots)
+
+
+def test_an_empty_triton_hook_chain_counts_as_no_hook():
+    """Triton >= 3.5 keeps launch hooks in a HookChain that is never None; an empty one must not make each direct
+    launch build launch metadata for nobody, and a hook a profiler adds must still be called."""
+    from hf_paged.kernels.launch import _active
+
+    def hook(metadata):
+        return None
+
+    assert _active(None) is None
+    assert _active(hook) is hook  # Triton before 3.5: a plain callable or None
+    try:
+        from triton.knobs import HookChain
+    except ImportError:
+        return
+    chain = HookChain()
+    assert _active(chain) is None
+    if hasattr(chain, "add"):
+        chain.add(hook)
+    else:
+        chain.calls.append(hook)
+    assert _active(chain) is chain
