@@ -11,12 +11,18 @@ functions instead (cProfile, by own time).
 ``--phases`` splits each decode step instead, without a profiler: the host's time from the forward's start to its
 return (issuing the step's kernels), the host's time from there to the next forward (generate's logits processing,
 its stop-check sync, the next step's input preparation), and the GPU's time from the forward's first kernel to its
-last (CUDA events recorded at the forward's start and end, read after the call: no sync added). A step bound by the
-host shows issue + rest = the step and a GPU time well below it. ``--syncs`` lists where the host waits on the
-GPU during one call (torch's sync debug mode): the calling lines, counted per system.
+last (CUDA events recorded at the forward's start and end, read after the call: no sync added). The GPU reaches the
+end event only after the host has issued it, so a step bound by the host shows a GPU time equal to its issue time,
+and one bound by the GPU a longer one. ``--syncs`` lists where the host waits on the GPU during one call (torch's
+sync debug mode): the calling lines, counted per system.
+
+``--segments`` splits each decode forward's host time at module boundaries (forward hooks, registered after
+hf_paged's own): from the model's call to its decoder's body (hf_paged's plan of the step), to the first layer
+(embedding, rotary, mask), through the layers, to the decoder's return (final norm, hf_paged's end of step), and
+to the model's return (LM head); minimum and median per segment and system over ``--rounds`` calls each.
 
 Run (CUDA): python benchmarks/generate_profile.py [--shape qwen3-0.6b] [--batch 64] [--prompt 512] [--mode greedy]
-    [--python | --phases [--syncs]]
+    [--python | --phases [--syncs] | --segments]
 """
 
 import argparse
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--phases", action="store_true", help="split each step: host issue, host rest, GPU time")
     parser.add_argument("--syncs", action="store_true", help="with --phases: where the host syncs, per system")
+    parser.add_argument("--segments", action="store_true", help="each decode forward's host time by module")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the costs it looks for are the CUDA host's)")
@@ -70,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             steps = generate.generate_once(model, system, prompts, args.new_tokens, args.mode)[2]
             print(f"{system}: step ms median {statistics.median(steps):.2f}; steps {[round(x, 1) for x in steps]}")
+    if args.segments:
+        print_segments(model, systems, prompts, args)
+        return 0
     if args.phases:
         for _ in range(args.rounds):
             for system in systems:
@@ -148,7 +158,11 @@ def count_syncs(model, system: str, prompts: torch.Tensor, new_tokens: int, mode
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(torch_dir)]
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if not f.filename.startswith(torch_dir) and not f.filename.endswith(("warnings.py", __file__))
+        ]
         frame = frames[-1] if frames else None
         where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} {frame.name}" if frame else "?"
         counts[f"{where}: {str(message)[:60]}"] += 1
@@ -167,6 +181,61 @@ def count_syncs(model, system: str, prompts: torch.Tensor, new_tokens: int, mode
     finally:
         warnings.showwarning = shown
     return counts.most_common()
+
+
+SEGMENT_MARKS = ("model", "decoder", "layer 0", "last layer end", "decoder end", "model end")
+
+
+def forward_segments(model, system: str, prompts: torch.Tensor, new_tokens: int, mode: str) -> list[dict]:
+    """Host clock at each of SEGMENT_MARKS in every decode forward of one generate call (the prefill left out).
+    Call after a warm-up call of a PagedCache system, so hf_paged's decoder hooks come before these."""
+    marks: list[tuple[str, float]] = []
+
+    def mark(name):
+        def hook(*args):
+            marks.append((name, time.perf_counter()))
+
+        return hook
+
+    decoder, layers = model.model, model.model.layers
+    handles = [
+        model.register_forward_pre_hook(mark("model")),
+        decoder.register_forward_pre_hook(mark("decoder")),
+        layers[0].register_forward_pre_hook(mark("layer 0")),
+        layers[-1].register_forward_hook(mark("last layer end")),
+        decoder.register_forward_hook(mark("decoder end")),
+        model.register_forward_hook(mark("model end")),
+    ]
+    try:
+        generate.generate_once(model, system, prompts, new_tokens, mode)
+    finally:
+        for handle in handles:
+            handle.remove()
+    forwards, current = [], {}
+    for name, t in marks:
+        if name == "model":
+            current = {}
+        current[name] = t
+        if name == "model end" and len(current) == len(SEGMENT_MARKS):
+            forwards.append(current)
+    return forwards[1:]
+
+
+def print_segments(model, systems, prompts: torch.Tensor, args) -> None:
+    spans = list(zip(SEGMENT_MARKS, SEGMENT_MARKS[1:], strict=False)) + [(SEGMENT_MARKS[0], SEGMENT_MARKS[-1])]
+    times: dict = {}
+    for _ in range(args.rounds):
+        for system in systems:
+            for forward in forward_segments(model, system, prompts, args.new_tokens, args.mode):
+                for start, end in spans:
+                    times.setdefault((system, start, end), []).append((forward[end] - forward[start]) * 1e3)
+    print(f"\n{args.shape}, {args.batch} x {args.prompt} {args.mode}: host ms of a decode forward by segment, "
+          f"min (median) over {args.rounds} calls")  # fmt: skip
+    print(f"| segment | {' | '.join(systems)} |")
+    print("|---|" + "---:|" * len(systems))
+    for start, end in spans:
+        cells = [f"{min(v):.3f} ({statistics.median(v):.3f})" for v in (times[(s, start, end)] for s in systems)]
+        print(f"| {start} -> {end} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

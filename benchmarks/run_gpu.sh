@@ -30,6 +30,10 @@
 #             sdpa vs PagedCache + paged, and PagedCache's plan of a step (Llama-3.1-8B, Qwen3-0.6B; batch 64, 1) (~2 min)
 #   eager-greedy  generate.py's greedy cells at batch 32 and 64 of both shapes, DynamicCache vs eager PagedCache
 #             only, 15 alternating rounds (the paired ratio with the power to see a few percent)             (~4 min)
+#   segments  generate_profile.py --segments: each eager decode forward's host time by module (plan, embedding
+#             and mask, layers, end, LM head), DynamicCache vs PagedCache, Llama-3.1-8B and Qwen3-0.6B 64 x 512 (~3 min)
+#   binding-ab  benchmarks/eager_ab.py: eager greedy 64 x 512 steps, DynamicCache beside PagedCache with
+#             attention.DECODE_BINDING on and off, 10 alternating rounds, both shapes                     (~4 min)
 #   forward-host  layer_host_time.py --forward: host ms of whole decode forwards at batch 64 (Llama-3.1-8B's shape
 #             with 1, 8 and 32 layers; Qwen3-0.6B's 28), DynamicCache + sdpa vs PagedCache + paged           (~3 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
@@ -351,6 +355,19 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         eager-greedy) timeout 500 python3 benchmarks/generate.py --shapes qwen3-0.6b llama-8b --points 64x512 32x512 \
             --modes greedy --systems dynamic paged --new-tokens 32 --repeats 15 --eager-repeats 15 \
             --out "$out/eager-greedy.md" 2>&1 | grep "^|" | tee "$out/eager-greedy.rows" ;;
+        segments)
+            for shape in llama-8b qwen3-0.6b; do
+                timeout 200 python3 benchmarks/generate_profile.py --shape "$shape" --segments --rounds 6 \
+                    --new-tokens 32 2>&1 | grep "^|\|host ms" | tee -a "$out/segments.md"
+            done
+            ;;
+        binding-ab)
+            for shape in llama-8b qwen3-0.6b; do
+                timeout 200 python3 benchmarks/eager_ab.py --shape "$shape" --batch 64 --rounds 10 \
+                    --switch hf_paged.attention.DECODE_BINDING --values True False 2>&1 | grep -v Warn | tail -7 \
+                    | tee -a "$out/binding-ab.md"
+            done
+            ;;
         forward-host)
             for run in "llama-8b 1" "llama-8b 8" "llama-8b 32" "qwen3-0.6b 28"; do
                 timeout 150 python3 benchmarks/layer_host_time.py --shape "${run% *}" --forward "${run#* }" --calls 120 \
@@ -366,7 +383,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, forward-host, eager-greedy, profile, profile-python, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, forward-host, eager-greedy, segments, binding-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2

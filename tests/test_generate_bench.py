@@ -122,3 +122,31 @@ def test_eager_repeats_add_rounds_of_the_eager_systems_only(monkeypatch):
     assert [len(c.step_ms) for c in cells] == [4, 2, 4]
     rows = bench.format_table(cells, "").splitlines()[4:]
     assert all("| 0.50 | 0.50 |" in row for row in rows[1:])  # time / dynamic, and paired
+
+
+def test_generate_profile_segments_split_each_decode_forward(capsys):
+    """generate_profile.py --segments on the CPU (a tiny model): every decode forward splits at the module marks,
+    the segments add up to the whole forward, and the table has a row per segment for both systems."""
+    import sys
+    import types
+
+    sys.path.insert(0, str(_PATH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("generate_profile", _PATH.parent / "generate_profile.py")
+        profile = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(profile)
+    finally:
+        sys.path.remove(str(_PATH.parent))
+    model = tiny_model("llama")
+    prompts = torch.randint(3, 90, (2, 9))
+    for system in ("dynamic", "paged"):  # warm-up: hf_paged's hooks first
+        profile.generate.generate_once(model, system, prompts, 3, "greedy")
+    forwards = profile.forward_segments(model, "paged", prompts, 5, "greedy")
+    assert len(forwards) == 4  # 5 new tokens: the prefill and 4 decode forwards, the prefill left out
+    for forward in forwards:
+        times = [forward[name] for name in profile.SEGMENT_MARKS]
+        assert times == sorted(times)
+    args = types.SimpleNamespace(rounds=1, new_tokens=4, mode="greedy", shape="tiny", batch=2, prompt=9)
+    profile.print_segments(model, ("dynamic", "paged"), prompts, args)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "->" in line]
+    assert len(rows) == len(profile.SEGMENT_MARKS) and all(line.count("(") == 2 for line in rows)
