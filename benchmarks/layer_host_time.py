@@ -15,12 +15,7 @@ the GPU keeps up), divided by the calls; the table gives the minimum over ``--re
 only ever adds time, so the minimum is the steadier figure). The DynamicCache's length is put back after every call,
 so both read the same context.
 
-``--forward N``: instead, the host time of whole decode forwards (``model(input_ids, attention_mask, cache)``, as
-generate calls it) of the shape with N layers, each forward timed from its call to its return and synced after
-(as generate syncs between steps): what the cache and the attention add per forward and per layer, the model's own
-ops included.
-
-Run (CUDA): python benchmarks/layer_host_time.py [--shape llama-8b] [--batch 64] [--context 512] [--forward N]
+Run (CUDA): python benchmarks/layer_host_time.py [--shape llama-8b] [--batch 64] [--context 512]
 """
 
 import argparse
@@ -40,8 +35,8 @@ from hf_paged.frontends.bench import SHAPES
 
 
 def one_layer_model(shape: str, device: str, num_layers: int = 1) -> torch.nn.Module:
-    """The shape's model with ``num_layers`` decoder layers (its attention module and head layout), random bf16
-    weights."""
+    """The shape's model with ``num_layers`` decoder layers (its attention module and head layout), random weights
+    in bf16."""
     config_cls, model_cls, kwargs = SHAPES[shape]
     config = getattr(transformers, config_cls)(
         **{**kwargs, "num_hidden_layers": num_layers}, pad_token_id=0, bos_token_id=1, eos_token_id=2
@@ -79,13 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (the CPU references, not the CUDA host)")
-    parser.add_argument("--forward", type=int, default=0, help="time whole decode forwards of this many layers")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA device (the costs it times are the CUDA host's); --device cpu for a smoke run")
     device = args.device
-    if args.forward:
-        return forward_host_time(args)
     model = one_layer_model(args.shape, device)
     attn = model.model.layers[0].self_attn
     config = model.config
@@ -148,50 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|")
     cells = [f"{min(results[n]):.1f} ({statistics.median(results[n]):.1f})" for n in ("dynamic", "paged", "plan")]
     print(f"| {' | '.join(cells)} |")
-    return 0
-
-
-def forward_host_time(args) -> int:
-    """Host ms of whole decode forwards, DynamicCache + sdpa vs PagedCache + paged, alternating in blocks."""
-    device, batch, context = args.device, args.batch, args.context
-    model = one_layer_model(args.shape, device, args.forward)
-    config = model.config
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    gen = torch.Generator(device=device).manual_seed(0)
-    prompts = torch.randint(3, config.vocab_size, (batch, context), device=device, generator=gen)
-    step_ids = torch.randint(3, config.vocab_size, (batch, 1), device=device, generator=gen)
-    states = {}
-    for name, attn in (("dynamic", "sdpa"), ("paged", "paged")):
-        model.set_attn_implementation(attn)
-        cache = DynamicCache(config=config) if name == "dynamic" else PagedCache(model)
-        with torch.no_grad():
-            model(input_ids=prompts, attention_mask=torch.ones_like(prompts), past_key_values=cache)
-        states[name] = [cache, context]
-    results = {"dynamic": [], "paged": []}
-    for _ in range(4):  # alternating blocks: both see the same host load
-        for name, attn in (("dynamic", "sdpa"), ("paged", "paged")):
-            model.set_attn_implementation(attn)
-            cache, length = states[name]
-            for _ in range(args.calls // 4):
-                mask = torch.ones(batch, length + 1, dtype=torch.long, device=device)
-                sync()
-                start = time.perf_counter()
-                with torch.no_grad():
-                    model(input_ids=step_ids, attention_mask=mask, past_key_values=cache)
-                results[name].append((time.perf_counter() - start) * 1e3)
-                sync()
-                length += 1
-            states[name][1] = length
-    card = torch.cuda.get_device_name() if device == "cuda" else device
-    print(
-        f"{args.shape} with {args.forward} layers, batch {batch}, context {context}+, {card}: host ms a decode "
-        f"forward, min (median) of {len(results['dynamic'])} forwards"
-    )
-    print("| layers | DynamicCache + sdpa | PagedCache + paged | difference of the minima, µs a layer |")
-    print("|---:|---:|---:|---:|")
-    lo = {name: min(values) for name, values in results.items()}
-    cells = [f"{lo[n]:.3f} ({statistics.median(results[n]):.3f})" for n in ("dynamic", "paged")]
-    print(f"| {args.forward} | {' | '.join(cells)} | {(lo['paged'] - lo['dynamic']) * 1e3 / args.forward:+.1f} |")
     return 0
 
 

@@ -34,8 +34,6 @@
 #             and mask, layers, end, LM head), DynamicCache vs PagedCache, Llama-3.1-8B and Qwen3-0.6B 64 x 512 (~3 min)
 #   binding-ab  benchmarks/eager_ab.py: eager greedy 64 x 512 steps, DynamicCache beside PagedCache with
 #             attention.DECODE_BINDING on and off, 10 alternating rounds, both shapes                     (~4 min)
-#   forward-host  layer_host_time.py --forward: host ms of whole decode forwards at batch 64 (Llama-3.1-8B's shape
-#             with 1, 8 and 32 layers; Qwen3-0.6B's 28), DynamicCache + sdpa vs PagedCache + paged           (~3 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   profile-python  the same call under cProfile (Python functions by own time): where eager PagedCache's greedy
 #             steps at batch 32-64 spend the 4-9% they trail DynamicCache by (sixteenth session's grid)      (~3 min)
@@ -368,12 +366,6 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
                     | tee -a "$out/binding-ab.md"
             done
             ;;
-        forward-host)
-            for run in "llama-8b 1" "llama-8b 8" "llama-8b 32" "qwen3-0.6b 28"; do
-                timeout 150 python3 benchmarks/layer_host_time.py --shape "${run% *}" --forward "${run#* }" --calls 120 \
-                    2>&1 | grep -v Warn | tail -4 | tee -a "$out/forward-host.md"
-            done
-            ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -383,7 +375,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, forward-host, eager-greedy, segments, binding-ab, profile, profile-python, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2

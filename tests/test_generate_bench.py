@@ -150,3 +150,15 @@ def test_generate_profile_segments_split_each_decode_forward(capsys):
     profile.print_segments(model, ("dynamic", "paged"), prompts, args)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "->" in line]
     assert len(rows) == len(profile.SEGMENT_MARKS) and all(line.count("(") == 2 for line in rows)
+
+
+def test_layer_host_time_smoke_run_on_the_cpu(capsys):
+    """benchmarks/layer_host_time.py --device cpu: the DynamicCache and PagedCache layer paths and the plan of a
+    step run and land in one table row (the CPU references, not the CUDA host's costs)."""
+    spec = importlib.util.spec_from_file_location("layer_host_time", _PATH.parent / "layer_host_time.py")
+    layer_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layer_host)
+    args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--context", "16", "--calls", "3", "--repeats", "2"]
+    assert layer_host.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "(" in line]
+    assert len(rows) == 1 and rows[0].count("(") == 3
