@@ -4,7 +4,9 @@
 - attention function "paged" (``AttentionInterface``): inside a paged forward (a ``ForwardContext`` is
   set, see hf_paged.context) ``key``/``value`` are the layer's block pools, already updated by the cache
   (in an eager PagedCache decode step the cache leaves the layer's new K/V in ``ctx.pending_kv`` and the
-  decode kernel writes them: one launch a layer). In the engine (``ctx.kv_caches``: no Cache object) the function
+  decode kernel writes them: one launch a layer; on CUDA the step's first layer keeps that launch,
+  ``kernels.decode.DecodeBinding``, and the later layers of the same kind repeat it with their own tensors,
+  ``DECODE_BINDING``). In the engine (``ctx.kv_caches``: no Cache object) the function
   writes the layer's new K/V itself with ``write_kv`` before the attention (or, with ``ENGINE_FUSED_DECODE_WRITE``,
   in a decode step, inside the decode kernel; in a shared-prefix decode step too with
   ``CASCADE_FUSED_DECODE_WRITE``). It packs the real query tokens to
