@@ -24,31 +24,13 @@ import sys
 import time
 
 import torch
-import transformers
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_paged import PagedCache
 from hf_paged.attention import paged_attention_forward
 from hf_paged.context import reset_forward_context, set_forward_context
-from hf_paged.frontends.bench import SHAPES
-
-
-def one_layer_model(shape: str, device: str, num_layers: int = 1) -> torch.nn.Module:
-    """The shape's model with ``num_layers`` decoder layers (its attention module and head layout), random weights
-    in bf16."""
-    config_cls, model_cls, kwargs = SHAPES[shape]
-    config = getattr(transformers, config_cls)(
-        **{**kwargs, "num_hidden_layers": num_layers}, pad_token_id=0, bos_token_id=1, eos_token_id=2
-    )
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = getattr(transformers, model_cls)(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    return model
+from hf_paged.frontends.bench import SHAPES, build_model
 
 
 def issue_us(step, calls: int, repeats: int) -> list[float]:
@@ -78,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA device (the costs it times are the CUDA host's); --device cpu for a smoke run")
     device = args.device
-    model = one_layer_model(args.shape, device)
+    model = build_model(args.shape, device, num_hidden_layers=1)  # one layer: its attention module and heads
     attn = model.model.layers[0].self_attn
     config = model.config
     num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads

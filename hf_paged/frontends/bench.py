@@ -103,11 +103,15 @@ def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: in
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
-def build_model(shape: str, device: str = "cuda"):
+def build_model(shape: str, device: str = "cuda", **overrides):
+    """The shape's model with random bf16 weights on ``device``; ``overrides`` replace config fields (e.g.
+    ``num_hidden_layers=1``)."""
     import transformers
 
     config_cls, model_cls, kwargs = SHAPES[shape]
-    config = getattr(transformers, config_cls)(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, config_cls)(
+        **{**kwargs, **overrides}, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
