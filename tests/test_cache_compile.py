@@ -258,8 +258,18 @@ def test_copies_of_a_prompt_share_its_full_blocks_in_the_presized_pool(mode):
     torch.manual_seed(5)
     expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
     cache = PagedCache(model, block_size=8, max_cache_len=29)
+    grow, sizes = cache._grow_for_planned_steps, []  # the pool's size before and after the growth
+    cache._grow_for_planned_steps = lambda: (
+        sizes.append(cache.pool.num_blocks),
+        grow(),
+        sizes.append(cache.pool.num_blocks),
+    )
     torch.manual_seed(5)
     assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), expected)
+    # The prefill held its prompts' blocks only (3 a distinct prompt: 2 full blocks and a partial one, forked by the
+    # copies); the pool grew once, at the first planned step, to what every step needs.
+    assert sizes[:2] == [3 if mode == "padded-duplicates" else 6, cache.pool.num_blocks]
+    assert sizes[2:] == [cache.pool.num_blocks] * (len(sizes) - 2)
     # Per prompt: its 2 full blocks once, and 4 copies x (ceil(29 / 8) - 2) = 8 own blocks: 2 x 10, where one row per
     # copy up to max_cache_len would take 8 x 4 = 32. Padded duplicates: one prompt of 17 real tokens (2 full blocks),
     # 4 copies x (ceil(27 / 8) - 2) = 8: 10 blocks, where 4 x 4 = 16 before (padding takes no slot either way).
