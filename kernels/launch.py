@@ -156,7 +156,8 @@ class Launcher:
     def bind(self, grid: tuple, args: tuple, positions: tuple[int, ...], *, num_warps: int = 4, num_stages: int = 2):
         """A ``BoundLaunch`` of the kernel this launcher launched last for ``args`` on the current device: ``grid``
         and ``args`` kept, the arguments at ``positions`` given anew at each launch. None where direct launches are
-        off, a Triton launch hook is set, or no launch with these arguments' key has happened yet.
+        off or no launch with these arguments' key has happened yet. (A launch hook installed later, e.g. by a
+        profiler, sends the bound launches through this launcher again, which calls it.)
 
         The caller's contract (checked by the caller, cheaply, before each ``BoundLaunch.launch``): the new
         arguments have the facts the key records (``_make_key_fn``: a tensor's dtype and 16-byte alignment), and
