@@ -3,7 +3,8 @@
 A host-bound eager step moves by a few percent with host-side changes, less than a shared host's noise between
 processes; this script runs DynamicCache and PagedCache at each switch value in one process, alternating call by
 call (``--rounds`` rounds), so every system sees the same host, and reports each one's median of per-call median
-step times, its fastest step, and its median ratio to DynamicCache's step in the same round (paired).
+step times, its fastest step, and its median ratio to DynamicCache's step in the same round (paired). The switch
+is put back to its value afterwards. ``--device cpu``: a smoke run on the CPU references (no host-cost meaning).
 
 Example, the eager decode step's kept launch (hf_paged.attention.DECODE_BINDING)::
 
@@ -37,17 +38,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--switch", required=True, help="MODULE.NAME of a module-level switch, e.g. a bool")
     parser.add_argument("--values", nargs=2, required=True, help="two Python literals for the switch")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run (the CPU references, not the CUDA host)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device (an eager step's host cost is the CUDA host's)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (an eager step's host cost is the CUDA host's); --device cpu: a smoke run")
     module_name, _, name = args.switch.rpartition(".")
     module = importlib.import_module(module_name)
     if not hasattr(module, name):
         parser.error(f"{module_name} has no attribute {name!r}")
     values = [ast.literal_eval(v) for v in args.values]
-    model = build_model(args.shape)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    prompts = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda", generator=gen)
+    original = getattr(module, name)
+    try:
+        return run(args, module, name, values)
+    finally:
+        setattr(module, name, original)
+
+
+def run(args, module, name: str, values: list) -> int:
+    model = build_model(args.shape, args.device)
+    if args.device == "cpu":
+        model = model.float()  # the CPU references run in fp32
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    prompts = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device=args.device, generator=gen)
     systems = {"DynamicCache + sdpa": ("dynamic", values[0])}
     systems.update({f"PagedCache, {name}={v!r}": ("paged", v) for v in values})
     medians = {label: [] for label in systems}
@@ -63,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             medians[label].append(statistics.median(result[2]))
             fastest[label].append(min(result[2]))
             outputs[label] = result[6]
-    setattr(module, name, values[0])
     base = medians["DynamicCache + sdpa"]
+    card = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{args.shape}, {args.batch} x {args.prompt} greedy, {args.new_tokens} new tokens, {args.rounds} rounds, "
-          f"{torch.cuda.get_device_name()}: ms a decode step")  # fmt: skip
+          f"{card}: ms a decode step")  # fmt: skip
     print("| system | median of call medians | fastest step | paired / DynamicCache (median) |")
     print("|---|---:|---:|---:|")
     for label in systems:

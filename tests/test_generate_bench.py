@@ -162,3 +162,28 @@ def test_layer_host_time_smoke_run_on_the_cpu(capsys):
     assert layer_host.main(args) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "(" in line]
     assert len(rows) == 1 and rows[0].count("(") == 3
+
+
+def test_eager_ab_smoke_run_on_the_cpu(capsys):
+    """benchmarks/eager_ab.py --device cpu: DynamicCache and PagedCache at both values of a module switch run in
+    alternating rounds, one table row each, the switch put back afterwards, and the two PagedCache runs' tokens
+    compared."""
+    import sys
+
+    import hf_paged.attention as attention_module
+
+    sys.path.insert(0, str(_PATH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("eager_ab", _PATH.parent / "eager_ab.py")
+        eager_ab = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(eager_ab)
+    finally:
+        sys.path.remove(str(_PATH.parent))
+    args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--prompt", "9", "--new-tokens", "3", "--rounds",
+            "2", "--switch", "hf_paged.attention.DECODE_BINDING", "--values", "False", "True"]  # fmt: skip
+    assert eager_ab.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "system" not in line]
+    assert len(rows) == 3 and "DECODE_BINDING=False" in rows[1] and "DECODE_BINDING=True" in rows[2]
+    assert "tokens equal at both values: True" in out
+    assert attention_module.DECODE_BINDING is True  # put back as it was
