@@ -124,19 +124,26 @@ def test_eager_repeats_add_rounds_of_the_eager_systems_only(monkeypatch):
     assert all("| 0.50 | 0.50 |" in row for row in rows[1:])  # time / dynamic, and paired
 
 
-def test_generate_profile_segments_split_each_decode_forward(capsys):
-    """generate_profile.py --segments on the CPU (a tiny model): every decode forward splits at the module marks,
-    the segments add up to the whole forward, and the table has a row per segment for both systems."""
+def _load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (the scripts import benchmarks/generate.py as ``generate``)."""
     import sys
-    import types
 
     sys.path.insert(0, str(_PATH.parent))
     try:
-        spec = importlib.util.spec_from_file_location("generate_profile", _PATH.parent / "generate_profile.py")
-        profile = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(profile)
+        spec = importlib.util.spec_from_file_location(name, _PATH.parent / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(_PATH.parent))
+    return module
+
+
+def test_generate_profile_segments_split_each_decode_forward(capsys):
+    """generate_profile.py --segments on the CPU (a tiny model): every decode forward splits at the module marks,
+    the segments add up to the whole forward, and the table has a row per segment for both systems."""
+    import types
+
+    profile = _load_benchmark("generate_profile")
     model = tiny_model("llama")
     prompts = torch.randint(3, 90, (2, 9))
     for system in ("dynamic", "paged"):  # warm-up: hf_paged's hooks first
@@ -155,9 +162,7 @@ def test_generate_profile_segments_split_each_decode_forward(capsys):
 def test_layer_host_time_smoke_run_on_the_cpu(capsys):
     """benchmarks/layer_host_time.py --device cpu: the DynamicCache and PagedCache layer paths and the plan of a
     step run and land in one table row (the CPU references, not the CUDA host's costs)."""
-    spec = importlib.util.spec_from_file_location("layer_host_time", _PATH.parent / "layer_host_time.py")
-    layer_host = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(layer_host)
+    layer_host = _load_benchmark("layer_host_time")
     args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--context", "16", "--calls", "3", "--repeats", "2"]
     assert layer_host.main(args) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "(" in line]
@@ -168,17 +173,10 @@ def test_eager_ab_smoke_run_on_the_cpu(capsys):
     """benchmarks/eager_ab.py --device cpu: DynamicCache and PagedCache at both values of a module switch run in
     alternating rounds, one table row each, the switch put back afterwards, and the two PagedCache runs' tokens
     compared."""
-    import sys
 
     import hf_paged.attention as attention_module
 
-    sys.path.insert(0, str(_PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("eager_ab", _PATH.parent / "eager_ab.py")
-        eager_ab = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(eager_ab)
-    finally:
-        sys.path.remove(str(_PATH.parent))
+    eager_ab = _load_benchmark("eager_ab")
     args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--prompt", "9", "--new-tokens", "3", "--rounds",
             "2", "--switch", "hf_paged.attention.DECODE_BINDING", "--values", "False", "True"]  # fmt: skip
     assert eager_ab.main(args) == 0
