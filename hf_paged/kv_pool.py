@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from hf_paged.kernels import copy_blocks
+from hf_paged.kernels import copy_blocks_layers, layer_addresses
 from hf_paged.transfer import to_device
 
 
@@ -47,6 +47,9 @@ class KVPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        # copy_blocks' layer groups: (device, the layers on it, their cache addresses or None); built at first use,
+        # dropped when grow() replaces the tensors
+        self._copy_groups: list[tuple[torch.device, list[int], tuple | None]] | None = None
 
     def grow(self, num_blocks: int) -> None:
         """Enlarge every layer's pools to ``num_blocks`` blocks, keeping the blocks' contents; new blocks are zeros.
@@ -65,6 +68,7 @@ class KVPool:
                 caches[layer] = grown
                 del cache
         self.num_blocks = num_blocks
+        self._copy_groups = None  # the addresses are the old tensors'
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -83,16 +87,29 @@ class KVPool:
             return 8 << 30
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy blocks src -> dst in every layer (copy-on-write), one batched call per layer."""
+        """Copy blocks src -> dst in every layer (copy-on-write): one launch for all the layers of a CUDA device."""
         if not pairs:
             return
         src = [p[0] for p in pairs]
         dst = [p[1] for p in pairs]
-        on_device = {}
-        for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            if k.device not in on_device:  # pinned, non-blocking: the step does not wait for the GPU here
-                on_device[k.device] = (to_device(src, torch.int64, k.device), to_device(dst, torch.int64, k.device))
-            copy_blocks(k, v, *on_device[k.device])
+        if self._copy_groups is None:
+            self._copy_groups = self._layer_groups()
+        for device, layers, addresses in self._copy_groups:
+            k_caches = [self.k_cache[i] for i in layers]
+            v_caches = [self.v_cache[i] for i in layers]
+            # pinned, non-blocking: the step does not wait for the GPU here
+            src_t, dst_t = to_device(src, torch.int64, device), to_device(dst, torch.int64, device)
+            copy_blocks_layers(k_caches, v_caches, src_t, dst_t, addresses)
+
+    def _layer_groups(self) -> list[tuple[torch.device, list[int], tuple | None]]:
+        """The layers by device (accelerate's device_map may spread them), with each CUDA group's addresses."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, k in enumerate(self.k_cache):
+            by_device.setdefault(k.device, []).append(i)
+        return [
+            (device, layers, layer_addresses([self.k_cache[i] for i in layers], [self.v_cache[i] for i in layers]))
+            for device, layers in by_device.items()
+        ]
 
     def allocate_swap(self, num_slots: int) -> None:
         """CPU blocks for preemption by swapping: pinned when the pools are on CUDA (async copies)."""

@@ -22,6 +22,8 @@ from .reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, w
 __all__ = [
     "write_kv",
     "copy_blocks",
+    "copy_blocks_layers",
+    "layer_addresses",
     "paged_attention",
     "paged_decode",
     "write_kv_ref",
@@ -77,6 +79,40 @@ def copy_blocks(
             _triton().cache_ops.copy_blocks_triton(k_cache, v_cache, src, dst)
     else:
         copy_blocks_ref(k_cache, v_cache, src, dst)
+
+
+def layer_addresses(
+    k_caches: list[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim], one layout
+    v_caches: list[torch.Tensor],  # like k_caches
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What ``copy_blocks_layers`` needs to copy every layer in one launch: the layers' cache addresses on their
+    CUDA device ([num_layers] int64 each, valid until a cache tensor is replaced); None for CPU caches."""
+    if not k_caches[0].is_cuda:
+        return None
+    return _triton().cache_ops.layer_addresses(k_caches, v_caches)
+
+
+def copy_blocks_layers(
+    k_caches: list[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim], one device
+    v_caches: list[torch.Tensor],  # like k_caches
+    src: torch.Tensor,  # [num_pairs], int
+    dst: torch.Tensor,  # [num_pairs], int; distinct
+    addresses: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """``copy_blocks`` in every layer: on CUDA one launch for all of them, through ``addresses`` (from
+    ``layer_addresses(k_caches, v_caches)``, kept by the caller; built here when None); a reference call a layer
+    elsewhere."""
+    if src.numel() == 0:
+        return
+    if k_caches[0].is_cuda:
+        cache_ops = _triton().cache_ops
+        if addresses is None:
+            addresses = cache_ops.layer_addresses(k_caches, v_caches)
+        with on_device(k_caches[0]):
+            cache_ops.copy_blocks_layers_triton(*addresses, k_caches[0], src, dst)
+    else:
+        for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
+            copy_blocks_ref(k_cache, v_cache, src, dst)
 
 
 def paged_attention(

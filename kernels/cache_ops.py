@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .launch import Launcher, cdiv, next_power_of_2
 
-__all__ = ["write_kv_triton", "copy_blocks_triton"]
+__all__ = ["write_kv_triton", "copy_blocks_triton", "copy_blocks_layers_triton", "layer_addresses"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements one program moves. A K/V row (num_kv_heads * head_dim) or a block longer than this is
@@ -254,3 +254,122 @@ def copy_blocks_triton(
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
     grid = (src.numel(), cdiv(block_numel, tile))
     _COPY_BLOCKS(grid, k_cache, v_cache, src, dst, k_cache.stride(0), block_numel, tile, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _copy_blocks_layers_kernel(
+    # pointers
+    k_layers_ptr,  # [num_layers], int64: the address of each layer's k_cache
+    v_layers_ptr,  # [num_layers], int64: the address of each layer's v_cache
+    cache_ptr,  # one layer's k_cache: its pointer type is every layer's (never read through)
+    src_ptr,  # [num_pairs], int32/int64
+    dst_ptr,  # [num_pairs], int32/int64
+    # strides
+    stride_cache_block,
+    # sizes
+    BLOCK_NUMEL: tl.constexpr,  # block_size * num_kv_heads * head_dim
+    # meta-parameters
+    TILE: tl.constexpr,  # power of two; elements of the block this program copies
+):
+    pair_idx = tl.program_id(0)
+    tile_idx = tl.program_id(1)
+    layer = tl.program_id(2)
+    k_base = tl.load(k_layers_ptr + layer).to(cache_ptr.dtype)
+    v_base = tl.load(v_layers_ptr + layer).to(cache_ptr.dtype)
+    src_block = tl.load(src_ptr + pair_idx).to(tl.int64)
+    dst_block = tl.load(dst_ptr + pair_idx).to(tl.int64)
+    elem = tile_idx * TILE + tl.arange(0, TILE)  # [TILE]
+    mask = elem < BLOCK_NUMEL  # the last tile of a block may be partial
+    src_offs = src_block * stride_cache_block + elem
+    dst_offs = dst_block * stride_cache_block + elem
+    k = tl.load(k_base + src_offs, mask=mask, other=0.0)  # [TILE]
+    tl.store(k_base + dst_offs, k, mask=mask)
+    v = tl.load(v_base + src_offs, mask=mask, other=0.0)  # [TILE]
+    tl.store(v_base + dst_offs, v, mask=mask)
+
+
+_COPY_BLOCKS_LAYERS = Launcher(_copy_blocks_layers_kernel)
+
+
+def layer_addresses(
+    k_caches: list[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor],  # like k_caches
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables ``copy_blocks_layers_triton`` reads: ([num_layers] int64 addresses of the k caches, the same of the
+    v caches), on the caches' device. Valid while those tensors live and are not replaced (a grown pool needs new
+    tables).
+
+    Raises:
+        ValueError: no layers, or layers that differ in shape, strides, dtype or device from the first.
+    """
+    if not k_caches or len(k_caches) != len(v_caches):
+        raise ValueError(
+            f"need one v cache per k cache and at least one layer, got {len(k_caches)} k and {len(v_caches)} v caches"
+        )
+    first = k_caches[0]
+    for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches, strict=True)):
+        _check_cache_pair(k_cache, v_cache)
+        if (k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device) != (
+            first.shape,
+            first.stride(),
+            first.dtype,
+            first.device,
+        ):
+            raise ValueError(
+                f"layer {layer}'s cache (shape {tuple(k_cache.shape)}, strides {k_cache.stride()}, {k_cache.dtype}, "
+                f"{k_cache.device}) differs from layer 0's (shape {tuple(first.shape)}, strides {first.stride()}, "
+                f"{first.dtype}, {first.device}); one launch covers only layers of one layout"
+            )
+    k_addresses = torch.tensor([t.data_ptr() for t in k_caches], dtype=torch.int64).to(first.device)
+    v_addresses = torch.tensor([t.data_ptr() for t in v_caches], dtype=torch.int64).to(first.device)
+    return k_addresses, v_addresses
+
+
+def copy_blocks_layers_triton(
+    k_addresses: torch.Tensor,  # [num_layers], int64, from layer_addresses
+    v_addresses: torch.Tensor,  # [num_layers], int64
+    cache: torch.Tensor,  # one of those layers' k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    src: torch.Tensor,  # [num_pairs], int
+    dst: torch.Tensor,  # [num_pairs], int
+) -> None:
+    """``copy_blocks_triton`` in every layer at once: blocks ``src[i] -> dst[i]`` in each layer's k and v caches, one
+    launch (grid pairs x tiles x layers) instead of one a layer.
+
+    Args:
+        k_addresses, v_addresses: the layers' cache addresses (``layer_addresses``: every layer of ``cache``'s
+            shape, strides, dtype and device).
+        cache: a layer's k_cache, for the layout and the element type.
+        src, dst: [num_pairs] int32/int64 block ids; dst distinct and disjoint from src (as for copy-on-write).
+
+    Raises:
+        ValueError: on a shape, dtype or layout mismatch.
+    """
+    _check_cache_pair(cache, cache)
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    if k_addresses.dim() != 1 or k_addresses.shape != v_addresses.shape or k_addresses.dtype != torch.int64:
+        raise ValueError(
+            f"k_addresses and v_addresses must be 1-D int64 of equal length, got {tuple(k_addresses.shape)} "
+            f"{k_addresses.dtype} and {tuple(v_addresses.shape)} {v_addresses.dtype}"
+        )
+    if src.dim() != 1 or dst.shape != src.shape:
+        raise ValueError(
+            f"src and dst must be 1-D of equal length, got shapes {tuple(src.shape)} and {tuple(dst.shape)}"
+        )
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} dtype must be torch.int32 or torch.int64, got {t.dtype}")
+    if cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
+        raise ValueError(
+            f"each cache block must be contiguous (strides [..., {num_kv_heads * head_dim}, {head_dim}, 1]), "
+            f"got strides {cache.stride()}"
+        )
+    if src.numel() == 0 or k_addresses.numel() == 0:
+        return
+    src = src.to(cache.device, non_blocking=True)
+    dst = dst.to(cache.device, non_blocking=True)
+    block_numel = block_size * num_kv_heads * head_dim
+    tile = min(next_power_of_2(block_numel), _MAX_TILE)
+    grid = (src.numel(), cdiv(block_numel, tile), k_addresses.numel())
+    _COPY_BLOCKS_LAYERS(
+        grid, k_addresses, v_addresses, cache, src, dst, cache.stride(0), block_numel, tile, num_warps=4, num_stages=3
+    )

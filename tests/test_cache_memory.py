@@ -96,6 +96,27 @@ def test_kv_pool_grow_keeps_blocks_and_zeroes_new_ones():
         pool.grow(5)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_kv_pool_copy_blocks_copies_every_layer_before_and_after_growth(device):
+    """One copy-on-write call copies the blocks in every layer (on CUDA one launch through the layers' addresses,
+    which a grown pool must rebuild: the old tensors are gone)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the all-layers launch runs on CUDA (run_gpu.sh tests-cache)")
+    pool = KVPool(3, 4, 8, 2, 4, torch.float32, [torch.device(device)] * 3)
+    for layer in range(3):
+        for cache, sign in ((pool.k_cache[layer], 1), (pool.v_cache[layer], -1)):
+            cache.copy_(sign * torch.arange(cache.numel(), dtype=torch.float32).view(cache.shape) + 1000 * layer)
+    expected = [(k[1].clone(), v[1].clone(), k[2].clone()) for k, v in zip(pool.k_cache, pool.v_cache, strict=True)]
+    pool.copy_blocks([(1, 3)])
+    pool.grow(6)
+    pool.copy_blocks([(3, 5), (2, 4)])
+    for layer, (k1, v1, k2) in enumerate(expected):
+        for block in (1, 3, 5):
+            assert torch.equal(pool.k_cache[layer][block], k1) and torch.equal(pool.v_cache[layer][block], v1)
+        assert torch.equal(pool.k_cache[layer][4], k2)
+        assert bool((pool.k_cache[layer][0] != pool.k_cache[layer][1]).all())  # not a dst: untouched
+
+
 def test_cache_is_freed_without_the_garbage_collector():
     """Layers reach the cache through a weak proxy: dropping the cache frees its pool at once (a reference cycle
     kept every dropped pool until the next collection, and repeated generate() calls ran out of device memory)."""

@@ -1,4 +1,5 @@
-"""write_kv_triton and copy_blocks_triton against the torch references (kernels/reference.py).
+"""write_kv_triton, copy_blocks_triton and copy_blocks_layers_triton against the torch references
+(kernels/reference.py).
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1; the same tests run unchanged on CUDA.
 Caches start poisoned (NaN) so a slot written by mistake, or one left unwritten, shows up; the
@@ -18,7 +19,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-    from hf_paged.kernels.cache_ops import copy_blocks_triton, write_kv_triton
+    from hf_paged.kernels.cache_ops import (
+        copy_blocks_layers_triton,
+        copy_blocks_triton,
+        layer_addresses,
+        write_kv_triton,
+    )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -108,6 +114,58 @@ def test_copy_blocks_matches_reference(dtype, num_kv_heads, head_dim, block_size
     _assert_same(k_cache, k_ref)
     _assert_same(v_cache, v_ref)
     assert k_cache[10].isnan().all()  # not a dst: untouched
+
+
+# The all-layers copy reaches each layer through its address. The interpreter hands a kernel bf16 tensors as fp32
+# copies, so a bf16 pool read through a raw address is not what the kernel sees there: bf16 runs on CUDA only.
+LAYER_DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            DEVICE == "cpu", reason="Triton's interpreter copies bf16 arguments to fp32; runs on CUDA (run_gpu.sh)"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("num_kv_heads, head_dim, block_size", [(2, 64, 16), (3, 80, 8)])
+def test_copy_blocks_layers_matches_the_reference_in_every_layer(dtype, num_kv_heads, head_dim, block_size):
+    torch.manual_seed(5)
+    num_layers, num_blocks = 3, 12
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_caches = [torch.randn(shape, device=DEVICE).to(dtype) for _ in range(num_layers)]
+    v_caches = [torch.randn(shape, device=DEVICE).to(dtype) for _ in range(num_layers)]
+    for cache in k_caches + v_caches:
+        cache[7:] = float("nan")  # poisoned dst blocks: each must be fully overwritten in every layer
+    k_ref, v_ref = [t.clone() for t in k_caches], [t.clone() for t in v_caches]
+    src = torch.tensor([4, 0, 6, 2])
+    dst = torch.tensor([9, 7, 11, 8], dtype=torch.int32)
+
+    copy_blocks_layers_triton(*layer_addresses(k_caches, v_caches), k_caches[0], src, dst)
+    for k, v in zip(k_ref, v_ref, strict=True):
+        copy_blocks_ref(k, v, src, dst)
+
+    for layer in range(num_layers):
+        _assert_same(k_caches[layer], k_ref[layer])
+        _assert_same(v_caches[layer], v_ref[layer])
+        assert k_caches[layer][10].isnan().all()  # not a dst: untouched
+
+
+def test_layer_addresses_and_copy_blocks_layers_reject_bad_arguments():
+    k0, v0 = _poisoned_cache(4, 8, 2, 64, torch.float16)
+    k1, v1 = _poisoned_cache(5, 8, 2, 64, torch.float16)
+    with pytest.raises(ValueError, match=r"layer 1's cache \(shape \(5, 8, 2, 64\).*differs from layer 0's"):
+        layer_addresses([k0, k1], [v0, v1])
+    with pytest.raises(ValueError, match="need one v cache per k cache and at least one layer, got 2 k and 1 v"):
+        layer_addresses([k0, k0], [v0])
+    k_addresses, v_addresses = layer_addresses([k0], [v0])
+    with pytest.raises(ValueError, match=r"src and dst must be 1-D of equal length"):
+        copy_blocks_layers_triton(k_addresses, v_addresses, k0, torch.tensor([0, 1]), torch.tensor([2]))
+    with pytest.raises(ValueError, match=r"must be 1-D int64 of equal length"):
+        copy_blocks_layers_triton(k_addresses.int(), v_addresses, k0, torch.tensor([0]), torch.tensor([2]))
 
 
 def _huge_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype):
