@@ -13,9 +13,11 @@ depth (28 layers) and tiny widths, so the numbers are the per-step Python and di
 (``write_kv``, ``paged_attention``) take their CUDA branch on these CPU tensors (their source is run with the device
 test flipped, nothing else changed), so the Triton launchers' checks, output and scratch allocations, split
 heuristics and argument packing all run; only ``Launcher.__call__`` (kernels/launch.py: the launch-key lookup and
-``CompiledKernel.run``) is a no-op. What this leaves out of the GPU host's cost: the launch itself, the CUDA
-caching allocator (``torch.empty`` on CPU is cheaper), ``torch.cuda.current_device()`` in ``on_device`` and the SM
-count lookup, which the CPU branch of those helpers skips.
+``CompiledKernel.run``) and the kept launch (``Launcher.bind``'s ``BoundLaunch.launch``) are no-ops. What this
+leaves out of the GPU host's cost: the launch itself, the CUDA caching allocator (``torch.empty`` on CPU is
+cheaper), ``torch.cuda.current_device()`` in ``on_device`` and the SM count lookup, which the CPU branch of those
+helpers skips. Copy-on-write (``KVPool.copy_blocks``) keeps its CPU path: a reference copy a layer, where CUDA
+makes one launch for all layers.
 
 A step's host time runs from the start of one forward to the start of the next (the forward, then generate's
 sampling and input preparation), measured with ``time.process_time``; each run gives the median over its decode
@@ -25,7 +27,11 @@ alternate, so both see the same load. The CUDA launch cost of the kernels is not
 DynamicCache, is its arithmetic left out: at large batch and prompt its CPU attention and concatenations compute for
 real, so that column is not a host cost there.
 
+``--mode`` picks generate's decoding as benchmarks/generate.py names it: ``greedy``, ``samples4``
+(``do_sample=True, num_return_sequences=4, top_k=50``: 4 rows a prompt) or ``beams4`` (``num_beams=4``).
+
 Run: python benchmarks/cache_host_time.py [--batch 1 64] [--prompt 512] [--new-tokens 32] [--wrappers]
+[--mode greedy|samples4|beams4]
 """
 
 import argparse
@@ -97,7 +103,13 @@ def keep_wrappers() -> None:
     def no_launch(self, grid, *args, **options):
         pass
 
+    class NoBoundLaunch:  # what Launcher.bind keeps (kernels.launch.BoundLaunch), minus the launch
+        def launch(self, *values):
+            pass
+
     launch_module.Launcher.__call__ = no_launch
+    launch_module.Launcher.bind = lambda self, grid, args, positions, **options: NoBoundLaunch()
+    torch.cuda.current_device = lambda: 0  # DecodeBinding checks the device of each layer's launch
     # The dispatchers send CPU tensors to the torch references: run their own source with the device test flipped.
     for name, device_test in (("write_kv", "if k_cache.is_cuda:"), ("paged_attention", "if not query.is_cuda:")):
         _flip_device_test(kernels_module, name, device_test, (kernels_module, cache_module, paged_attention_module))
@@ -123,7 +135,18 @@ class PlanTimer:
         cache_module.PagedCache._begin_forward = timed
 
 
-def decode_step_ms(model, make_cache, prompts: torch.Tensor, new_tokens: int, timer: PlanTimer | None = None):
+# The kernels do not run here, so the logits can hold NaN or inf: remove_invalid_values keeps sampling and beam
+# scores finite (both caches pay for it), so that every call runs its full number of steps.
+MODES = {
+    "greedy": dict(do_sample=False),
+    "samples4": dict(do_sample=True, num_return_sequences=4, top_k=50, remove_invalid_values=True),
+    "beams4": dict(do_sample=False, num_beams=4, remove_invalid_values=True),
+}
+
+
+def decode_step_ms(
+    model, make_cache, prompts: torch.Tensor, new_tokens: int, timer: PlanTimer | None = None, mode: str = "greedy"
+):
     """(host ms of each decode step, plan ms of each decode step) of one generate() call.
 
     A step runs from one forward's start to the next one's (the forward, then generate's sampling and input
@@ -139,16 +162,18 @@ def decode_step_ms(model, make_cache, prompts: torch.Tensor, new_tokens: int, ti
     try:
         model.generate(
             input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, past_key_values=make_cache(),
+            min_new_tokens=new_tokens, past_key_values=make_cache(), **MODES[mode],
         )  # fmt: skip
     finally:
         handle.remove()
+    if len(marks) != new_tokens:  # a call that ends early would time other steps than its peers
+        raise RuntimeError(f"generate ran {len(marks)} forwards for {new_tokens} new tokens")
     steps = [(b - a) * 1e3 for a, b in zip(marks[1:], marks[2:], strict=False)]
     plan_steps = [(b - a) * 1e3 for a, b in zip(plans[1:], plans[2:], strict=False)]
     return steps, plan_steps
 
 
-def step_ms(model, runs: dict, prompts, new_tokens: int, repeats: int, timer: PlanTimer):
+def step_ms(model, runs: dict, prompts, new_tokens: int, repeats: int, timer: PlanTimer, mode: str = "greedy"):
     """Per run, the median host ms of a decode step (and of its plan) of each of ``runs``: name -> (attention
     implementation, cache factory). The runs alternate, so that every configuration sees the same machine load.
 
@@ -157,12 +182,12 @@ def step_ms(model, runs: dict, prompts, new_tokens: int, repeats: int, timer: Pl
     """
     for attn, make_cache in runs.values():  # warm-up
         model.set_attn_implementation(attn)
-        decode_step_ms(model, make_cache, prompts, 3)
+        decode_step_ms(model, make_cache, prompts, 3, mode=mode)
     result = {name: ([], []) for name in runs}
     for _ in range(repeats):
         for name, (attn, make_cache) in runs.items():
             model.set_attn_implementation(attn)
-            run_steps, run_plans = decode_step_ms(model, make_cache, prompts, new_tokens, timer)
+            run_steps, run_plans = decode_step_ms(model, make_cache, prompts, new_tokens, timer, mode)
             result[name][0].append(statistics.median(run_steps))
             result[name][1].append(statistics.median(run_plans))
     return result
@@ -179,6 +204,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--mode", choices=list(MODES), default="greedy")
     parser.add_argument(
         "--wrappers", action="store_true", help="keep the kernels' Python wrappers; only the launches are no-ops"
     )
@@ -190,19 +216,21 @@ def main():
         stub_kernels()
     timer = PlanTimer()
     model = build_model(args.layers)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.layers} layers, prompt "
-          f"{args.prompt}, {args.new_tokens} new tokens, {args.repeats} runs; host ms/step: min (median)")  # fmt: skip
+    versions = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    print(f"{versions}, {args.layers} layers, {args.mode}, prompt {args.prompt}, {args.new_tokens} new tokens, "
+          f"{args.repeats} runs; host ms/step: min (median)")  # fmt: skip
     kernels = "kernel wrappers, no-op launches" if args.wrappers else "no-op kernels"
     print(f"| batch | DynamicCache + sdpa | PagedCache + paged ({kernels}) | of which the plan (_begin_forward) |")
     print("|---|---|---|---|")
     for batch in args.batch:
         prompts = torch.randint(3, 256, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
-        num_blocks = batch * ((args.prompt + args.new_tokens) // 16 + 2)
+        rows = batch if args.mode == "greedy" else 4 * batch
+        num_blocks = rows * ((args.prompt + args.new_tokens) // 16 + 2)
         runs = {
             "dynamic": ("sdpa", lambda: DynamicCache(config=model.config)),
             "paged": ("paged", functools.partial(PagedCache, model, num_blocks=num_blocks, block_size=16)),
         }
-        result = step_ms(model, runs, prompts, args.new_tokens, args.repeats, timer)
+        result = step_ms(model, runs, prompts, args.new_tokens, args.repeats, timer, args.mode)
         (dynamic, _), (paged, plan) = result["dynamic"], result["paged"]
         print(f"| {batch} | {_fmt(dynamic)} | {_fmt(paged)} | {_fmt(plan)} |", flush=True)
 

@@ -1,6 +1,8 @@
 """benchmarks/generate.py off the GPU: argument parsing, the markdown table, and a CPU smoke run of the whole path."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,18 @@ def test_eager_ab_smoke_run_on_the_cpu(capsys):
     assert len(rows) == 3 and "DECODE_BINDING=False" in rows[1] and "DECODE_BINDING=True" in rows[2]
     assert "tokens equal at both values: True" in out
     assert attention_module.DECODE_BINDING is True  # put back as it was
+
+
+@pytest.mark.parametrize("mode", ["samples4", "beams4"])
+def test_cache_host_time_runs_each_mode_on_the_cpu(mode):
+    """benchmarks/cache_host_time.py --wrappers --mode M (its own process: it patches the kernels' launchers): a row
+    of host times for both caches, every call running all its decode steps (the script checks the forwards: the
+    stubbed kernels leave NaN logits, which ended beam search after a few steps before remove_invalid_values)."""
+    args = ["--layers", "2", "--batch", "1", "--prompt", "16", "--new-tokens", "6", "--repeats", "1", "--wrappers"]
+    run = subprocess.run(
+        [sys.executable, str(_PATH.parent / "cache_host_time.py"), *args, "--mode", mode],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1 and rows[0].count("(") == 3, run.stdout
