@@ -11,7 +11,8 @@ Example, the eager decode step's kept launch (hf_paged.attention.DECODE_BINDING)
     python benchmarks/eager_ab.py --shape llama-8b --batch 64 --switch hf_paged.attention.DECODE_BINDING \\
         --values True False
 
-Steps are generate.py's (a logits processor's clock, once per new token); ``--new-tokens`` per call, greedy.
+Steps are generate.py's (a logits processor's clock, once per new token); ``--new-tokens`` per call; ``--mode``
+greedy (default), samples4 or beams4 as generate.py names them (sampling seeded alike for every call).
 """
 
 import argparse
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--switch", required=True, help="MODULE.NAME of a module-level switch, e.g. a bool")
+    parser.add_argument("--mode", default="greedy", choices=list(generate.MODES))
     parser.add_argument("--values", nargs=2, required=True, help="two Python literals for the switch")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (the CPU references, not the CUDA host)")
     args = parser.parse_args(argv)
@@ -67,18 +69,18 @@ def run(args, module, name: str, values: list) -> int:
     outputs = {}
     for system, value in systems.values():  # warm-up: kernels compiled, allocator pools grown
         setattr(module, name, value)
-        generate.generate_once(model, system, prompts, 4, "greedy")
+        generate.generate_once(model, system, prompts, 4, args.mode)
     for _ in range(args.rounds):
         for label, (system, value) in systems.items():
             setattr(module, name, value)
-            result = generate.generate_once(model, system, prompts, args.new_tokens, "greedy")
+            result = generate.generate_once(model, system, prompts, args.new_tokens, args.mode)
             medians[label].append(statistics.median(result[2]))
             fastest[label].append(min(result[2]))
             outputs[label] = result[6]
     base = medians["DynamicCache + sdpa"]
     card = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"{args.shape}, {args.batch} x {args.prompt} greedy, {args.new_tokens} new tokens, {args.rounds} rounds, "
-          f"{card}: ms a decode step")  # fmt: skip
+    print(f"{args.shape}, {args.batch} x {args.prompt} {args.mode}, {args.new_tokens} new tokens, "
+          f"{args.rounds} rounds, {card}: ms a decode step")  # fmt: skip
     print("| system | median of call medians | fastest step | paired / DynamicCache (median) |")
     print("|---|---:|---:|---:|")
     for label in systems:

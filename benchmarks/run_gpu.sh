@@ -34,6 +34,9 @@
 #             and mask, layers, end, LM head), DynamicCache vs PagedCache, Llama-3.1-8B and Qwen3-0.6B 64 x 512 (~3 min)
 #   binding-ab  benchmarks/eager_ab.py: eager greedy 64 x 512 steps, DynamicCache beside PagedCache with
 #             attention.DECODE_BINDING on and off, 10 alternating rounds, both shapes                     (~4 min)
+#   copy-ab   benchmarks/eager_ab.py --mode beams4: eager beam steps (a block copied every step), DynamicCache beside
+#             PagedCache with kv_pool.ONE_COPY_LAUNCH on and off, 10 alternating rounds, Llama-3.1-8B 1 x 512 and
+#             Qwen3-0.6B 32 x 512                                                                          (~3 min)
 #   profile   benchmarks/generate_profile.py: a generate decode step's host and device ops, paged vs dynamic  (~2 min)
 #   profile-python  the same call under cProfile (Python functions by own time): where eager PagedCache's greedy
 #             steps at batch 32-64 spend the 4-9% they trail DynamicCache by (sixteenth session's grid)      (~3 min)
@@ -96,7 +99,7 @@ python3 -c "import hf_paged.kernels" || exit 1
 
 run_cache_tests() {  # PagedCache on CUDA: generate with the Triton kernels, the compiled path (inductor, CUDA graphs)
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_cache_compile.py \
-        -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tee "$out/tests-cache.log" | tail -4 \
+        tests/test_cache_memory.py -k "cuda or compile or custom" -W ignore::FutureWarning 2>&1 | tee "$out/tests-cache.log" | tail -4 \
         | tee -a "$out/tests.txt"
 }
 
@@ -366,6 +369,13 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
                     | tee -a "$out/binding-ab.md"
             done
             ;;
+        copy-ab)
+            for cell in llama-8b:1 qwen3-0.6b:32; do
+                timeout 150 python3 benchmarks/eager_ab.py --shape "${cell%%:*}" --batch "${cell#*:}" --mode beams4 \
+                    --rounds 10 --switch hf_paged.kv_pool.ONE_COPY_LAUNCH --values True False 2>&1 | grep -v Warn \
+                    | tail -7 | tee -a "$out/copy-ab.md"
+            done
+            ;;
         profile) timeout 200 python3 benchmarks/generate_profile.py 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -80 ;;
         all)
             run_tests
@@ -375,7 +385,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, profile, profile-python, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2

@@ -9,8 +9,12 @@ import os
 
 import torch
 
-from hf_paged.kernels import copy_blocks_layers, layer_addresses
+from hf_paged.kernels import copy_blocks, copy_blocks_layers, layer_addresses
 from hf_paged.transfer import to_device
+
+# Copy-on-write: one launch for all the layers of a CUDA device (kernels.copy_blocks_layers). False: one launch a
+# layer, as before (for A/Bs: benchmarks/eager_ab.py --switch hf_paged.kv_pool.ONE_COPY_LAUNCH).
+ONE_COPY_LAUNCH = True
 
 
 class KVPool:
@@ -99,7 +103,11 @@ class KVPool:
             v_caches = [self.v_cache[i] for i in layers]
             # pinned, non-blocking: the step does not wait for the GPU here
             src_t, dst_t = to_device(src, torch.int64, device), to_device(dst, torch.int64, device)
-            copy_blocks_layers(k_caches, v_caches, src_t, dst_t, addresses)
+            if ONE_COPY_LAUNCH:
+                copy_blocks_layers(k_caches, v_caches, src_t, dst_t, addresses)
+            else:
+                for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
+                    copy_blocks(k_cache, v_cache, src_t, dst_t)
 
     def _layer_groups(self) -> list[tuple[torch.device, list[int], tuple | None]]:
         """The layers by device (accelerate's device_map may spread them), with each CUDA group's addresses."""

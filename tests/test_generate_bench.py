@@ -189,6 +189,21 @@ def test_eager_ab_smoke_run_on_the_cpu(capsys):
     assert attention_module.DECODE_BINDING is True  # put back as it was
 
 
+def test_eager_ab_beam_mode_with_the_copy_switch_on_the_cpu(capsys):
+    """eager_ab.py --mode beams4 over hf_paged.kv_pool.ONE_COPY_LAUNCH (beam steps copy a block every step): both
+    sides give the same tokens, and the switch is put back."""
+    import hf_paged.kv_pool as kv_pool_module
+
+    eager_ab = _load_benchmark("eager_ab")
+    args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--prompt", "9", "--new-tokens", "4", "--rounds",
+            "1", "--mode", "beams4", "--switch", "hf_paged.kv_pool.ONE_COPY_LAUNCH",
+            "--values", "False", "True"]  # fmt: skip
+    assert eager_ab.main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 x 9 beams4" in out and "tokens equal at both values: True" in out
+    assert kv_pool_module.ONE_COPY_LAUNCH is True
+
+
 @pytest.mark.parametrize("mode", ["samples4", "beams4"])
 def test_cache_host_time_runs_each_mode_on_the_cpu(mode):
     """benchmarks/cache_host_time.py --wrappers --mode M (its own process: it patches the kernels' launchers): a row
