@@ -34,6 +34,9 @@
 #             and mask, layers, end, LM head), DynamicCache vs PagedCache, Llama-3.1-8B and Qwen3-0.6B 64 x 512 (~3 min)
 #   binding-ab  benchmarks/eager_ab.py: eager greedy 64 x 512 steps, DynamicCache beside PagedCache with
 #             attention.DECODE_BINDING on and off, 10 alternating rounds, both shapes                     (~4 min)
+#   eager-cells  generate.py cells one after another, DynamicCache vs eager PagedCache only, 15 alternating rounds
+#             each, alone on the machine: EAGER_CELLS="SHAPE:POINT:MODE ..." (default: the four cells the eighteenth
+#             session's grid put at paired 1.01-1.02, four processes sharing the host)                   (~6 min)
 #   copy-ab   benchmarks/eager_ab.py --mode beams4: eager beam steps (a block copied every step), DynamicCache beside
 #             PagedCache with kv_pool.ONE_COPY_LAUNCH on and off, 10 alternating rounds, Llama-3.1-8B 1 x 512 and
 #             Qwen3-0.6B 32 x 512                                                                          (~3 min)
@@ -369,8 +372,18 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
                     | tee -a "$out/binding-ab.md"
             done
             ;;
+        eager-cells)
+            local cell shape point mode
+            for cell in ${EAGER_CELLS:-qwen3-0.6b:64x512:greedy qwen3-0.6b:32x512:samples4 llama-8b:8x1024:greedy \
+                llama-8b:32x512:greedy}; do
+                IFS=: read -r shape point mode <<<"$cell"
+                timeout 170 python3 benchmarks/generate.py --shapes "$shape" --points "$point" --modes "$mode" \
+                    --systems dynamic paged --new-tokens 32 --repeats 15 --eager-repeats 15 \
+                    --out "$out/eager-cells.md" 2>&1 | grep "^|" | tee -a "$out/eager-cells.rows"
+            done
+            ;;
         copy-ab)
-            for cell in llama-8b:1 qwen3-0.6b:32; do
+            for cell in ${COPY_AB_CELLS:-llama-8b:1 qwen3-0.6b:32}; do
                 timeout 150 python3 benchmarks/eager_ab.py --shape "${cell%%:*}" --batch "${cell#*:}" --mode beams4 \
                     --rounds 10 --switch hf_paged.kv_pool.ONE_COPY_LAUNCH --values True False 2>&1 | grep -v Warn \
                     | tail -7 | tee -a "$out/copy-ab.md"
@@ -385,7 +398,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
         *)
             echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, copy-ab, profile, profile-python, trace," \
+                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
                 "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
