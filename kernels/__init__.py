@@ -85,8 +85,9 @@ def layer_addresses(
     k_caches: list[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim], one layout
     v_caches: list[torch.Tensor],  # like k_caches
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """What ``copy_blocks_layers`` needs to copy every layer in one launch: the layers' cache addresses on their
-    CUDA device ([num_layers] int64 each, valid until a cache tensor is replaced); None for CPU caches."""
+    """What ``copy_blocks_layers`` needs to copy every layer in one launch: where each layer's caches start, in
+    elements from ``k_caches[0]``, on their CUDA device ([num_layers] int64 each, valid until a cache tensor is
+    replaced); None for CPU caches."""
     if not k_caches[0].is_cuda:
         return None
     return _triton().cache_ops.layer_addresses(k_caches, v_caches)

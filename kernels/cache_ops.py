@@ -259,9 +259,9 @@ def copy_blocks_triton(
 @triton.jit
 def _copy_blocks_layers_kernel(
     # pointers
-    k_layers_ptr,  # [num_layers], int64: the address of each layer's k_cache
-    v_layers_ptr,  # [num_layers], int64: the address of each layer's v_cache
-    cache_ptr,  # one layer's k_cache: its pointer type is every layer's (never read through)
+    k_layers_ptr,  # [num_layers], int64: where each layer's k_cache starts, in elements from cache_ptr
+    v_layers_ptr,  # [num_layers], int64: the same for each layer's v_cache
+    cache_ptr,  # the base of those offsets (a layer's k_cache; every layer has its element type)
     src_ptr,  # [num_pairs], int32/int64
     dst_ptr,  # [num_pairs], int32/int64
     # strides
@@ -274,8 +274,11 @@ def _copy_blocks_layers_kernel(
     pair_idx = tl.program_id(0)
     tile_idx = tl.program_id(1)
     layer = tl.program_id(2)
-    k_base = tl.load(k_layers_ptr + layer).to(cache_ptr.dtype)
-    v_base = tl.load(v_layers_ptr + layer).to(cache_ptr.dtype)
+    # Each layer's caches as element offsets from cache_ptr, multiples of 16 (layer_addresses checks it): the
+    # compiler then vectorises the block's loads and stores. (A pointer cast from an integer address is taken as
+    # unaligned, whatever multiple_of says: the copy ran 2 bytes at a time, slower than a launch a layer.)
+    k_base = cache_ptr + tl.multiple_of(tl.load(k_layers_ptr + layer), 16)
+    v_base = cache_ptr + tl.multiple_of(tl.load(v_layers_ptr + layer), 16)
     src_block = tl.load(src_ptr + pair_idx).to(tl.int64)
     dst_block = tl.load(dst_ptr + pair_idx).to(tl.int64)
     elem = tile_idx * TILE + tl.arange(0, TILE)  # [TILE]
@@ -295,12 +298,13 @@ def layer_addresses(
     k_caches: list[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
     v_caches: list[torch.Tensor],  # like k_caches
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables ``copy_blocks_layers_triton`` reads: ([num_layers] int64 addresses of the k caches, the same of the
-    v caches), on the caches' device. Valid while those tensors live and are not replaced (a grown pool needs new
-    tables).
+    """The tables ``copy_blocks_layers_triton`` reads, with ``k_caches[0]`` as the base: ([num_layers] int64, where
+    each layer's k cache starts in elements from ``k_caches[0]``; the same for the v caches), on the caches' device.
+    Valid while those tensors live and are not replaced (a grown pool needs new tables).
 
     Raises:
-        ValueError: no layers, or layers that differ in shape, strides, dtype or device from the first.
+        ValueError: no layers; layers that differ in shape, strides, dtype or device from the first; a cache that
+            does not start 64-byte aligned (the caching allocator's blocks are 512-byte aligned).
     """
     if not k_caches or len(k_caches) != len(v_caches):
         raise ValueError(
@@ -320,15 +324,21 @@ def layer_addresses(
                 f"{k_cache.device}) differs from layer 0's (shape {tuple(first.shape)}, strides {first.stride()}, "
                 f"{first.dtype}, {first.device}); one launch covers only layers of one layout"
             )
-    k_addresses = torch.tensor([t.data_ptr() for t in k_caches], dtype=torch.int64).to(first.device)
-    v_addresses = torch.tensor([t.data_ptr() for t in v_caches], dtype=torch.int64).to(first.device)
-    return k_addresses, v_addresses
+    base, size = first.data_ptr(), first.element_size()
+    addresses = [[t.data_ptr() for t in caches] for caches in (k_caches, v_caches)]
+    misaligned = [a for a in addresses[0] + addresses[1] if a % 64]
+    if misaligned:  # the kernel tells the compiler each offset is a multiple of 16 elements (of at most 4 bytes)
+        raise ValueError(f"every layer's cache must start at a 64-byte aligned address, got {misaligned[0]:#x}")
+    k_offsets, v_offsets = (
+        torch.tensor([(a - base) // size for a in caches], dtype=torch.int64).to(first.device) for caches in addresses
+    )
+    return k_offsets, v_offsets
 
 
 def copy_blocks_layers_triton(
     k_addresses: torch.Tensor,  # [num_layers], int64, from layer_addresses
     v_addresses: torch.Tensor,  # [num_layers], int64
-    cache: torch.Tensor,  # one of those layers' k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # their base, k_caches[0]: [num_blocks, block_size, num_kv_heads, head_dim]
     src: torch.Tensor,  # [num_pairs], int
     dst: torch.Tensor,  # [num_pairs], int
 ) -> None:
@@ -336,9 +346,9 @@ def copy_blocks_layers_triton(
     launch (grid pairs x tiles x layers) instead of one a layer.
 
     Args:
-        k_addresses, v_addresses: the layers' cache addresses (``layer_addresses``: every layer of ``cache``'s
-            shape, strides, dtype and device).
-        cache: a layer's k_cache, for the layout and the element type.
+        k_addresses, v_addresses: the layers' caches as element offsets from ``cache`` (``layer_addresses``: every
+            layer of ``cache``'s shape, strides, dtype and device).
+        cache: the first layer's k_cache: the offsets' base, the layout and the element type.
         src, dst: [num_pairs] int32/int64 block ids; dst distinct and disjoint from src (as for copy-on-write).
 
     Raises:

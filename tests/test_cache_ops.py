@@ -116,21 +116,7 @@ def test_copy_blocks_matches_reference(dtype, num_kv_heads, head_dim, block_size
     assert k_cache[10].isnan().all()  # not a dst: untouched
 
 
-# The all-layers copy reaches each layer through its address. The interpreter hands a kernel bf16 tensors as fp32
-# copies, so a bf16 pool read through a raw address is not what the kernel sees there: bf16 runs on CUDA only.
-LAYER_DTYPES = [
-    torch.float32,
-    torch.float16,
-    pytest.param(
-        torch.bfloat16,
-        marks=pytest.mark.skipif(
-            DEVICE == "cpu", reason="Triton's interpreter copies bf16 arguments to fp32; runs on CUDA (run_gpu.sh)"
-        ),
-    ),
-]
-
-
-@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_kv_heads, head_dim, block_size", [(2, 64, 16), (3, 80, 8)])
 def test_copy_blocks_layers_matches_the_reference_in_every_layer(dtype, num_kv_heads, head_dim, block_size):
     torch.manual_seed(5)
@@ -161,6 +147,9 @@ def test_layer_addresses_and_copy_blocks_layers_reject_bad_arguments():
         layer_addresses([k0, k1], [v0, v1])
     with pytest.raises(ValueError, match="need one v cache per k cache and at least one layer, got 2 k and 1 v"):
         layer_addresses([k0, k0], [v0])
+    k_odd = torch.empty(4 * 8 * 2 * 64 + 1, dtype=torch.float16, device=DEVICE)[1:].view(4, 8, 2, 64)
+    with pytest.raises(ValueError, match="64-byte aligned address"):
+        layer_addresses([k_odd], [k_odd.clone()])
     k_addresses, v_addresses = layer_addresses([k0], [v0])
     with pytest.raises(ValueError, match=r"src and dst must be 1-D of equal length"):
         copy_blocks_layers_triton(k_addresses, v_addresses, k0, torch.tensor([0, 1]), torch.tensor([2]))
