@@ -11,6 +11,8 @@ Shared-prefix (cascade) decode, the bench's "prefix" workload at the Qwen3-0.6B 
 sharing 21 blocks (336 tokens) and 15-125 keys of their own; in-graph µs of one layer's decode without and with
 ``prefix_len`` (kernels/cascade.py predicts ~324 MB -> ~60 MB moved), and the max difference between the two.
 The split merge launched normally vs with programmatic dependent launch (PDL, SM90+), in a graph.
+Copy-on-write of 96 blocks in each of 28 layers (a beam step of Qwen3-0.6B at 32 x 4 beams): ``copy_blocks_layers``
+in one launch vs ``copy_blocks`` a layer, eager calls, GPU and host µs a call.
 Prefill (when kernels/prefill.py exists): 4 fresh prompts x 1024 tokens vs causal SDPA.
 
 Prints a markdown block to paste into benchmarks/RESULTS.md; ``--out PATH`` also writes it there.
@@ -192,6 +194,47 @@ def bench_cascade() -> list[str]:
             f"| {bound} | {plain_us:.1f} | {cascade_us:.1f} | {plain_us / cascade_us:.2f}x | {off_us:.1f} "
             f"| {diff:.2e} |"
         )
+    return lines
+
+
+def bench_copy_blocks(num_layers: int = 28, num_pairs: int = 96) -> list[str]:
+    """Markdown rows: a copy-on-write step's block copies in every layer, one launch vs a launch a layer (eager calls
+    as PagedCache's beam steps make them; CUDA events for the GPU time, the wall clock for the host's)."""
+    import time
+
+    from hf_paged.kernels import copy_blocks, copy_blocks_layers, layer_addresses
+
+    shape = (2560, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_caches = [torch.randn(shape, device="cuda", dtype=DTYPE) for _ in range(num_layers)]
+    v_caches = [torch.randn(shape, device="cuda", dtype=DTYPE) for _ in range(num_layers)]
+    src = torch.arange(0, 2 * num_pairs, 2, device="cuda")
+    dst = torch.arange(1000, 1000 + num_pairs, device="cuda")
+    offsets = layer_addresses(k_caches, v_caches)
+
+    def per_layer():
+        for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
+            copy_blocks(k_cache, v_cache, src, dst)
+
+    calls = {
+        "one launch (copy_blocks_layers)": lambda: copy_blocks_layers(k_caches, v_caches, src, dst, offsets),
+        "a launch a layer (copy_blocks)": per_layer,
+    }
+    mib = num_pairs * num_layers * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize / 2**20
+    lines = [f"### Copy-on-write: {num_pairs} blocks in each of {num_layers} layers ({mib:.0f} MiB copied), eager", "",
+             "| call | GPU µs | host µs | blocks equal |", "|---|---:|---:|---|"]  # fmt: skip
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
+        start.record()
+        for _ in range(50):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        host_us = (time.perf_counter() - began) / 50 * 1e6
+        equal = all(torch.equal(k[1000 + i], k[2 * i]) for k in k_caches for i in (0, num_pairs - 1))
+        lines.append(f"| {name} | {start.elapsed_time(end) / 50 * 1e3:.0f} | {host_us:.0f} | {equal} |")
     return lines
 
 
@@ -383,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {batch} | {context} | " + " | ".join(f"{sweep[n]:.1f}" for n in SWEEP_SPLITS) + " |")
     lines += [""] + bench_pdl(l2_bytes)
     lines += [""] + bench_cascade()
+    lines += [""] + bench_copy_blocks()
     prefill = bench_prefill(gqa_kwargs)
     lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
 
