@@ -26,6 +26,11 @@ Caches: fixed pools and, with ``max_cache_len=64`` (compileable), a growing pool
 and a tiny one: generate then plans every decode step ahead (its mask step), and the planned steps run eagerly (no
 compile on the CPU) with beams, samples, chunked prefill, crop, prompt lookup and MemoryError in a planned step.
 
+Device: the CPU (CI), or ``HF_PAGED_TEST_DEVICE=cuda`` (``benchmarks/run_gpu.sh OUT tests-cache-fuzz``): both models in
+fp32 on the GPU, where the eager decode steps take the CUDA-only paths (the kept decode launch a layer,
+``kernels.decode.DecodeBinding``; copy-on-write in one launch for all layers). The fuzzer's own tensors stay on the
+CPU; each generate() gets its inputs on the device and returns its output to the CPU.
+
 Attention: "paged" (the Triton kernels; TRITON_INTERPRET=1 on CPU; mistral's sliding window too) and "sdpa"
 (update() gathers contiguous K/V). After every call without beams, each row holds its real prompt tokens plus the
 tokens fed back (the pool keeps none), one per pool slot. After every operation: ``cache.reset()``,
@@ -49,7 +54,7 @@ import random
 import pytest
 import torch
 from helpers import assert_cache_released
-from models import cache_kwarg, tiny_model
+from models import DEVICE, cache_kwarg, tiny_model
 from transformers import DynamicCache
 
 from hf_paged import PagedCache
@@ -84,8 +89,11 @@ def _batch(prompts: list[list[int]]) -> dict:
 
 
 def _generate(model, cache, inputs: dict, kwargs: dict, seed: int) -> torch.Tensor:
-    torch.manual_seed(seed)
-    return model.generate(**inputs, **kwargs, **{CACHE: cache})
+    """generate() with the inputs on the model's device; the output on the CPU (where the fuzzer compares it)."""
+    device = model.device
+    torch.manual_seed(seed)  # seeds the CUDA generators too: both caches' sampling draws alike on the device
+    out = model.generate(**{k: v.to(device) for k, v in inputs.items()}, **kwargs, **{CACHE: cache})
+    return out.cpu()
 
 
 def _num_blocks_unshared(inputs: dict, kwargs: dict, block_size: int) -> int:
@@ -112,8 +120,8 @@ class _Fuzzer:
         self, family: str, attn: str, block_size: int, num_blocks: int | None, seed: int, max_cache_len: int | None
     ):
         self.rng = random.Random(seed)
-        self.model = tiny_model(family, attn=attn)
-        self.ref = tiny_model(family, attn="sdpa")
+        self.model = tiny_model(family, attn=attn, device=DEVICE)
+        self.ref = tiny_model(family, attn="sdpa", device=DEVICE)
         self.cache = PagedCache(self.model, num_blocks=num_blocks, block_size=block_size, max_cache_len=max_cache_len)
         self.block_size = block_size
         self.history: list[list[int]] = []  # earlier prompts and outputs: sources of shared prefixes
@@ -201,7 +209,7 @@ class _Fuzzer:
 
     def _op_embeds(self):
         inputs = _batch(self._prompts())
-        embeds = self.model.get_input_embeddings()(inputs.pop("input_ids")).detach()
+        embeds = self.model.get_input_embeddings()(inputs.pop("input_ids").to(DEVICE)).detach().cpu()
         self._call({"inputs_embeds": embeds, **inputs}, self._kwargs())
 
     def _op_prefix(self):
