@@ -180,6 +180,31 @@ def _write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tuple:
 
 
 @triton.jit
+def _copy_block_tile(
+    k_base,  # a layer's k_cache: [num_blocks, block_size, num_kv_heads, head_dim]; each block contiguous
+    v_base,  # the layer's v_cache, same layout
+    src_ptr,  # [num_pairs], int32/int64
+    dst_ptr,  # [num_pairs], int32/int64
+    pair_idx,
+    tile_idx,
+    stride_cache_block,
+    BLOCK_NUMEL: tl.constexpr,  # block_size * num_kv_heads * head_dim
+    TILE: tl.constexpr,  # power of two; elements of the block this program copies
+):
+    """One tile of block ``src[pair_idx]`` -> ``dst[pair_idx]`` in one layer's k and v caches."""
+    src_block = tl.load(src_ptr + pair_idx).to(tl.int64)
+    dst_block = tl.load(dst_ptr + pair_idx).to(tl.int64)
+    elem = tile_idx * TILE + tl.arange(0, TILE)  # [TILE]
+    mask = elem < BLOCK_NUMEL  # the last tile of a block may be partial
+    src_offs = src_block * stride_cache_block + elem
+    dst_offs = dst_block * stride_cache_block + elem
+    k = tl.load(k_base + src_offs, mask=mask, other=0.0)  # [TILE]
+    tl.store(k_base + dst_offs, k, mask=mask)
+    v = tl.load(v_base + src_offs, mask=mask, other=0.0)  # [TILE]
+    tl.store(v_base + dst_offs, v, mask=mask)
+
+
+@triton.jit
 def _copy_blocks_kernel(
     # pointers
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; each block contiguous
@@ -193,18 +218,8 @@ def _copy_blocks_kernel(
     # meta-parameters
     TILE: tl.constexpr,  # power of two; elements of the block this program copies
 ):
-    pair_idx = tl.program_id(0)
-    tile_idx = tl.program_id(1)
-    src_block = tl.load(src_ptr + pair_idx).to(tl.int64)
-    dst_block = tl.load(dst_ptr + pair_idx).to(tl.int64)
-    elem = tile_idx * TILE + tl.arange(0, TILE)  # [TILE]
-    mask = elem < BLOCK_NUMEL  # the last tile of a block may be partial
-    src_offs = src_block * stride_cache_block + elem
-    dst_offs = dst_block * stride_cache_block + elem
-    k = tl.load(k_cache_ptr + src_offs, mask=mask, other=0.0)  # [TILE]
-    tl.store(k_cache_ptr + dst_offs, k, mask=mask)
-    v = tl.load(v_cache_ptr + src_offs, mask=mask, other=0.0)  # [TILE]
-    tl.store(v_cache_ptr + dst_offs, v, mask=mask)
+    _copy_block_tile(k_cache_ptr, v_cache_ptr, src_ptr, dst_ptr, tl.program_id(0), tl.program_id(1),
+                     stride_cache_block, BLOCK_NUMEL, TILE)  # fmt: skip
 
 
 _COPY_BLOCKS = Launcher(_copy_blocks_kernel)
@@ -232,20 +247,7 @@ def copy_blocks_triton(
         ValueError: on a shape, dtype or layout mismatch.
     """
     _check_cache_pair(k_cache, v_cache)
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if src.dim() != 1 or dst.shape != src.shape:
-        raise ValueError(
-            f"src and dst must be 1-D of equal length, got shapes {tuple(src.shape)} and {tuple(dst.shape)}"
-        )
-    for name, t in (("src", src), ("dst", dst)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} dtype must be torch.int32 or torch.int64, got {t.dtype}")
-    block_numel = block_size * num_kv_heads * head_dim
-    if k_cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
-        raise ValueError(
-            f"each cache block must be contiguous (strides [..., {num_kv_heads * head_dim}, {head_dim}, 1]), "
-            f"got strides {k_cache.stride()}"
-        )
+    block_numel = _check_copy(k_cache, src, dst)
     if src.numel() == 0:
         return
     src = src.to(k_cache.device, non_blocking=True)
@@ -254,6 +256,24 @@ def copy_blocks_triton(
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
     grid = (src.numel(), cdiv(block_numel, tile))
     _COPY_BLOCKS(grid, k_cache, v_cache, src, dst, k_cache.stride(0), block_numel, tile, num_warps=4, num_stages=3)
+
+
+def _check_copy(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> int:
+    """The copy wrappers' checks of the block ids and the cache layout; returns a block's element count."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    if src.dim() != 1 or dst.shape != src.shape:
+        raise ValueError(
+            f"src and dst must be 1-D of equal length, got shapes {tuple(src.shape)} and {tuple(dst.shape)}"
+        )
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} dtype must be torch.int32 or torch.int64, got {t.dtype}")
+    if cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
+        raise ValueError(
+            f"each cache block must be contiguous (strides [..., {num_kv_heads * head_dim}, {head_dim}, 1]), "
+            f"got strides {cache.stride()}"
+        )
+    return block_size * num_kv_heads * head_dim
 
 
 @triton.jit
@@ -271,24 +291,14 @@ def _copy_blocks_layers_kernel(
     # meta-parameters
     TILE: tl.constexpr,  # power of two; elements of the block this program copies
 ):
-    pair_idx = tl.program_id(0)
-    tile_idx = tl.program_id(1)
     layer = tl.program_id(2)
     # Each layer's caches as element offsets from cache_ptr, multiples of 16 (layer_addresses checks it): the
     # compiler then vectorises the block's loads and stores. (A pointer cast from an integer address is taken as
     # unaligned, whatever multiple_of says: the copy ran 2 bytes at a time, slower than a launch a layer.)
     k_base = cache_ptr + tl.multiple_of(tl.load(k_layers_ptr + layer), 16)
     v_base = cache_ptr + tl.multiple_of(tl.load(v_layers_ptr + layer), 16)
-    src_block = tl.load(src_ptr + pair_idx).to(tl.int64)
-    dst_block = tl.load(dst_ptr + pair_idx).to(tl.int64)
-    elem = tile_idx * TILE + tl.arange(0, TILE)  # [TILE]
-    mask = elem < BLOCK_NUMEL  # the last tile of a block may be partial
-    src_offs = src_block * stride_cache_block + elem
-    dst_offs = dst_block * stride_cache_block + elem
-    k = tl.load(k_base + src_offs, mask=mask, other=0.0)  # [TILE]
-    tl.store(k_base + dst_offs, k, mask=mask)
-    v = tl.load(v_base + src_offs, mask=mask, other=0.0)  # [TILE]
-    tl.store(v_base + dst_offs, v, mask=mask)
+    _copy_block_tile(k_base, v_base, src_ptr, dst_ptr, tl.program_id(0), tl.program_id(1), stride_cache_block,
+                     BLOCK_NUMEL, TILE)  # fmt: skip
 
 
 _COPY_BLOCKS_LAYERS = Launcher(_copy_blocks_layers_kernel)
@@ -355,29 +365,16 @@ def copy_blocks_layers_triton(
         ValueError: on a shape, dtype or layout mismatch.
     """
     _check_cache_pair(cache, cache)
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     if k_addresses.dim() != 1 or k_addresses.shape != v_addresses.shape or k_addresses.dtype != torch.int64:
         raise ValueError(
             f"k_addresses and v_addresses must be 1-D int64 of equal length, got {tuple(k_addresses.shape)} "
             f"{k_addresses.dtype} and {tuple(v_addresses.shape)} {v_addresses.dtype}"
         )
-    if src.dim() != 1 or dst.shape != src.shape:
-        raise ValueError(
-            f"src and dst must be 1-D of equal length, got shapes {tuple(src.shape)} and {tuple(dst.shape)}"
-        )
-    for name, t in (("src", src), ("dst", dst)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} dtype must be torch.int32 or torch.int64, got {t.dtype}")
-    if cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
-        raise ValueError(
-            f"each cache block must be contiguous (strides [..., {num_kv_heads * head_dim}, {head_dim}, 1]), "
-            f"got strides {cache.stride()}"
-        )
+    block_numel = _check_copy(cache, src, dst)
     if src.numel() == 0 or k_addresses.numel() == 0:
         return
     src = src.to(cache.device, non_blocking=True)
     dst = dst.to(cache.device, non_blocking=True)
-    block_numel = block_size * num_kv_heads * head_dim
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
     grid = (src.numel(), cdiv(block_numel, tile), k_addresses.numel())
     _COPY_BLOCKS_LAYERS(
