@@ -202,14 +202,14 @@ def bench_copy_blocks(num_layers: int = 28, num_pairs: int = 96) -> list[str]:
     as PagedCache's beam steps make them; CUDA events for the GPU time, the wall clock for the host's)."""
     import time
 
-    from hf_paged.kernels import copy_blocks, copy_blocks_layers, layer_addresses
+    from hf_paged.kernels import copy_blocks, copy_blocks_layers, layer_offsets
 
     shape = (2560, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_caches = [torch.randn(shape, device="cuda", dtype=DTYPE) for _ in range(num_layers)]
     v_caches = [torch.randn(shape, device="cuda", dtype=DTYPE) for _ in range(num_layers)]
     src = torch.arange(0, 2 * num_pairs, 2, device="cuda")
     dst = torch.arange(1000, 1000 + num_pairs, device="cuda")
-    offsets = layer_addresses(k_caches, v_caches)
+    offsets = layer_offsets(k_caches, v_caches)
 
     def per_layer():
         for k_cache, v_cache in zip(k_caches, v_caches, strict=True):

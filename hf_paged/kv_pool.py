@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from hf_paged.kernels import copy_blocks, copy_blocks_layers, layer_addresses
+from hf_paged.kernels import copy_blocks, copy_blocks_layers, layer_offsets
 from hf_paged.transfer import to_device
 
 # Copy-on-write: one launch for all the layers of a CUDA device (kernels.copy_blocks_layers). False: one launch a
@@ -51,7 +51,7 @@ class KVPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        # copy_blocks' layer groups: (device, the layers on it, their cache addresses or None); built at first use,
+        # copy_blocks' layer groups: (device, the layers on it, their cache offsets or None); built at first use,
         # dropped when grow() replaces the tensors
         self._copy_groups: list[tuple[torch.device, list[int], tuple | None]] | None = None
 
@@ -72,7 +72,7 @@ class KVPool:
                 caches[layer] = grown
                 del cache
         self.num_blocks = num_blocks
-        self._copy_groups = None  # the addresses are the old tensors'
+        self._copy_groups = None  # the offsets are the old tensors'
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -98,24 +98,24 @@ class KVPool:
         dst = [p[1] for p in pairs]
         if self._copy_groups is None:
             self._copy_groups = self._layer_groups()
-        for device, layers, addresses in self._copy_groups:
+        for device, layers, offsets in self._copy_groups:
             k_caches = [self.k_cache[i] for i in layers]
             v_caches = [self.v_cache[i] for i in layers]
             # pinned, non-blocking: the step does not wait for the GPU here
             src_t, dst_t = to_device(src, torch.int64, device), to_device(dst, torch.int64, device)
             if ONE_COPY_LAUNCH:
-                copy_blocks_layers(k_caches, v_caches, src_t, dst_t, addresses)
+                copy_blocks_layers(k_caches, v_caches, src_t, dst_t, offsets)
             else:
                 for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
                     copy_blocks(k_cache, v_cache, src_t, dst_t)
 
     def _layer_groups(self) -> list[tuple[torch.device, list[int], tuple | None]]:
-        """The layers by device (accelerate's device_map may spread them), with each CUDA group's addresses."""
+        """The layers by device (accelerate's device_map may spread them), with each CUDA group's cache offsets."""
         by_device: dict[torch.device, list[int]] = {}
         for i, k in enumerate(self.k_cache):
             by_device.setdefault(k.device, []).append(i)
         return [
-            (device, layers, layer_addresses([self.k_cache[i] for i in layers], [self.v_cache[i] for i in layers]))
+            (device, layers, layer_offsets([self.k_cache[i] for i in layers], [self.v_cache[i] for i in layers]))
             for device, layers in by_device.items()
         ]
 

@@ -23,7 +23,7 @@ __all__ = [
     "write_kv",
     "copy_blocks",
     "copy_blocks_layers",
-    "layer_addresses",
+    "layer_offsets",
     "paged_attention",
     "paged_decode",
     "write_kv_ref",
@@ -81,7 +81,7 @@ def copy_blocks(
         copy_blocks_ref(k_cache, v_cache, src, dst)
 
 
-def layer_addresses(
+def layer_offsets(
     k_caches: list[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim], one layout
     v_caches: list[torch.Tensor],  # like k_caches
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -90,7 +90,7 @@ def layer_addresses(
     replaced); None for CPU caches."""
     if not k_caches[0].is_cuda:
         return None
-    return _triton().cache_ops.layer_addresses(k_caches, v_caches)
+    return _triton().cache_ops.layer_offsets(k_caches, v_caches)
 
 
 def copy_blocks_layers(
@@ -98,19 +98,19 @@ def copy_blocks_layers(
     v_caches: list[torch.Tensor],  # like k_caches
     src: torch.Tensor,  # [num_pairs], int
     dst: torch.Tensor,  # [num_pairs], int; distinct
-    addresses: tuple[torch.Tensor, torch.Tensor] | None = None,
+    offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``copy_blocks`` in every layer: on CUDA one launch for all of them, through ``addresses`` (from
-    ``layer_addresses(k_caches, v_caches)``, kept by the caller; built here when None); a reference call a layer
+    """``copy_blocks`` in every layer: on CUDA one launch for all of them, through ``offsets`` (from
+    ``layer_offsets(k_caches, v_caches)``, kept by the caller; built here when None); a reference call a layer
     elsewhere."""
     if src.numel() == 0:
         return
     if k_caches[0].is_cuda:
         cache_ops = _triton().cache_ops
-        if addresses is None:
-            addresses = cache_ops.layer_addresses(k_caches, v_caches)
+        if offsets is None:
+            offsets = cache_ops.layer_offsets(k_caches, v_caches)
         with on_device(k_caches[0]):
-            cache_ops.copy_blocks_layers_triton(*addresses, k_caches[0], src, dst)
+            cache_ops.copy_blocks_layers_triton(*offsets, k_caches[0], src, dst)
     else:
         for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
             copy_blocks_ref(k_cache, v_cache, src, dst)

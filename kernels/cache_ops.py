@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .launch import Launcher, cdiv, next_power_of_2
 
-__all__ = ["write_kv_triton", "copy_blocks_triton", "copy_blocks_layers_triton", "layer_addresses"]
+__all__ = ["write_kv_triton", "copy_blocks_triton", "copy_blocks_layers_triton", "layer_offsets"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements one program moves. A K/V row (num_kv_heads * head_dim) or a block longer than this is
@@ -292,7 +292,7 @@ def _copy_blocks_layers_kernel(
     TILE: tl.constexpr,  # power of two; elements of the block this program copies
 ):
     layer = tl.program_id(2)
-    # Each layer's caches as element offsets from cache_ptr, multiples of 16 (layer_addresses checks it): the
+    # Each layer's caches as element offsets from cache_ptr, multiples of 16 (layer_offsets checks it): the
     # compiler then vectorises the block's loads and stores. (A pointer cast from an integer address is taken as
     # unaligned, whatever multiple_of says: the copy ran 2 bytes at a time, slower than a launch a layer.)
     k_base = cache_ptr + tl.multiple_of(tl.load(k_layers_ptr + layer), 16)
@@ -304,7 +304,7 @@ def _copy_blocks_layers_kernel(
 _COPY_BLOCKS_LAYERS = Launcher(_copy_blocks_layers_kernel)
 
 
-def layer_addresses(
+def layer_offsets(
     k_caches: list[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
     v_caches: list[torch.Tensor],  # like k_caches
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,8 +346,8 @@ def layer_addresses(
 
 
 def copy_blocks_layers_triton(
-    k_addresses: torch.Tensor,  # [num_layers], int64, from layer_addresses
-    v_addresses: torch.Tensor,  # [num_layers], int64
+    k_offsets: torch.Tensor,  # [num_layers], int64, from layer_offsets
+    v_offsets: torch.Tensor,  # [num_layers], int64
     cache: torch.Tensor,  # their base, k_caches[0]: [num_blocks, block_size, num_kv_heads, head_dim]
     src: torch.Tensor,  # [num_pairs], int
     dst: torch.Tensor,  # [num_pairs], int
@@ -356,7 +356,7 @@ def copy_blocks_layers_triton(
     launch (grid pairs x tiles x layers) instead of one a layer.
 
     Args:
-        k_addresses, v_addresses: the layers' caches as element offsets from ``cache`` (``layer_addresses``: every
+        k_offsets, v_offsets: the layers' caches as element offsets from ``cache`` (``layer_offsets``: every
             layer of ``cache``'s shape, strides, dtype and device).
         cache: the first layer's k_cache: the offsets' base, the layout and the element type.
         src, dst: [num_pairs] int32/int64 block ids; dst distinct and disjoint from src (as for copy-on-write).
@@ -365,18 +365,18 @@ def copy_blocks_layers_triton(
         ValueError: on a shape, dtype or layout mismatch.
     """
     _check_cache_pair(cache, cache)
-    if k_addresses.dim() != 1 or k_addresses.shape != v_addresses.shape or k_addresses.dtype != torch.int64:
+    if k_offsets.dim() != 1 or k_offsets.shape != v_offsets.shape or k_offsets.dtype != torch.int64:
         raise ValueError(
-            f"k_addresses and v_addresses must be 1-D int64 of equal length, got {tuple(k_addresses.shape)} "
-            f"{k_addresses.dtype} and {tuple(v_addresses.shape)} {v_addresses.dtype}"
+            f"k_offsets and v_offsets must be 1-D int64 of equal length, got {tuple(k_offsets.shape)} "
+            f"{k_offsets.dtype} and {tuple(v_offsets.shape)} {v_offsets.dtype}"
         )
     block_numel = _check_copy(cache, src, dst)
-    if src.numel() == 0 or k_addresses.numel() == 0:
+    if src.numel() == 0 or k_offsets.numel() == 0:
         return
     src = src.to(cache.device, non_blocking=True)
     dst = dst.to(cache.device, non_blocking=True)
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
-    grid = (src.numel(), cdiv(block_numel, tile), k_addresses.numel())
+    grid = (src.numel(), cdiv(block_numel, tile), k_offsets.numel())
     _COPY_BLOCKS_LAYERS(
-        grid, k_addresses, v_addresses, cache, src, dst, cache.stride(0), block_numel, tile, num_warps=4, num_stages=3
+        grid, k_offsets, v_offsets, cache, src, dst, cache.stride(0), block_numel, tile, num_warps=4, num_stages=3
     )

@@ -95,7 +95,7 @@ def record_launches() -> list[tuple]:
         cache_ops.write_kv_triton(kp, kp, k, v, torch.arange(num_tokens, dtype=torch.int64))
         cache_ops.copy_blocks_triton(k, v, torch.tensor([0, 1]), torch.tensor([5, 6]))
         k2, v2 = cache(64, 16, kv_heads, head_dim, dtype), cache(64, 16, kv_heads, head_dim, dtype)
-        offsets = cache_ops.layer_addresses([k, k2], [v, v2])
+        offsets = cache_ops.layer_offsets([k, k2], [v, v2])
         cache_ops.copy_blocks_layers_triton(*offsets, k, torch.tensor([0, 1]), torch.tensor([5, 6]))
     return list(seen.values())
 

@@ -22,7 +22,7 @@ if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
     from hf_paged.kernels.cache_ops import (
         copy_blocks_layers_triton,
         copy_blocks_triton,
-        layer_addresses,
+        layer_offsets,
         write_kv_triton,
     )
 
@@ -130,7 +130,7 @@ def test_copy_blocks_layers_matches_the_reference_in_every_layer(dtype, num_kv_h
     src = torch.tensor([4, 0, 6, 2])
     dst = torch.tensor([9, 7, 11, 8], dtype=torch.int32)
 
-    copy_blocks_layers_triton(*layer_addresses(k_caches, v_caches), k_caches[0], src, dst)
+    copy_blocks_layers_triton(*layer_offsets(k_caches, v_caches), k_caches[0], src, dst)
     for k, v in zip(k_ref, v_ref, strict=True):
         copy_blocks_ref(k, v, src, dst)
 
@@ -140,21 +140,21 @@ def test_copy_blocks_layers_matches_the_reference_in_every_layer(dtype, num_kv_h
         assert k_caches[layer][10].isnan().all()  # not a dst: untouched
 
 
-def test_layer_addresses_and_copy_blocks_layers_reject_bad_arguments():
+def test_layer_offsets_and_copy_blocks_layers_reject_bad_arguments():
     k0, v0 = _poisoned_cache(4, 8, 2, 64, torch.float16)
     k1, v1 = _poisoned_cache(5, 8, 2, 64, torch.float16)
     with pytest.raises(ValueError, match=r"layer 1's cache \(shape \(5, 8, 2, 64\).*differs from layer 0's"):
-        layer_addresses([k0, k1], [v0, v1])
+        layer_offsets([k0, k1], [v0, v1])
     with pytest.raises(ValueError, match="need one v cache per k cache and at least one layer, got 2 k and 1 v"):
-        layer_addresses([k0, k0], [v0])
+        layer_offsets([k0, k0], [v0])
     k_odd = torch.empty(4 * 8 * 2 * 64 + 1, dtype=torch.float16, device=DEVICE)[1:].view(4, 8, 2, 64)
     with pytest.raises(ValueError, match="64-byte aligned address"):
-        layer_addresses([k_odd], [k_odd.clone()])
-    k_addresses, v_addresses = layer_addresses([k0], [v0])
+        layer_offsets([k_odd], [k_odd.clone()])
+    k_offsets, v_offsets = layer_offsets([k0], [v0])
     with pytest.raises(ValueError, match=r"src and dst must be 1-D of equal length"):
-        copy_blocks_layers_triton(k_addresses, v_addresses, k0, torch.tensor([0, 1]), torch.tensor([2]))
+        copy_blocks_layers_triton(k_offsets, v_offsets, k0, torch.tensor([0, 1]), torch.tensor([2]))
     with pytest.raises(ValueError, match=r"must be 1-D int64 of equal length"):
-        copy_blocks_layers_triton(k_addresses.int(), v_addresses, k0, torch.tensor([0]), torch.tensor([2]))
+        copy_blocks_layers_triton(k_offsets.int(), v_offsets, k0, torch.tensor([0]), torch.tensor([2]))
 
 
 def _huge_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype):
