@@ -8,6 +8,8 @@
 #   tests-cache-fuzz  tests/test_cache_fuzz.py's fuzzer with both models on the GPU (fp32), 8 seeds x 20 operations
 #             x 7 configurations: the CUDA-only eager paths (kept decode launch, one-launch copy-on-write) meet
 #             beams, samples, chunking, prefix hits, crop, prompt lookup and tiny pools (not run on a card yet) (~5 min?)
+#   tests-engine-fuzz  tests/test_engine_fuzz.py on CUDA (CI's bounded profile: n, beams, preemption, chunking, async,
+#             aborts and interrupts over small pools, with real CUDA graphs; not run on a card yet)        (~5 min?)
 #   tests-kernels / tests-prefill / tests-engine   the other three pieces of tests, one each (for --spread:
 #             tests-kernels tests-prefill+tests-cache tests-engine runs the whole suite in the engine's ~5 min)
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
@@ -118,6 +120,12 @@ run_cache_fuzz() {  # the PagedCache fuzzer on CUDA (kept decode launch, one-lau
     done
 }
 
+run_engine_fuzz() {  # the engine fuzzer on CUDA (graphs, async replay, one-launch copy-on-write), CI's bounded profile
+    HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_engine_fuzz.py -W ignore::FutureWarning -rf 2>&1 | tee "$out/tests-engine-fuzz.log" | tail -4 \
+        | tee -a "$out/tests.txt"
+}
+
 run_kernel_tests() {
     HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py \
         tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tee "$out/tests-kernels.log" | tail -4 \
@@ -206,6 +214,7 @@ run_part() {  # run_part PART: one part, its figures under $out
         tests) run_tests ;;
         tests-cache) run_cache_tests ;;
         tests-cache-fuzz) run_cache_fuzz ;;
+        tests-engine-fuzz) run_engine_fuzz ;;
         tests-kernels) run_kernel_tests ;;
         tests-prefill) run_prefill_tests ;;
         tests-engine) run_engine_tests ;;
@@ -409,7 +418,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
         *)
-            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
+            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
