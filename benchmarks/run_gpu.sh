@@ -13,6 +13,8 @@
 #   tests-kernels / tests-prefill / tests-engine   the other three pieces of tests, one each (for --spread:
 #             tests-kernels tests-prefill+tests-cache tests-engine runs the whole suite in the engine's ~5 min)
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
+#   skinny-gemm  benchmarks/skinny_gemm.py: the decode steps' projections at 1-64 rows, cuBLAS vs kernels/skinny.py
+#             at a few launch settings, in a CUDA graph, weights L2-cold (issue 13; not run on a card yet)  (~2 min?)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
 #   generate  benchmarks/generate.py --quick (Qwen3-0.6B, 1x512 and 32x512, greedy and beams4, every system)  (~5 min)
 #   grid-qwen-a / grid-qwen-b / grid-llama-a / grid-llama-b   issue 14's generate grid, two points of one model shape
@@ -219,6 +221,7 @@ run_part() {  # run_part PART: one part, its figures under $out
         tests-prefill) run_prefill_tests ;;
         tests-engine) run_engine_tests ;;
         kernels) timeout 150 python3 benchmarks/kernels.py --out "$out/kernels.md" 2>&1 | tail -40 ;;
+        skinny-gemm) timeout 300 python3 benchmarks/skinny_gemm.py 2>&1 | grep -v Warn | tee "$out/skinny-gemm.md" ;;
         engine)
             timeout 200 python3 -m hf_paged.frontends.bench --workload nano --systems hf_paged --repeats 3 \
                 --out "$out/nano.md" 2>&1 | grep -v Warning | tail -4
@@ -418,7 +421,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
         *)
-            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, engine, generate, grid-qwen-a, grid-qwen-b," \
+            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, skinny-gemm, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \

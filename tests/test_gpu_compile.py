@@ -51,6 +51,8 @@ def test_every_launch_compiles_for_nvidia_gpus():
         "_write_kv_kernel",
         "_copy_blocks_kernel",
         "_copy_blocks_layers_kernel",
+        "_skinny_linear_kernel",
+        "_sum_splits_kernel",
         "MERGE_PREFIX': True",
         "LAUNCH_DEPENDENTS': True",
     ):
