@@ -27,7 +27,9 @@ SHAPES = {  # (projection, in_features, out_features), fused as the engine fuses
     "llama-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
 }
 DEVICE = "cuda"  # tests/test_skinny.py runs bench_rows on the CPU (interpreted kernel, graph_us replaced)
-SETTINGS = [(16, 128, None), (32, 128, None), (64, 128, None), (32, 256, None), (32, 64, None), (32, 128, 1)]
+# (block_n, block_k, split_k): one launch with thin slabs, then split-K (None: the kernel's heuristic)
+SETTINGS = [(16, 128, 1), (16, 256, 1), (32, 128, 1), (16, 128, None), (32, 128, None), (64, 128, None),
+            (32, 256, None)]  # fmt: skip
 
 
 def graph_us(fn, copies: int) -> float:
