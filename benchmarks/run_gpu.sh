@@ -13,6 +13,8 @@
 #   tests-kernels / tests-prefill / tests-engine   the other three pieces of tests, one each (for --spread:
 #             tests-kernels tests-prefill+tests-cache tests-engine runs the whole suite in the engine's ~5 min)
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
+#   skinny-ab  the prefix workload with the engine's projections at <= 64 rows on kernels/skinny.py (engine.fuse.
+#             SKINNY_MAX_ROWS) off and on, alternating (module_ab.py), then nano off and on (not run yet)     (~6 min?)
 #   skinny-gemm  benchmarks/skinny_gemm.py: the decode steps' projections at 1-64 rows, cuBLAS vs kernels/skinny.py
 #             at a few launch settings, in a CUDA graph, weights L2-cold (issue 13; not run on a card yet)  (~2 min?)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
@@ -323,6 +325,14 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             [ -n "$best" ] || continue
             prefix_ab hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS None "($best)" "($best)" None
             ;;
+        skinny-ab)
+            prefix_ab hf_paged.engine.fuse.SKINNY_MAX_ROWS 0 64 64 0
+            for value in 0 64; do
+                echo "SKINNY_MAX_ROWS=$value (nano)"
+                PYTHONPATH=$PWD timeout 200 python3 benchmarks/module_ab.py "hf_paged.engine.fuse.SKINNY_MAX_ROWS=$value" \
+                    -- --workload nano --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         cascade-merge-ab)
             prefix_ab hf_paged.kernels.decode.CASCADE_MERGE_IN_SPLIT False True True False
             timeout 150 python3 benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 \
@@ -421,7 +431,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
         *)
-            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, skinny-gemm, engine, generate, grid-qwen-a, grid-qwen-b," \
+            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, skinny-gemm, skinny-ab, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \

@@ -24,6 +24,7 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_layers",
     "layer_offsets",
+    "skinny_linear",
     "paged_attention",
     "paged_decode",
     "write_kv_ref",
@@ -114,6 +115,23 @@ def copy_blocks_layers(
     else:
         for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
             copy_blocks_ref(k_cache, v_cache, src, dst)
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [M, K], M <= kernels.skinny.MAX_ROWS
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """``F.linear`` for few rows: on CUDA the weight-streaming kernel of kernels/skinny.py (a custom op under
+    torch.compile), elsewhere ``F.linear`` itself (its reference)."""
+    if x.is_cuda:
+        if torch.compiler.is_compiling():
+            return torch.ops.hf_paged.skinny_linear(x, weight, bias)
+        from .skinny import skinny_linear_triton
+
+        with on_device(x):
+            return skinny_linear_triton(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def paged_attention(

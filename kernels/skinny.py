@@ -1,4 +1,4 @@
-"""A weight-streaming linear layer for few rows (an experiment for issue 13; nothing calls it yet).
+"""A weight-streaming linear layer for few rows (an experiment for issue 13; off by default).
 
 A decode step of a small model multiplies a handful of rows (M <= 64) by each layer's weights: the GEMMs are bound
 by reading the weights, and at these sizes cuBLAS reaches about 1.0-1.2 TB/s on an H100 (a Qwen3-0.6B layer's four
@@ -8,8 +8,9 @@ all M rows at once (one ``tl.dot`` a K tile, M padded to 16); with ``split_k > 1
 buffer and a second launch adds them (as cuBLAS's split-K does).
 
 ``out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n])``: ``torch.nn.functional.linear``, the reference.
-``benchmarks/skinny_gemm.py`` times it against ``F.linear`` at the decode steps' shapes; it replaces nothing until
-that measurement says it pays.
+``benchmarks/skinny_gemm.py`` times it against ``F.linear`` at the decode steps' shapes. The engine's projections
+take it at <= ``hf_paged.engine.fuse.SKINNY_MAX_ROWS`` rows (0 by default: off until that measurement and an
+end-to-end A/B say it pays).
 """
 
 import torch
@@ -40,6 +41,7 @@ def _skinny_linear_kernel(
     K_PER_SPLIT,  # a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (as F.linear, which takes no TF32 by default), else "tf32"
     BLOCK_M: tl.constexpr,  # power of two >= M, >= 16
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -59,7 +61,7 @@ def _skinny_linear_kernel(
                     other=0.0)  # [BLOCK_M, BLOCK_K]  # fmt: skip
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K]  # fmt: skip
-        acc += tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N]
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -153,8 +155,8 @@ def skinny_linear_triton(
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     _LINEAR((slabs, split_k), x, weight, bias_arg, out, part, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-            k_per_split, has_bias, split_k, block_m, block_n, block_k, num_warps=num_warps,
-            num_stages=num_stages)  # fmt: skip
+            k_per_split, has_bias, split_k, "ieee" if x.dtype == torch.float32 else "tf32", block_m, block_n, block_k,
+            num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     if split_k > 1:
         block = 1024
         _SUM((cdiv(M * N, block),), part, bias_arg, out, M, N, out.stride(0), has_bias, split_k, block, num_warps=4,
