@@ -10,7 +10,8 @@ runs), then compiles each distinct launch through Triton's whole NVIDIA pipeline
 variants (SM90 only, chosen on a CUDA device) are compiled for sm_90 too.
 
 Run without ``TRITON_INTERPRET`` (the interpreter replaces the kernels' helper functions):
-``python tests/gpu_compile.py [--shard I/N]`` prints one line a compile and exits 1 on any failure;
+``python tests/gpu_compile.py [--shard I/N]`` prints one line a compile and exits 1 on any failure (``--memory-ops
+CASE``: one kernel's global-memory instructions);
 tests/test_gpu_compile.py runs it in one subprocess a core.
 """
 
@@ -157,9 +158,44 @@ def _pdl_variants(launches: list[tuple]) -> list[tuple]:
     return out
 
 
+def _memory_cases() -> dict:
+    """Kernels whose global-memory accesses tests/test_gpu_compile.py checks, each as a launch with 16-byte aligned
+    tensors and int arguments divisible by 16 specializes it: (kernel, signature, constexprs by name)."""
+    copy_sig = {"k_layers_ptr": "*i64", "v_layers_ptr": "*i64", "cache_ptr": "*bf16", "src_ptr": "*i64",
+                "dst_ptr": "*i64", "stride_cache_block": "i32"}  # fmt: skip
+    skinny_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                  "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
+                  "K_PER_SPLIT": "i32"}  # fmt: skip
+    skinny_consts = {"HAS_BIAS": False, "SPLIT_K": 1, "DOT_PRECISION": "tf32", "BLOCK_M": 32, "BLOCK_N": 32,
+                     "BLOCK_K": 128}  # fmt: skip
+    return {
+        "copy_blocks_layers": (cache_ops._copy_blocks_layers_kernel, copy_sig, {"BLOCK_NUMEL": 16384, "TILE": 4096}),
+        "skinny_linear": (skinny._skinny_linear_kernel, skinny_sig, skinny_consts),
+    }
+
+
+def memory_ops(case: str) -> list[str]:
+    """The distinct global-memory instructions (loads, stores, async copies) of ``case``'s sm_90 PTX."""
+    import re
+
+    jit_fn, signature, consts = _memory_cases()[case]
+    names = [p.name for p in jit_fn.params]
+    signature = {**signature, **{name: "constexpr" for name in consts}}
+    constexprs = {(names.index(k),): v for k, v in consts.items()}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in consts}
+    source = ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": 4, "num_stages": 3}
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return sorted(set(re.findall(r"(?:ld\.global|st\.global|cp\.async\.cg)[.\w]*", ptx)))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``--shard I/N``: compile every N-th job from the I-th (the test runs the shards in parallel processes)."""
+    """``--shard I/N``: compile every N-th job from the I-th (the test runs the shards in parallel processes).
+    ``--memory-ops CASE``: print one compile's global-memory instructions (``memory_ops``)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--memory-ops"]:
+        print(" ".join(memory_ops(argv[1])))
+        return 0
     shard, num_shards = (int(x) for x in argv[1].split("/")) if argv[:1] == ["--shard"] else (0, 1)
     launches = record_launches()
     jobs = [(launch_, cc) for launch_ in launches for cc in (90, 80)] + [(v, 90) for v in _pdl_variants(launches)]

@@ -60,6 +60,15 @@ def test_every_launch_compiles_for_nvidia_gpus():
     assert any(line.startswith("ok   sm_80") for line in compiled) and any("sm_90" in line for line in compiled)
 
 
+def _memory_ops(case: str) -> str:
+    script = Path(__file__).with_name("gpu_compile.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script), "--memory-ops", case], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
 @pytest.mark.skipif(
     not _nvidia_backend(),
     reason="this Triton has no NVIDIA backend (ptxas); runs wherever it has one, as in CI (Linux x86-64)",
@@ -69,24 +78,18 @@ def test_all_layers_copy_moves_16_bytes_an_access():
     stores 16 bytes at a time. Its first version cast each layer's address to a pointer: the compiler took that as
     unaligned and copied 2 bytes at a time, and one launch for all layers ran slower than a launch a layer (H100,
     eager beam steps)."""
-    script = (
-        "import os, re\n"
-        "os.environ.pop('TRITON_INTERPRET', None)\n"
-        "import triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from triton.compiler import ASTSource\n"
-        "from hf_paged.kernels import cache_ops\n"
-        "sig = {'k_layers_ptr': '*i64', 'v_layers_ptr': '*i64', 'cache_ptr': '*bf16', 'src_ptr': '*i64',\n"
-        "       'dst_ptr': '*i64', 'stride_cache_block': 'i32', 'BLOCK_NUMEL': 'constexpr', 'TILE': 'constexpr'}\n"
-        "aligned = {(i,): [['tt.divisibility', 16]] for i in range(6)}\n"
-        "src = ASTSource(fn=cache_ops._copy_blocks_layers_kernel, signature=sig,\n"
-        "                constexprs={(6,): 16384, (7,): 4096}, attrs=aligned)\n"
-        "ptx = triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 4}).asm['ptx']\n"
-        "print(sorted(set(re.findall(r'(?:ld|st)\\.global[.\\w]*', ptx))))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    accesses = run.stdout.strip().splitlines()[-1]
+    accesses = _memory_ops("copy_blocks_layers")
     assert "ld.global.v4.b32" in accesses and "st.global.v4.b32" in accesses, accesses
     assert ".b16" not in accesses, accesses
+
+
+@pytest.mark.skipif(
+    not _nvidia_backend(),
+    reason="this Triton has no NVIDIA backend (ptxas); runs wherever it has one, as in CI (Linux x86-64)",
+)
+def test_skinny_linear_streams_its_tiles_with_16_byte_async_copies():
+    """kernels/skinny.py at an aligned launch: x and weight tiles arrive by 16-byte ``cp.async`` (pipelined through
+    shared memory), never 2 bytes at a time (what a K split not known to be a multiple of 16 compiled to)."""
+    accesses = _memory_ops("skinny_linear")
+    assert "cp.async.cg.shared.global" in accesses, accesses
+    assert "ld.global.b16" not in accesses, accesses
