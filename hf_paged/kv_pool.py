@@ -51,9 +51,8 @@ class KVPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        # copy_blocks' layer groups: (device, the layers on it, their cache offsets or None); built at first use,
-        # dropped when grow() replaces the tensors
-        self._copy_groups: list[tuple[torch.device, list[int], tuple | None]] | None = None
+        # copy_blocks' layer groups (_layer_groups): built at first use, dropped when grow() replaces the tensors
+        self._copy_groups: list[tuple] | None = None
 
     def grow(self, num_blocks: int) -> None:
         """Enlarge every layer's pools to ``num_blocks`` blocks, keeping the blocks' contents; new blocks are zeros.
@@ -63,6 +62,7 @@ class KVPool:
         """
         if num_blocks <= self.num_blocks:
             raise ValueError(f"`num_blocks` must exceed the current {self.num_blocks} to grow, got {num_blocks}")
+        self._copy_groups = None  # first: its references would keep every old tensor alive through the loop below
         old = self.num_blocks
         for caches in (self.k_cache, self.v_cache):
             for layer, cache in enumerate(caches):
@@ -72,7 +72,6 @@ class KVPool:
                 caches[layer] = grown
                 del cache
         self.num_blocks = num_blocks
-        self._copy_groups = None  # the offsets are the old tensors'
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -98,9 +97,7 @@ class KVPool:
         dst = [p[1] for p in pairs]
         if self._copy_groups is None:
             self._copy_groups = self._layer_groups()
-        for device, layers, offsets in self._copy_groups:
-            k_caches = [self.k_cache[i] for i in layers]
-            v_caches = [self.v_cache[i] for i in layers]
+        for device, k_caches, v_caches, offsets in self._copy_groups:
             # pinned, non-blocking: the step does not wait for the GPU here
             src_t, dst_t = to_device(src, torch.int64, device), to_device(dst, torch.int64, device)
             if ONE_COPY_LAUNCH:
@@ -109,15 +106,15 @@ class KVPool:
                 for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
                     copy_blocks(k_cache, v_cache, src_t, dst_t)
 
-    def _layer_groups(self) -> list[tuple[torch.device, list[int], tuple | None]]:
-        """The layers by device (accelerate's device_map may spread them), with each CUDA group's cache offsets."""
-        by_device: dict[torch.device, list[int]] = {}
-        for i, k in enumerate(self.k_cache):
-            by_device.setdefault(k.device, []).append(i)
-        return [
-            (device, layers, layer_offsets([self.k_cache[i] for i in layers], [self.v_cache[i] for i in layers]))
-            for device, layers in by_device.items()
-        ]
+    def _layer_groups(self) -> list[tuple[torch.device, list[torch.Tensor], list[torch.Tensor], tuple | None]]:
+        """The layers' caches by device (accelerate's device_map may spread them): (device, k caches, v caches, their
+        offsets for the one-launch copy on CUDA, else None)."""
+        by_device: dict[torch.device, tuple[list, list]] = {}
+        for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            ks, vs = by_device.setdefault(k.device, ([], []))
+            ks.append(k)
+            vs.append(v)
+        return [(device, ks, vs, layer_offsets(ks, vs)) for device, (ks, vs) in by_device.items()]
 
     def allocate_swap(self, num_slots: int) -> None:
         """CPU blocks for preemption by swapping: pinned when the pools are on CUDA (async copies)."""

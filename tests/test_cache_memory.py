@@ -97,7 +97,7 @@ def test_kv_pool_grow_keeps_blocks_and_zeroes_new_ones():
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_kv_pool_copy_blocks_copies_every_layer_before_and_after_growth(device):
+def test_kv_pool_copy_blocks_copies_every_layer_before_and_after_growth(device, monkeypatch):
     """One copy-on-write call copies the blocks in every layer (on CUDA one launch through the layers' addresses,
     which a grown pool must rebuild: the old tensors are gone)."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -108,7 +108,13 @@ def test_kv_pool_copy_blocks_copies_every_layer_before_and_after_growth(device):
             cache.copy_(sign * torch.arange(cache.numel(), dtype=torch.float32).view(cache.shape) + 1000 * layer)
     expected = [(k[1].clone(), v[1].clone(), k[2].clone()) for k, v in zip(pool.k_cache, pool.v_cache, strict=True)]
     pool.copy_blocks([(1, 3)])
+    # grow() replaces one layer's tensor at a time: the copy's cached per-layer lists must not keep the old ones
+    old_k0, alive = weakref.ref(pool.k_cache[0]), []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: alive.append(old_k0() is not None) or real_empty(*a, **k))
     pool.grow(6)
+    monkeypatch.undo()
+    assert alive[:2] == [True, False]  # layer 0's old tensor is gone before layer 1's new one is allocated
     pool.copy_blocks([(3, 5), (2, 4)])
     for layer, (k1, v1, k2) in enumerate(expected):
         for block in (1, 3, 5):
