@@ -13,6 +13,8 @@ take it at <= ``hf_paged.engine.fuse.SKINNY_MAX_ROWS`` rows (0 by default: off u
 end-to-end A/B say it pays).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -166,5 +168,10 @@ def skinny_linear_triton(
 
 def _num_sms(x: torch.Tensor) -> int:
     if x.is_cuda:
-        return torch.cuda.get_device_properties(x.device).multi_processor_count
+        return _device_sms(x.get_device())
     return 4  # the interpreter: a few programs
+
+
+@functools.cache
+def _device_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
