@@ -132,7 +132,7 @@ run_engine_fuzz() {  # the engine fuzzer on CUDA (graphs, async replay, one-laun
 
 run_kernel_tests() {
     HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_launch.py \
-        tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py 2>&1 | tee "$out/tests-kernels.log" | tail -4 \
+        tests/test_cache_ops.py tests/test_decode.py tests/test_cascade.py tests/test_skinny.py 2>&1 | tee "$out/tests-kernels.log" | tail -4 \
         | tee -a "$out/tests.txt"
 }
 

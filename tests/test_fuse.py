@@ -93,7 +93,11 @@ def test_skinny_switch_routes_few_rows_through_the_kernel_and_wraps_the_single_p
     assert type(layers[0].self_attn.o_proj) is nn.Linear and type(layers[0].mlp.down_proj) is nn.Linear
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the skinny kernel in a running engine: CUDA (HF_PAGED_TEST_DEVICE=cuda)")
+@pytest.mark.skipif(
+    DEVICE != "cuda",
+    reason="the skinny kernel in a running engine (CUDA graphs, compiled layers): runs on the device machine, "
+    "HF_PAGED_TEST_DEVICE=cuda (benchmarks/run_gpu.sh tests-engine)",
+)
 def test_engine_with_the_skinny_kernel_equals_without(monkeypatch):
     """The engine (compiled layers, CUDA graphs) with SKINNY_MAX_ROWS=64: its decode steps' projections take the
     kernel; fp32 (an IEEE dot in the kernel) gives the same tokens as cuBLAS."""

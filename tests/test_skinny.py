@@ -1,6 +1,7 @@
 """kernels/skinny.py (the few-rows linear layer, an experiment for issue 13) against ``F.linear``.
 
-On CPU the kernel runs under TRITON_INTERPRET=1 (as CI does); the same tests run on CUDA (bf16 there too).
+On CPU the kernel runs under TRITON_INTERPRET=1 (as CI does); the same tests run on CUDA, bf16 there too
+(``benchmarks/run_gpu.sh OUT tests-kernels``; not run on a card yet).
 """
 
 import os
