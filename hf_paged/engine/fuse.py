@@ -90,9 +90,10 @@ class FusedPart(nn.Module):
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: at <= SKINNY_MAX_ROWS rows through kernels.skinny_linear (on CUDA; its CPU
     path is F.linear)."""
-    rows = x.numel() // x.shape[-1]
-    if SKINNY_MAX_ROWS and 0 < rows <= SKINNY_MAX_ROWS:
-        return skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if SKINNY_MAX_ROWS:  # off by default: nothing computed, no shape guard under compile
+        rows = x.numel() // x.shape[-1]
+        if 0 < rows <= SKINNY_MAX_ROWS:
+            return skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
