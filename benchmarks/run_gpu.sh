@@ -14,8 +14,9 @@
 #             tests-kernels tests-prefill+tests-cache tests-engine runs the whole suite in the engine's ~5 min)
 #   kernels   benchmarks/kernels.py (decode vs SDPA, splits, PDL, cascade, prefill)                          (~1 min)
 #   skinny-ab  the prefix workload with the engine's projections at <= 64 rows on kernels/skinny.py (engine.fuse.
-#             SKINNY_MAX_ROWS) off and on, alternating (module_ab.py), then nano off and on (not run yet)     (~6 min?)
-#   skinny-gemm  benchmarks/skinny_gemm.py: the decode steps' projections at 1-64 rows, cuBLAS vs kernels/skinny.py
+#             SKINNY_MAX_ROWS) off and on, alternating (module_ab.py), then nano off and on; SKINNY_AB="0 256 256 0"
+#             sets the values (not run yet)                                                                 (~6 min?)
+#   skinny-gemm  benchmarks/skinny_gemm.py: the decode steps' projections at 1-256 rows, cuBLAS vs kernels/skinny.py
 #             at a few launch settings, in a CUDA graph, weights L2-cold (issue 13; not run on a card yet)  (~2 min?)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
 #   generate  benchmarks/generate.py --quick (Qwen3-0.6B, 1x512 and 32x512, greedy and beams4, every system)  (~5 min)
@@ -325,9 +326,11 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             [ -n "$best" ] || continue
             prefix_ab hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS None "($best)" "($best)" None
             ;;
-        skinny-ab)
-            prefix_ab hf_paged.engine.fuse.SKINNY_MAX_ROWS 0 64 64 0
-            for value in 0 64; do
+        skinny-ab)  # SKINNY_AB: the switch's values, in run order (default 0 64 64 0); nano runs each distinct one
+            # shellcheck disable=SC2086
+            prefix_ab hf_paged.engine.fuse.SKINNY_MAX_ROWS ${SKINNY_AB:-0 64 64 0}
+            # shellcheck disable=SC2086
+            for value in $(printf "%s\n" ${SKINNY_AB:-0 64 64 0} | awk '!seen[$0]++'); do
                 echo "SKINNY_MAX_ROWS=$value (nano)"
                 PYTHONPATH=$PWD timeout 200 python3 benchmarks/module_ab.py "hf_paged.engine.fuse.SKINNY_MAX_ROWS=$value" \
                     -- --workload nano --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"

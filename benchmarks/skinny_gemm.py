@@ -1,18 +1,19 @@
 """The decode steps' linear layers at few rows: cuBLAS (``F.linear``) against kernels/skinny.py (issue 13).
 
-A small model's decode step at <= 64 rows spends about half its kernel time in four GEMMs a layer that read the
-layer's weights at ~1.0-1.2 TB/s (benchmarks/RESULTS.md, tenth and fourteenth sessions). This times each fused
-projection of Qwen3-0.6B and Llama-3.1-8B (q/k/v, o, gate/up, down) at 1, 8, 32 and 64 rows, bf16, in a CUDA graph
-as the engine runs them, with the weights L2-cold: each timed graph runs the GEMM over enough distinct weight copies
-to exceed four times the L2 (a step's layers are distinct weights too). Per GEMM: µs and the bandwidth its bytes
-(weight, input, output) take, for ``F.linear`` and for ``skinny_linear_triton`` at each of a few launch settings
-(``block_n`` / ``block_k`` / ``split_k``, None = the heuristic), with the largest difference from ``F.linear``.
+A small model's decode step spends about half its kernel time in four GEMMs a layer that read the layer's weights at
+~1.0-1.2 TB/s at <= 64 rows (benchmarks/RESULTS.md, tenth and fourteenth sessions). This times each fused projection
+of Qwen3-0.6B and Llama-3.1-8B (q/k/v, o, gate/up, down) at 1 to 256 rows (beyond 64 in row tiles of 64: the prefix
+workload's and nano's big decode steps), bf16, in a CUDA graph as the engine runs them, with the weights L2-cold:
+each timed graph runs the GEMM over enough distinct weight copies to exceed four times the L2 (a step's layers are
+distinct weights too). Per GEMM: µs and the bandwidth its bytes (weight, input, output) take, for ``F.linear`` and
+for ``skinny_linear_triton`` at each of a few launch settings (``block_n`` / ``block_k`` / ``split_k``, None = the
+heuristic), with the largest difference from ``F.linear``.
 
 Prediction: the weight slabs streamed by ~2 programs an SM reach 2-2.5 TB/s on an H100, so the Qwen3-0.6B layer's
 four GEMMs at 32 rows go from ~26 µs to ~15 µs (~0.3 ms of a ~1.6 ms prefix-workload decode step). If no setting
 beats ``F.linear`` at a shape, the kernel stays unused there.
 
-Runs only on CUDA: ``python benchmarks/skinny_gemm.py [--shapes qwen3-0.6b llama-8b] [--rows 1 8 32 64]``.
+Runs only on CUDA: ``python benchmarks/skinny_gemm.py [--shapes qwen3-0.6b llama-8b] [--rows 1 8 32 64 128 256]``.
 """
 
 import argparse
@@ -77,7 +78,7 @@ def bench_rows(prefix: str, weights: list[torch.Tensor], m: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64, 128, 256])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/skinny_gemm.py needs a CUDA device; none found, nothing measured.", file=sys.stderr)

@@ -1,11 +1,12 @@
 """A weight-streaming linear layer for few rows (an experiment for issue 13; off by default).
 
-A decode step of a small model multiplies a handful of rows (M <= 64) by each layer's weights: the GEMMs are bound
-by reading the weights, and at these sizes cuBLAS reaches about 1.0-1.2 TB/s on an H100 (a Qwen3-0.6B layer's four
-GEMMs take ~26 µs for ~31 MB; benchmarks/RESULTS.md, fourteenth session), a third of the copy bandwidth. Here
-each program streams one ``BLOCK_N``-row slab of the weight over a share of K (``split_k``) and multiplies it by
-all M rows at once (one ``tl.dot`` a K tile, M padded to 16); with ``split_k > 1`` the partial sums go to an fp32
-buffer and a second launch adds them (as cuBLAS's split-K does).
+A decode step of a small model multiplies a few dozen to a few hundred rows by each layer's weights: the GEMMs are
+bound by reading the weights, and at these sizes cuBLAS reaches about 1.0-1.2 TB/s on an H100 (a Qwen3-0.6B layer's
+four GEMMs take ~26 µs for ~31 MB at 32 rows; benchmarks/RESULTS.md, fourteenth session), a third of the copy
+bandwidth. Here each program streams one ``BLOCK_N``-row slab of the weight over a share of K (``split_k``) and
+multiplies it by up to ``ROW_TILE`` rows at once (one ``tl.dot`` a K tile, rows padded to 16; more rows take more row
+tiles); with ``split_k > 1`` the partial sums go to an fp32 buffer and a second launch adds them (as cuBLAS's split-K
+does).
 
 ``out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n])``: ``torch.nn.functional.linear``, the reference.
 ``benchmarks/skinny_gemm.py`` times it against ``F.linear`` at the decode steps' shapes. The engine's projections
@@ -23,7 +24,9 @@ from .launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["skinny_linear_triton", "MAX_ROWS"]
 
-MAX_ROWS = 64  # the row tile: more rows would take a second tile, which is a regular GEMM's business
+MAX_ROWS = 512  # beyond this a step is a regular GEMM's business
+ROW_TILE = 64  # rows a program multiplies at most: more rows take more row tiles (each streams its slab; the tiles
+# of one slab are neighbours in the grid, so all but the first read it from L2)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -44,13 +47,14 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (as F.linear, which takes no TF32 by default), else "tf32"
-    BLOCK_M: tl.constexpr,  # power of two >= M, >= 16
+    BLOCK_M: tl.constexpr,  # power of two >= 16: min(next_power_of_2(M), ROW_TILE)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = offs_m < M
     col_ok = offs_n < N
@@ -107,6 +111,7 @@ def skinny_linear_triton(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     *,
+    block_m: int | None = None,
     block_n: int = 32,
     block_k: int = 128,
     split_k: int | None = None,
@@ -115,10 +120,14 @@ def skinny_linear_triton(
 ) -> torch.Tensor:  # [M, N], x's dtype
     """``F.linear(x, weight, bias)`` for at most ``MAX_ROWS`` rows: one launch, two with ``split_k > 1``.
 
+    The grid is (row tiles, weight slabs, K splits); the row tiles of a slab run side by side, so the slab comes
+    from HBM once and from L2 for the other tiles.
+
     Args:
         x: [M, K] with its last dimension contiguous.
         weight: [N, K] with its last dimension contiguous, x's dtype and device.
         bias: None or [N].
+        block_m: rows a program multiplies (a power of two, 16 to ``ROW_TILE``); None: all of them up to ``ROW_TILE``.
         block_n, block_k: the weight slab a program streams (powers of two, >= 16).
         split_k: programs along K (partial sums added by a second launch); None: enough programs to give every SM
             about two (``cdiv(N, block_n)`` slabs times ``split_k``), at most one split a ``block_k``.
@@ -144,21 +153,25 @@ def skinny_linear_triton(
     for name, value in (("block_n", block_n), ("block_k", block_k)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if block_m is None:
+        block_m = min(max(16, next_power_of_2(M)), ROW_TILE)
+    elif not 16 <= block_m <= ROW_TILE or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two from 16 to {ROW_TILE}, got {block_m}")
+    row_tiles = cdiv(M, block_m)
     num_k_tiles = cdiv(K, block_k)
     slabs = cdiv(N, block_n)
     if split_k is None:
-        split_k = cdiv(2 * _num_sms(x), slabs)
+        split_k = cdiv(2 * _num_sms(x), slabs * row_tiles)
     split_k = max(1, min(split_k, num_k_tiles))
     k_per_split = cdiv(num_k_tiles, split_k) * block_k
     split_k = cdiv(K, k_per_split)  # no empty split
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    block_m = max(16, next_power_of_2(M))
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
-    _LINEAR((slabs, split_k), x, weight, bias_arg, out, part, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-            k_per_split, has_bias, split_k, "ieee" if x.dtype == torch.float32 else "tf32", block_m, block_n, block_k,
-            num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    _LINEAR((row_tiles, slabs, split_k), x, weight, bias_arg, out, part, M, N, K, x.stride(0), weight.stride(0),
+            out.stride(0), k_per_split, has_bias, split_k, "ieee" if x.dtype == torch.float32 else "tf32", block_m,
+            block_n, block_k, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     if split_k > 1:
         block = 1024
         _SUM((cdiv(M * N, block),), part, bias_arg, out, M, N, out.stride(0), has_bias, split_k, block, num_warps=4,

@@ -39,6 +39,18 @@ def test_skinny_linear_matches_f_linear(dtype, rows, out_features, in_features, 
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("rows, block_m", [(70, None), (130, None), (100, 16), (33, 32)])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_linear_row_tiles(rows, block_m, split_k):
+    """More rows than a tile: each tile's rows, the last one partial, land in their own rows of the output."""
+    generator = torch.Generator(device=DEVICE).manual_seed(rows + (block_m or 0))
+    x = torch.randn(rows, 64, device=DEVICE, generator=generator)
+    weight = torch.randn(40, 64, device=DEVICE, generator=generator) / 8
+    bias = torch.randn(40, device=DEVICE, generator=generator)
+    out = skinny_linear_triton(x, weight, bias, block_m=block_m, block_n=16, block_k=32, split_k=split_k)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
 def test_skinny_linear_reads_strided_rows():
     """Rows of a wider tensor (a slice of the hidden states) and a weight slab of a fused projection."""
     x = torch.randn(7, 96, device=DEVICE)[:, :64]
@@ -61,6 +73,8 @@ def test_skinny_linear_rejects_bad_arguments():
         skinny_linear_triton(x, weight, torch.zeros(15, device=DEVICE))
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         skinny_linear_triton(x, weight, block_n=24)
+    with pytest.raises(ValueError, match="block_m must be a power of two from 16 to 64, got 128"):
+        skinny_linear_triton(x, weight, block_m=128)
 
 
 def test_skinny_gemm_benchmark_row_on_the_cpu(monkeypatch):
