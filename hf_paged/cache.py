@@ -236,7 +236,9 @@ class PagedCache(Cache):
     # ---- transformers Cache API ------------------------------------------------------------------
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._num_columns - self._planned  # a planned step counts once its forward has run
+        # A planned step counts once its forward has run. An int, not int - bool: under torch.compile the column
+        # count can be a symbolic int, and sympy refuses to subtract a bool from it.
+        return self._num_columns - 1 if self._planned else self._num_columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0

@@ -515,9 +515,21 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @functools.cache
 def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [1, 1, 1, 1] and [1, 1, 1] tensors on ``device``: the partial pointers a one-split launch never reads."""
-    return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device), torch.empty((1, 1, 1), dtype=torch.float32,
-                                                                                       device=device)  # fmt: skip
+    """fp32 [1, 1, 1, 1] and [1, 1, 1] tensors on ``device``: the partial pointers a one-split launch never reads.
+
+    Kept for the process, so they must not come from a CUDA graph's private pool: a first call inside a graph
+    capture or a torch.compile "reduce-overhead" warm-up allocates on the current stream into that graph's pool,
+    and a tensor kept there past the graph makes inductor's CUDA-graph trees refuse the next recording ("tensor(s)
+    in the cudagraph pool not tracked as outputs"). Those pools take only the current stream's allocations, so
+    these come from a side stream (no kernel runs on it: an allocation only)."""
+    if device.type != "cuda":
+        return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device), torch.empty(
+            (1, 1, 1), dtype=torch.float32, device=device
+        )
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device), torch.empty(
+            (1, 1, 1), dtype=torch.float32, device=device
+        )
 
 
 @functools.cache

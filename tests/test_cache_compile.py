@@ -276,3 +276,28 @@ def test_copies_of_a_prompt_share_its_full_blocks_in_the_presized_pool(mode):
     assert cache.pool.num_blocks == (10 if mode == "padded-duplicates" else 2 * (2 + 4 * 2))
     assert cache.peak_used_blocks <= cache.pool.num_blocks
     assert_cache_released(cache)
+
+
+@needs_triton
+def test_compiled_chunked_prefill_matches_dynamic_cache():
+    """transformers compiles each chunk of a chunked prefill too (its ``_prefill`` takes the compiled call for a
+    compileable cache). Those forwards are not planned ahead: the hook plans them behind graph breaks (eager
+    backend here, several prompt and chunk lengths, so dynamo recompiles).
+
+    Under torch 2.11 (the device image) the column count get_seq_length reads became a symbolic int there, and its
+    ``int - bool`` made dynamo fail (found by the PagedCache fuzzer on CUDA). Torch 2.13 keeps that int a constant,
+    so on the CPU this checks the tokens only; ``run_gpu.sh tests-cache`` runs it under 2.11."""
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    config = CompileConfig(backend="eager", fullgraph=False, mode=None)
+    config._compile_all_devices = True
+    cache = PagedCache(model, block_size=8, max_cache_len=48)
+    for length, chunk in ((9, 3), (14, 4), (11, 5)):
+        ids = torch.arange(3, 3 + length).unsqueeze(0).repeat(2, 1)
+        ids[1] = ids[1].flip(0)
+        kwargs = dict(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, prefill_chunk_size=chunk)
+        expected = model.generate(**kwargs, **{CACHE: _dynamic(model)})
+        cache.reset()
+        assert torch.equal(model.generate(**kwargs, compile_config=config, **{CACHE: cache}), expected)
+    cache.reset()
+    assert_cache_released(cache)

@@ -60,6 +60,10 @@ from transformers import DynamicCache
 from hf_paged import PagedCache
 
 CACHE = cache_kwarg()
+if DEVICE == "cuda":  # compiled generate runs under inductor's CUDA-graph trees: name an allocation they refuse
+    import torch._inductor.config
+
+    torch._inductor.config.triton.cudagraph_trees_history_recording = True
 PAD = 0  # pad_token_id of the tiny models; prompts use ids >= 3 (1 is bos, 2 is eos)
 OPS = [
     "greedy", "sample", "beams", "return_sequences", "chunked", "embeds", "prefix", "continue", "reuse", "overflow",
@@ -124,6 +128,7 @@ class _Fuzzer:
         self.ref = tiny_model(family, attn="sdpa", device=DEVICE)
         self.cache = PagedCache(self.model, num_blocks=num_blocks, block_size=block_size, max_cache_len=max_cache_len)
         self.block_size = block_size
+        self.growing = num_blocks is None  # the pool grows at each prefill: no overflow to provoke
         self.history: list[list[int]] = []  # earlier prompts and outputs: sources of shared prefixes
         self.num_skipped = 0
         self.counts: dict[str, int] = {}
@@ -283,7 +288,7 @@ class _Fuzzer:
     def _op_overflow(self):
         """3 rows that fill the pool: the prompts (prefill) or their first decode step (append) must not fit."""
         blocks_per_row = self.cache.pool.num_blocks // 3
-        if blocks_per_row > 4:  # keeps prompts short: roomy pools get a plain call
+        if blocks_per_row > 4 or self.growing:  # keeps prompts short: roomy (or growing) pools get a plain call
             return self._op_greedy()
         prompt_len = blocks_per_row * self.block_size + self.rng.randint(0, 1)  # +1: already the prompt overflows
         kwargs = self._kwargs(max_new_tokens=3, min_new_tokens=3)
