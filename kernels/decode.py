@@ -514,25 +514,6 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache
-def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [1, 1, 1, 1] and [1, 1, 1] tensors on ``device``: the partial pointers a one-split launch never reads.
-
-    Kept for the process, so they must not come from a CUDA graph's private pool: a first call inside a graph
-    capture or a torch.compile "reduce-overhead" warm-up allocates on the current stream into that graph's pool,
-    and a tensor kept there past the graph makes inductor's CUDA-graph trees refuse the next recording ("tensor(s)
-    in the cudagraph pool not tracked as outputs"). Those pools take only the current stream's allocations, so
-    these come from a side stream (no kernel runs on it: an allocation only)."""
-    if device.type != "cuda":
-        return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device), torch.empty(
-            (1, 1, 1), dtype=torch.float32, device=device
-        )
-    with torch.cuda.stream(torch.cuda.Stream(device)):
-        return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device), torch.empty(
-            (1, 1, 1), dtype=torch.float32, device=device
-        )
-
-
-@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -823,8 +804,13 @@ def paged_decode_triton(
     num_partials = num_prefix_splits if merge_prefix else num_splits + num_prefix_splits
 
     if write_out and not has_prefix:
-        # Unused placeholders: the kernel never touches them when WRITE_OUT (kept per device: no allocation a call).
-        partial_acc, partial_lse = _placeholders(query.device)
+        # Unused placeholders: the kernel never touches them when WRITE_OUT. Made per call, never kept: a kept
+        # tensor first made inside a CUDA graph capture or a torch.compile "reduce-overhead" warm-up would live
+        # in that graph's private pool, and inductor's CUDA-graph trees then refuse the next recording ("tensor(s)
+        # in the cudagraph pool not tracked as outputs"; found by the PagedCache fuzzer on CUDA). Two small
+        # allocations a call; the eager decode steps keep their launch (DecodeBinding) and skip this.
+        partial_acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
     else:
         # Allocated per call; inside the engine's CUDA graphs that happens once, at capture (the graph's pool).
         device = query.device
