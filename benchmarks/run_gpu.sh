@@ -6,8 +6,9 @@
 #             PagedCache's CUDA/compile tests, the engine's tests on CUDA                                   (~9 min)
 #   tests-cache  PagedCache's CUDA/compile tests alone                                                     (~1 min)
 #   tests-cache-fuzz  tests/test_cache_fuzz.py's fuzzer with both models on the GPU (fp32), 8 seeds x 20 operations
-#             x 7 configurations: the CUDA-only eager paths (kept decode launch, one-launch copy-on-write) meet
-#             beams, samples, chunking, prefix hits, crop, prompt lookup and tiny pools (not run on a card yet) (~5 min?)
+#             x 7 configurations, the seeds dealt over the visible GPUs: the CUDA-only paths (kept decode launch,
+#             one-launch copy-on-write, compiled generate under CUDA-graph trees) meet beams, samples, chunking,
+#             prefix hits, crop, prompt lookup and tiny pools (4 x H200: ~3 min; one GPU: ~9 min)
 #   tests-engine-fuzz  tests/test_engine_fuzz.py on CUDA (CI's bounded profile: n, beams, preemption, chunking, async,
 #             aborts and interrupts over small pools, with real CUDA graphs; not run on a card yet)        (~5 min?)
 #   tests-kernels / tests-prefill / tests-engine   the other three pieces of tests, one each (for --spread:
@@ -116,13 +117,21 @@ run_cache_tests() {  # PagedCache on CUDA: generate with the Triton kernels, the
         | tee -a "$out/tests.txt"
 }
 
-run_cache_fuzz() {  # the PagedCache fuzzer on CUDA (kept decode launch, one-launch copy-on-write): 8 seeds x 20 ops
-    local seed
-    for seed in 0 1 2 3 4 5 6 7; do
-        HF_PAGED_TEST_DEVICE=cuda HF_PAGED_FUZZ_STEPS=20 HF_PAGED_FUZZ_SEED=$seed timeout 150 python3 -m pytest -q \
-            -p no:cacheprovider tests/test_cache_fuzz.py -k fuzz_generate -W ignore::FutureWarning 2>&1 \
-            | tee -a "$out/tests-cache-fuzz.log" | tail -1 | sed "s/^/seed $seed: /" | tee -a "$out/tests.txt"
+run_cache_fuzz() {  # the PagedCache fuzzer on CUDA (kept decode launch, one-launch copy-on-write, compiled generate
+    # under CUDA-graph trees): 8 seeds x 20 ops, dealt over the GPUs this part sees (~80 s a seed)
+    local gpus seed i
+    IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(($(nvidia-smi -L | wc -l) - 1)))}"
+    for i in "${!gpus[@]}"; do
+        for seed in 0 1 2 3 4 5 6 7; do
+            [ $((seed % ${#gpus[@]})) -eq "$i" ] || continue
+            CUDA_VISIBLE_DEVICES=${gpus[$i]} HF_PAGED_TEST_DEVICE=cuda HF_PAGED_FUZZ_STEPS=20 HF_PAGED_FUZZ_SEED=$seed \
+                timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cache_fuzz.py -k fuzz_generate \
+                -W ignore::FutureWarning > "$out/tests-cache-fuzz-$seed.log" 2>&1
+            echo "seed $seed: $(tail -1 "$out/tests-cache-fuzz-$seed.log")" | tee -a "$out/tests.txt"
+        done &
     done
+    wait
+    cat "$out"/tests-cache-fuzz-?.log > "$out/tests-cache-fuzz.log" && rm "$out"/tests-cache-fuzz-?.log
 }
 
 run_engine_fuzz() {  # the engine fuzzer on CUDA (graphs, async replay, one-launch copy-on-write), CI's bounded profile

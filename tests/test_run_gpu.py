@@ -76,3 +76,20 @@ def test_spread_refuses_what_cannot_share_the_host(fake_path, tmp_path, queue):
     result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "--spread", "kernels", queue], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2, (result.stdout[-1000:], result.stderr[-1000:])
+
+
+@pytest.mark.parametrize("visible, expected", [(None, {"0", "1"}), ("3", {"3"})])
+def test_cache_fuzz_deals_its_seeds_over_the_visible_gpus(fake_path, tmp_path, visible, expected):
+    """Eight seeds, each once, each on one of the GPUs the part sees (all of them, or its queue's one)."""
+    env = dict(os.environ, PATH=fake_path)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "tests-cache-fuzz"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = (tmp_path / "tests-cache-fuzz.log").read_text().splitlines()  # a pytest run a line (the stand-in's echo)
+    assert len(log) == 8 and all("tests/test_cache_fuzz.py" in line for line in log), log
+    assert {re.search(r"gpu (\d+) ", line).group(1) for line in log} == expected
+    summary = (tmp_path / "tests.txt").read_text().splitlines()
+    assert sorted(int(re.match(r"seed (\d): ", line).group(1)) for line in summary) == list(range(8)), summary
