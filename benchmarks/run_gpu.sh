@@ -17,6 +17,8 @@
 #   skinny-ab  the prefix workload with the engine's projections at <= 64 rows on kernels/skinny.py (engine.fuse.
 #             SKINNY_MAX_ROWS) off and on, alternating (module_ab.py), then nano off and on; SKINNY_AB="0 256 256 0"
 #             sets the values (not run yet)                                                                 (~6 min?)
+#   pdl-ab / pdl-ab-nano  the prefix workload / nano with the engine's compiled layers under inductor's programmatic
+#             dependent launch (LAYER_COMPILE_OPTIONS options triton.enable_pdl) off and on, A/B/B/A      (~4 min)
 #   skinny-gemm  benchmarks/skinny_gemm.py: the decode steps' projections at 1-256 rows, cuBLAS vs kernels/skinny.py
 #             at a few launch settings, in a CUDA graph, weights L2-cold (issue 13; not run on a card yet)  (~2 min?)
 #   engine    hf-paged bench: nano, and prefix caching on vs off                                              (~6 min)
@@ -351,6 +353,18 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
                 16x8:32x440 --settings 16/2/2 --out "$out/cascade-sweep.md" 2>&1 | tail -5
             ;;
         cascade-prefix-ab) prefix_ab hf_paged.kernels.decode.CASCADE_PREFIX_SETTINGS None "(32, 8)" "(32, 8)" None ;;
+        pdl-ab | pdl-ab-nano)  # inductor's programmatic dependent launch in the engine's compiled layers, A/B/B/A
+            local pdl="{'options': {'triton.enable_pdl': True}}" workload=prefix
+            [ "$part" = pdl-ab-nano ] && workload=nano
+            python3 -c "import torch._inductor.config as c; print('inductor triton.enable_pdl default:', c.triton.enable_pdl)" \
+                | tee -a "$out/$part.md"
+            for options in "{}" "$pdl" "$pdl" "{}"; do
+                echo "LAYER_COMPILE_OPTIONS=$options" | tee -a "$out/$part.md"
+                PYTHONPATH=$PWD timeout 150 python3 benchmarks/module_ab.py \
+                    "hf_paged.engine.model_runner.LAYER_COMPILE_OPTIONS=$options" -- --workload $workload \
+                    --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged\|Error" | tee -a "$out/$part.md"
+            done
+            ;;
         autotune-ab)
             tuned="{'mode': 'max-autotune-no-cudagraphs'}"
             for run in "80 {}" "250 $tuned" "130 $tuned" "80 {}"; do  # seconds, options (autotuning, then cached)
@@ -443,7 +457,7 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
         *)
-            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, skinny-gemm, skinny-ab, engine, generate, grid-qwen-a, grid-qwen-b," \
+            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, skinny-gemm, skinny-ab, pdl-ab, pdl-ab-nano, engine, generate, grid-qwen-a, grid-qwen-b," \
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
