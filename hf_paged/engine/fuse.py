@@ -37,8 +37,10 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # The other projections of a layer: wrapped as groups of one when SKINNY_MAX_ROWS is on.
 SINGLES = ("o_proj", "down_proj")
 # Projections of at most this many rows take kernels.skinny_linear (kernels/skinny.py) instead of F.linear; 0: off.
-# Off until benchmarks/skinny_gemm.py and an end-to-end A/B (benchmarks/module_ab.py) say it pays. Read when the
-# engine fuses (before its layers compile) and when a layer is traced: set it before building the engine.
+# Off: benchmarks/skinny_gemm.py (H200, nineteenth session) has cuBLAS faster at q/k/v and gate/up at every row count
+# and the kernel ahead only at Qwen3-0.6B's down_proj (<= 64 rows, ~1 µs a layer) and o_proj at one row; a
+# Qwen3-0.6B layer's four GEMMs at 32 rows take ~25 µs either way. Read when the engine fuses (before its layers
+# compile) and when a layer is traced: set it before building the engine.
 SKINNY_MAX_ROWS = 0
 
 
