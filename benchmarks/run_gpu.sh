@@ -6,7 +6,7 @@
 #             PagedCache's CUDA/compile tests, the engine's tests on CUDA                                   (~9 min)
 #   tests-cache  PagedCache's CUDA/compile tests alone                                                     (~1 min)
 #   tests-cache-fuzz  tests/test_cache_fuzz.py's fuzzer with both models on the GPU (fp32), 8 seeds x 20 operations
-#             x 7 configurations, the seeds dealt over the visible GPUs: the CUDA-only paths (kept decode launch,
+#             x 8 configurations, the seeds dealt over the visible GPUs: the CUDA-only paths (kept decode launch,
 #             one-launch copy-on-write, compiled generate under CUDA-graph trees) meet beams, samples, chunking,
 #             prefix hits, crop, prompt lookup and tiny pools (4 x H200: ~3 min; one GPU: ~9 min)
 #   tests-engine-fuzz  tests/test_engine_fuzz.py on CUDA (CI's bounded profile: n, beams, preemption, chunking, async,

@@ -25,6 +25,8 @@ the same call on a DynamicCache (fp32, CPU, same weights, attn "sdpa"). The oper
 Caches: fixed pools and, with ``max_cache_len=64`` (compileable), a growing pool sized at each prefill, a fixed one
 and a tiny one: generate then plans every decode step ahead (its mask step), and the planned steps run eagerly (no
 compile on the CPU) with beams, samples, chunked prefill, crop, prompt lookup and MemoryError in a planned step.
+One of them compiles as on CUDA, on any device (dynamo, eager backend): transformers then compiles its decode
+steps and prefill chunks, and the cache's host planning runs behind graph breaks, through recompiles.
 
 Device: the CPU (CI), or ``HF_PAGED_TEST_DEVICE=cuda`` (``benchmarks/run_gpu.sh OUT tests-cache-fuzz``): both models in
 fp32 on the GPU, where the eager decode steps take the CUDA-only paths (the kept decode launch a layer,
@@ -55,7 +57,8 @@ import pytest
 import torch
 from helpers import assert_cache_released
 from models import DEVICE, cache_kwarg, tiny_model
-from transformers import DynamicCache
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, DynamicCache
 
 from hf_paged import PagedCache
 
@@ -329,7 +332,12 @@ CONFIGS = {
     "llama-paged-planned-growing": ("llama", "paged", 8, None, 64),
     "llama-paged-planned-fixed": ("llama", "paged", 8, 40, 64),
     "llama-paged-planned-tiny-pool": ("llama", "paged", 8, 6, 64),
+    "llama-paged-planned-compiled": ("llama", "paged", 8, 40, 64),
 }
+# Configurations whose generate() compiles as on CUDA, on any device: dynamo over the eager backend (no inductor
+# on the CPU; CUDA runs inductor with CUDA-graph trees anyway). Every forward transformers compiles (decode steps,
+# prefill chunks) is traced with the cache's host planning behind graph breaks, and recompiled as shapes change.
+COMPILED = {"llama-paged-planned-compiled"}
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -337,8 +345,15 @@ def test_fuzz_generate_matches_dynamic_cache(config):
     family, attn, block_size, num_blocks, max_cache_len = CONFIGS[config]
     seed = SEED * len(CONFIGS) + sorted(CONFIGS).index(config)
     fuzzer = _Fuzzer(family, attn, block_size, num_blocks, seed=seed, max_cache_len=max_cache_len)
+    if config in COMPILED:
+        compile_config = CompileConfig(backend="eager", fullgraph=False, mode=None)
+        compile_config._compile_all_devices = True  # not a dataclass field in 5.17 nor 5.24
+        fuzzer.model.generation_config.compile_config = compile_config
+        torch._dynamo.reset()
     counts = fuzzer.run(STEPS)
     print(f"{config}: {dict(sorted(counts.items()))}")
+    if config in COMPILED:  # generate did take the compiled call, and dynamo traced graphs through it
+        assert fuzzer.model._compiled_call is not None and counters["stats"]["unique_graphs"] > 0
 
 
 # ---- focused tests: errors and regressions -----------------------------------------------------------------
