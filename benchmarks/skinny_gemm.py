@@ -12,7 +12,7 @@ heuristic), with the largest difference from ``F.linear``.
 Prediction: the weight slabs streamed by ~2 programs an SM reach 2-2.5 TB/s on an H100, so the Qwen3-0.6B layer's
 four GEMMs at 32 rows go from ~26 µs to ~15 µs (~0.3 ms of a ~1.6 ms prefix-workload decode step). If no setting
 beats ``F.linear`` at a shape, the kernel stays unused there. Measured (H200, benchmarks/RESULTS.md, nineteenth
-session): wrong, cuBLAS already reads 1.6-3.2 TB/s and each GEMM of a few MB costs ~5-6 µs whoever runs it; the
+session): wrong, cuBLAS already reads 1.6-3.2 TB/s and each GEMM of a few MB costs ~5-8 µs whoever runs it; the
 kernel wins only at Qwen3-0.6B's down_proj at <= 64 rows and one row of o_proj.
 
 Runs only on CUDA: ``python benchmarks/skinny_gemm.py [--shapes qwen3-0.6b llama-8b] [--rows 1 8 32 64 128 256]``.

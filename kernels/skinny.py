@@ -12,7 +12,7 @@ does).
 ``benchmarks/skinny_gemm.py`` times it against ``F.linear`` at the decode steps' shapes. The engine's projections
 take it at <= ``hf_paged.engine.fuse.SKINNY_MAX_ROWS`` rows, 0 by default (off): on an H200 (nineteenth session,
 benchmarks/RESULTS.md) cuBLAS reads these weights at 1.6-2.1 TB/s (Qwen3-0.6B's q/k/v and gate/up) and 3.2 TB/s
-(Llama-3.1-8B's q/k/v), and every GEMM of a few MB costs ~5-6 µs whoever runs it. The prediction (2-2.5 TB/s,
+(Llama-3.1-8B's q/k/v), and every GEMM of a few MB costs ~5-8 µs whoever runs it. The prediction (2-2.5 TB/s,
 a layer's four GEMMs at 32 rows from ~26 to ~15 µs) was wrong: the time is a per-kernel fixed cost, not bandwidth.
 The kernel wins only at Qwen3-0.6B's down_proj at <= 64 rows (1.11-1.19x) and at one row of o_proj (2.2x, where
 cuBLAS takes 12.6 µs); it loses 0.53-0.97x elsewhere.
