@@ -74,8 +74,9 @@
 #             CASCADE_MIN_SAVED_BYTES) at 16 MiB a layer (before the sixteenth session) and 64 MiB (now: cascade from
 #             ~48 rows of a 336-token prefix on Qwen3-0.6B), alternating, then both traced                     (~4 min)
 #   cascade-suffix-ab  the decode kernel's settings for shared-prefix calls (decode_sweep.py --prefix-len 336: the
-#             prefix workload's steps and longer suffixes), then the fastest at 224 rows end to end against the
-#             default, alternating (module_ab.py: kernels.decode.CASCADE_SUFFIX_SETTINGS)                     (~4 min)
+#             prefix workload's steps and longer suffixes; BLOCK_N/stages/warps[/KV heads a program packs], the list
+#             in CASCADE_SWEEP), then the fastest at 224 rows end to end against 16/2/2, alternating (module_ab.py:
+#             kernels.decode.CASCADE_SUFFIX_SETTINGS)                                                         (~6 min)
 #   cascade-merge-ab  the prefix workload with a one-split shared-prefix call's merge launch (CASCADE_MERGE_IN_SPLIT
 #             off) and without it (on: the split kernel folds the prefix partials in), alternating (module_ab.py),
 #             then the cascade call's sweep row at the default settings                                     (~3 min)
@@ -328,15 +329,17 @@ run_part() {  # run_part PART: one part, its figures under $out
             done
             ;;
         cascade-suffix-ab)
-            timeout 150 python3 benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 \
-                16x8:32x440 16x8:224x1360 32x8:128x1360 --settings 64/3/4 64/2/4 32/3/4 32/2/4 16/2/4 16/3/4 32/2/2 \
-                16/2/2 --out "$out/cascade-sweep.md" 2>&1 | tail -14
+            # shellcheck disable=SC2086
+            timeout 300 python3 benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 \
+                16x8:32x440 16x8:224x1360 32x8:128x1360 32x8:256x400 --settings ${CASCADE_SWEEP:-16/2/2 16/2/4/8 \
+                16/2/8/8 16/1/4/8 16/3/4/8 8/2/4/8 8/3/4/8 8/2/2/8 16/2/4/4 16/2/2/4 32/2/4/4 16/2/4/2 32/2/4/2} \
+                --out "$out/cascade-sweep.md" 2>&1 | tail -20
             # The setting fastest at the prefix workload's big steps (first column), end to end against the default.
             best=$(python3 -c "import re,sys; rows=[r.split('|') for r in open(sys.argv[1]) if re.match(r'\| \d[^|]*\| \d', r)]
 print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().replace(' / ', ', '))" \
                 "$out/cascade-sweep.md")
             [ -n "$best" ] || continue
-            prefix_ab hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS None "($best)" "($best)" None
+            prefix_ab hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS "(16, 2, 2)" "($best)" "($best)" "(16, 2, 2)"
             ;;
         skinny-ab)  # SKINNY_AB: the switch's values, in run order (default 0 64 64 0); nano runs each distinct one
             # shellcheck disable=SC2086

@@ -43,6 +43,7 @@ tensor-core cycles but no bandwidth, while a broadcast-multiply-sum would need a
 """
 
 import functools
+import math
 import os
 
 import torch
@@ -187,11 +188,16 @@ def _paged_decode_kernel(
     MERGE_PREFIX: tl.constexpr,
     PREFIX_BLOCK_N: tl.constexpr,  # MERGE_PREFIX: the prefix kernel's keys per tile and tiles a split at least: no
     PREFIX_MIN_TILES: tl.constexpr,  # prefix split past cdiv(cdiv(prefix_len, BLOCK_N), MIN_TILES) has keys
+    # KV heads a program packs (the grid's second dimension is num_kv_heads // HEADS): its query tile holds the
+    # GROUP * HEADS query heads of KV heads [program_id(1) * HEADS, +HEADS) and each K/V tile BLOCK_N keys x HEADS
+    # heads, one contiguous run of the cache block (key-major, head-minor); each query row keeps the scores of its
+    # own head's columns. 1 = one head a program.
+    HEADS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     seq_idx = tl.program_id(0)
-    kv_head_idx = tl.program_id(1)
+    kv_head_idx = tl.program_id(1) * HEADS  # the program's first KV head
     split_idx = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq_idx)
@@ -220,12 +226,20 @@ def _paged_decode_kernel(
     split_tile_lo = tile_lo + split_idx * tiles_per_split
     split_tile_hi = tl.minimum(split_tile_lo + tiles_per_split, tile_hi)
 
-    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
+    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]: query rows, GROUP * HEADS query heads
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_n = tl.arange(0, BLOCK_N * HEADS)  # [BLOCK_N * HEADS]: a tile's (key, head) columns, key-major
     head_idx = kv_head_idx * GROUP + offs_g  # [GROUP_PAD]
-    g_mask = offs_g < GROUP  # padded query rows
+    g_mask = offs_g < GROUP * HEADS  # padded query rows
     d_mask = offs_d < HEAD_DIM  # padded head_dim lanes
+    if HEADS > 1:
+        key_of_n = offs_n // HEADS  # [BLOCK_N * HEADS]: the column's key within the tile
+        # [GROUP_PAD, BLOCK_N * HEADS]: query row g reads only the columns of its own KV head (padded rows: none)
+        own_head = (offs_g // GROUP)[:, None] == (offs_n % HEADS)[None, :]
+        n_head_offset = (offs_n % HEADS) * stride_kh  # [BLOCK_N * HEADS]
+        n_head_offset_v = (offs_n % HEADS) * stride_vh
+    else:
+        key_of_n = offs_n
 
     # q: [GROUP_PAD, HEAD_DIM_PAD]; padded rows/lanes are 0, so they add nothing to any score.
     q_ptrs = query_ptr + seq_idx * stride_qs + head_idx[:, None] * stride_qh + offs_d[None, :] * stride_qd
@@ -242,27 +256,31 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
 
     for tile_idx in range(split_tile_lo, split_tile_hi):
-        key_idx = tile_idx * BLOCK_N + offs_n  # [BLOCK_N] positions in the sequence
+        key_idx = tile_idx * BLOCK_N + key_of_n  # [BLOCK_N * HEADS] positions in the sequence
         # Keys outside [lo, read_hi) are masked: their table entries may be stale or unallocated.
         n_mask = (key_idx < read_hi) & (key_idx >= lo)
         if ONE_BLOCK_PER_TILE:
             # The whole tile sits in one cache block; its first key may be below lo (window), but
             # the tile holds key lo or later, so the block-table entry is live.
             block_id = tl.load(table_ptr + ((tile_idx * BLOCK_N) // BLOCK_SIZE) * stride_btb)
-            row_offset = block_id.to(tl.int64) * stride_kb + ((tile_idx * BLOCK_N) % BLOCK_SIZE + offs_n) * stride_kt
-            v_row_offset = block_id.to(tl.int64) * stride_vb + ((tile_idx * BLOCK_N) % BLOCK_SIZE + offs_n) * stride_vt
+            in_block = (tile_idx * BLOCK_N) % BLOCK_SIZE + key_of_n
+            row_offset = block_id.to(tl.int64) * stride_kb + in_block * stride_kt
+            v_row_offset = block_id.to(tl.int64) * stride_vb + in_block * stride_vt
         else:
-            # block_ids: [BLOCK_N]; several keys share each entry (BLOCK_SIZE < BLOCK_N, or not divisible).
+            # block_ids: [BLOCK_N * HEADS]; several keys share each entry (BLOCK_SIZE < BLOCK_N, or not divisible).
             block_ids = tl.load(table_ptr + (key_idx // BLOCK_SIZE) * stride_btb, mask=n_mask, other=0)
             row_offset = block_ids.to(tl.int64) * stride_kb + (key_idx % BLOCK_SIZE) * stride_kt
             v_row_offset = block_ids.to(tl.int64) * stride_vb + (key_idx % BLOCK_SIZE) * stride_vt
+        if HEADS > 1:
+            row_offset += n_head_offset
+            v_row_offset += n_head_offset_v
 
-        kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-        # k: [BLOCK_N, HEAD_DIM_PAD]
+        kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N * HEADS, HEAD_DIM_PAD]
+        # k: [BLOCK_N * HEADS, HEAD_DIM_PAD]
         k = tl.load(k_head_ptr + row_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
-        # scores: [GROUP_PAD, BLOCK_N]
+        # scores: [GROUP_PAD, BLOCK_N * HEADS]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if USE_SOFT_CAP:
             # soft_cap * tanh(scale * s / soft_cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): right at
@@ -270,7 +288,10 @@ def _paged_decode_kernel(
             scores = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * scores) + 1.0))
         else:
             scores = scores * scale_log2
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        if HEADS > 1:
+            scores = tl.where(n_mask[None, :] & own_head, scores, float("-inf"))
+        else:
+            scores = tl.where(n_mask[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [GROUP_PAD]
         # Every tile holds at least one live key, so m_new is finite; guard anyway so that a fully
@@ -280,7 +301,7 @@ def _paged_decode_kernel(
         p = tl.exp2(scores - m_safe[:, None])  # [GROUP_PAD, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        # v: [BLOCK_N, HEAD_DIM_PAD]
+        # v: [BLOCK_N * HEADS, HEAD_DIM_PAD]
         v = tl.load(v_head_ptr + v_row_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if DOT_FP32:
             v = v.to(tl.float32)
@@ -290,31 +311,62 @@ def _paged_decode_kernel(
     if FUSED_WRITE:
         last_tile = (seq_len - 1) // BLOCK_N
         if (seq_len > 0) & (last_tile >= split_tile_lo) & (last_tile < split_tile_hi):  # our split holds it
-            # nk, nv: [HEAD_DIM_PAD], the cache's dtype
-            nk = tl.load(new_k_ptr + seq_idx * stride_nks + kv_head_idx * stride_nkh + offs_d * stride_nkd,
-                         mask=d_mask, other=0.0)  # fmt: skip
-            nv = tl.load(new_v_ptr + seq_idx * stride_nvs + kv_head_idx * stride_nvh + offs_d * stride_nvd,
-                         mask=d_mask, other=0.0)  # fmt: skip
-            slot = tl.load(slot_ptr + seq_idx).to(tl.int64)
-            if slot >= 0:
-                tl.store(k_head_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
-                         + offs_d * stride_kd, nk, mask=d_mask)  # fmt: skip
-                tl.store(v_head_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
-                         + offs_d * stride_vd, nv, mask=d_mask)  # fmt: skip
-            # The new key's score for each query row ([GROUP_PAD]), as the tile loop scores a key (fp32 products of
-            # the stored dtype), then one more online-softmax step.
-            s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], axis=1)
-            if USE_SOFT_CAP:
-                s_new = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s_new) + 1.0))
+            if HEADS == 1:
+                # nk, nv: [HEAD_DIM_PAD], the cache's dtype
+                nk = tl.load(new_k_ptr + seq_idx * stride_nks + kv_head_idx * stride_nkh + offs_d * stride_nkd,
+                             mask=d_mask, other=0.0)  # fmt: skip
+                nv = tl.load(new_v_ptr + seq_idx * stride_nvs + kv_head_idx * stride_nvh + offs_d * stride_nvd,
+                             mask=d_mask, other=0.0)  # fmt: skip
+                slot = tl.load(slot_ptr + seq_idx).to(tl.int64)
+                if slot >= 0:
+                    tl.store(k_head_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+                             + offs_d * stride_kd, nk, mask=d_mask)  # fmt: skip
+                    tl.store(v_head_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+                             + offs_d * stride_vd, nv, mask=d_mask)  # fmt: skip
+                # The new key's score for each query row ([GROUP_PAD]), as the tile loop scores a key (fp32
+                # products of the stored dtype), then one more online-softmax step.
+                s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], axis=1)
+                if USE_SOFT_CAP:
+                    s_new = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s_new) + 1.0))
+                else:
+                    s_new = s_new * scale_log2
+                m_new = tl.maximum(m_i, s_new)  # finite
+                alpha = tl.exp2(m_i - m_new)
+                p_new = tl.exp2(s_new - m_new)  # [GROUP_PAD]
+                l_i = l_i * alpha + p_new
+                # p rounded to the value dtype, as the loop's p @ v takes it
+                acc = acc * alpha[:, None] + p_new.to(nv.dtype).to(tl.float32)[:, None] * nv.to(tl.float32)[None, :]
+                m_i = m_new
             else:
-                s_new = s_new * scale_log2
-            m_new = tl.maximum(m_i, s_new)  # finite
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)  # [GROUP_PAD]
-            l_i = l_i * alpha + p_new
-            # p rounded to the value dtype, as the loop's p @ v takes it
-            acc = acc * alpha[:, None] + p_new.to(nv.dtype).to(tl.float32)[:, None] * nv.to(tl.float32)[None, :]
-            m_i = m_new
+                # Each query row's own KV head: kv_of_g [GROUP_PAD]; nk, nv: [GROUP_PAD, HEAD_DIM_PAD] (a KV head's
+                # new K/V repeated over its GROUP query rows; padded rows load nothing).
+                kv_of_g = kv_head_idx + offs_g // GROUP
+                gd_mask = g_mask[:, None] & d_mask[None, :]
+                nk = tl.load(new_k_ptr + seq_idx * stride_nks + kv_of_g[:, None] * stride_nkh
+                             + offs_d[None, :] * stride_nkd, mask=gd_mask, other=0.0)  # fmt: skip
+                nv = tl.load(new_v_ptr + seq_idx * stride_nvs + kv_of_g[:, None] * stride_nvh
+                             + offs_d[None, :] * stride_nvd, mask=gd_mask, other=0.0)  # fmt: skip
+                slot = tl.load(slot_ptr + seq_idx).to(tl.int64)
+                if slot >= 0:
+                    # the first query row of each KV head writes that head's K/V
+                    w_mask = gd_mask & ((offs_g % GROUP) == 0)[:, None]
+                    slot_offset = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+                    v_slot_offset = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+                    tl.store(k_cache_ptr + slot_offset + kv_of_g[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                             nk, mask=w_mask)  # fmt: skip
+                    tl.store(v_cache_ptr + v_slot_offset + kv_of_g[:, None] * stride_vh
+                             + offs_d[None, :] * stride_vd, nv, mask=w_mask)  # fmt: skip
+                s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32), axis=1)  # [GROUP_PAD]
+                if USE_SOFT_CAP:
+                    s_new = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s_new) + 1.0))
+                else:
+                    s_new = s_new * scale_log2
+                m_new = tl.maximum(m_i, s_new)  # finite
+                alpha = tl.exp2(m_i - m_new)
+                p_new = tl.exp2(s_new - m_new)  # [GROUP_PAD]
+                l_i = l_i * alpha + p_new
+                acc = acc * alpha[:, None] + p_new.to(nv.dtype).to(tl.float32)[:, None] * nv.to(tl.float32)
+                m_i = m_new
 
     if MERGE_PREFIX:
         if prefix_len > 0:  # else the prefix kernel wrote nothing: the plain decode
@@ -820,9 +872,10 @@ def paged_decode_triton(
     out_strides = out.stride()
 
     if has_prefix and len(plan.variants) > 2:
-        decode_args, min_tiles, num_stages, num_warps = plan.variants[2]
+        decode_args, min_tiles, num_stages, num_warps, heads = plan.variants[2]
     else:
-        decode_args, min_tiles, num_stages, num_warps = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
+        variant = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
+        decode_args, min_tiles, num_stages, num_warps, heads = variant
     fused = new_key is not None
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
@@ -844,7 +897,7 @@ def paged_decode_triton(
 
     if merge_prefix:
         launch_prefix(0)  # its partials are the only ones
-    grid = (num_seqs, num_kv_heads, num_splits)
+    grid = (num_seqs, num_kv_heads // heads, num_splits)
     args = (
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
         new_key, new_value, slot_mapping,
@@ -857,6 +910,7 @@ def paged_decode_triton(
         fused,  # FUSED_WRITE
         merge_prefix,  # MERGE_PREFIX
         *plan.prefix_split_rule,  # PREFIX_BLOCK_N, PREFIX_MIN_TILES
+        heads,  # HEADS
     )  # fmt: skip
     _DECODE(grid, *args, num_warps=num_warps, num_stages=num_stages)
     if bind is not None and write_out and not has_prefix and not pdl:
@@ -927,24 +981,22 @@ class _Plan:
         )
         self.strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
         self.new_kv_strides = (0,) * 6 if new_key is None else (*new_key.stride(), *new_value.stride())
-        # (decode_args, MIN_TILES_PER_SPLIT, num_stages, num_warps) for short splits, then for long ones, then (with
-        # CASCADE_SUFFIX_SETTINGS) for shared-prefix calls.
-        self.variants = tuple(
-            (
-                (
-                    *scale_args,
-                    int(sliding_window) if use_window else 0,
-                    group, max(16, next_power_of_2(group)),  # GROUP, GROUP_PAD
-                    self.head_dim, head_dim_pad, block_size,
-                    block_n, block_size % block_n == 0,  # BLOCK_N, ONE_BLOCK_PER_TILE
-                    use_window, use_soft_cap,
-                ),
-                max(1, MIN_KEYS_PER_SPLIT // block_n),
-                num_stages,
-                num_warps,
-            )
-            for block_n, num_stages, num_warps in settings
-        )  # fmt: skip
+        # (decode_args, MIN_TILES_PER_SPLIT, num_stages, num_warps, HEADS) for short splits, then for long ones, then
+        # (with CASCADE_SUFFIX_SETTINGS) for shared-prefix calls. A setting's optional fourth entry is the KV heads a
+        # program packs, taken as its largest power-of-two divisor that divides num_kv_heads.
+        variants = []
+        for block_n, num_stages, num_warps, *packed in settings:
+            heads = math.gcd(packed[0] if packed else 1, self.num_kv_heads)
+            decode_args = (
+                *scale_args,
+                int(sliding_window) if use_window else 0,
+                group, max(16, next_power_of_2(group * heads)),  # GROUP, GROUP_PAD
+                self.head_dim, head_dim_pad, block_size,
+                block_n, block_size % block_n == 0,  # BLOCK_N, ONE_BLOCK_PER_TILE
+                use_window, use_soft_cap,
+            )  # fmt: skip
+            variants.append((decode_args, max(1, MIN_KEYS_PER_SPLIT // block_n), num_stages, num_warps, heads))
+        self.variants = tuple(variants)
         self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
         prefix_block_n, self.prefix_num_warps = base_block_n, 4
         if head_dim_pad == 128 and CASCADE_PREFIX_SETTINGS is not None:

@@ -217,7 +217,7 @@ def test_suffix_settings_at_head_dim_128(block_size, num_splits, prefix_settings
     _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=num_splits)
     (plan,) = decode._PLANS.values()
     decode._PLANS.clear()
-    assert len(plan.variants) == 3 and plan.variants[2][2:] == decode.CASCADE_SUFFIX_SETTINGS[1:]
+    assert len(plan.variants) == 3 and plan.variants[2][2:4] == decode.CASCADE_SUFFIX_SETTINGS[1:3]
     assert plan.variants[2][0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]  # BLOCK_N
     assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (prefix_settings or (64, 4))
 
@@ -278,6 +278,89 @@ def test_fused_kv_write_with_a_shared_prefix(dtype, num_splits, head_dim):
     )  # fmt: skip
     torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(k_in, k_cache.nan_to_num(0.0), atol=0, rtol=0)
+
+
+def _fused_call(query, k_cache, v_cache, block_tables, seq_lens, scale, **kwargs):
+    """paged_decode_triton with the fused K/V write: each live row's last key is taken out of the cache (its slot
+    becomes NaN) and passed as new_key/new_value; returns (out, k_cache and v_cache after the call, the caches as
+    they were)."""
+    num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    lens = seq_lens.tolist()
+    slots = [-1 if n == 0 else int(block_tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+             for s, n in enumerate(lens)]  # fmt: skip
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    live = slot_t >= 0
+    flat = lambda cache: cache.view(-1, num_kv_heads, head_dim)  # noqa: E731  [num_slots, Hkv, D]
+    new_key = torch.zeros(len(lens), num_kv_heads, head_dim, dtype=k_cache.dtype, device=DEVICE)
+    new_value = torch.zeros_like(new_key)
+    new_key[live], new_value[live] = flat(k_cache)[slot_t[live]], flat(v_cache)[slot_t[live]]
+    k_in, v_in = k_cache.clone(), v_cache.clone()
+    flat(k_in)[slot_t[live]] = float("nan")
+    flat(v_in)[slot_t[live]] = float("nan")
+    out = paged_decode_triton(query, k_in, v_in, block_tables, seq_lens, scale, new_key=new_key, new_value=new_value,
+                              slot_mapping=slot_t, **kwargs)  # fmt: skip
+    return out, k_in, v_in
+
+
+@needs_triton
+@pytest.mark.parametrize("fused", [False, True], ids=["cache-only", "fused-write"])
+@pytest.mark.parametrize("block_size, num_splits", [(16, 1), (8, 2)])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, heads", [(8, 4, 4), (12, 4, 2), (4, 4, 8)], ids=["group2-pack4", "group3-pack2", "mha"]
+)
+def test_packed_kv_heads_in_the_suffix_kernel(
+    num_heads, num_kv_heads, heads, block_size, num_splits, fused, monkeypatch
+):
+    """CASCADE_SUFFIX_SETTINGS' fourth entry: a split-kernel program packs that many KV heads (at most
+    num_kv_heads: 8 over 4 heads packs 4), its query tile all their query heads, each K/V tile BLOCK_N keys x those
+    heads, one contiguous run of a block, and each query row keeps only its own head's columns. Group 3 pads 6 query
+    rows to 16; block size 8 takes a table lookup per column; the fused write stores every packed head's new K/V
+    once. Equal to plain attention, the new K/V written and nothing else touched."""
+    monkeypatch.setattr(decode, "CASCADE_SUFFIX_SETTINGS", (16, 2, 2, heads))
+    decode._PLANS.clear()
+    seq_lens = [70, 49, 0, 64, 57]
+    query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
+        seq_lens, 48 // block_size, num_heads, num_kv_heads, 128, block_size, torch.bfloat16
+    )
+    scale = 128**-0.5
+    expected = _plain_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    kwargs = dict(max_seq_len=max(seq_lens), num_splits=num_splits, prefix_len=_prefix(48))
+    if fused:
+        out, k_in, v_in = _fused_call(query, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
+        torch.testing.assert_close(k_in, k_cache, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(v_in, v_cache, atol=0, rtol=0, equal_nan=True)
+    else:
+        out = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
+    (plan,) = decode._PLANS.values()
+    decode._PLANS.clear()
+    assert plan.variants[2][4] == min(heads, num_kv_heads)  # HEADS
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the padding row
+
+
+@needs_triton
+@pytest.mark.parametrize("window, soft_cap", [(None, 30.0), (20, None)], ids=["soft-cap", "window"])
+def test_packed_kv_heads_in_plain_decode(window, soft_cap, monkeypatch):
+    """A fourth entry in LONG_SETTINGS packs KV heads in plain decode too (no prefix): soft capping, and a sliding
+    window whose lower bound falls inside a tile."""
+    monkeypatch.setattr(decode, "LONG_SETTINGS", (16, 2, 2, 2))
+    decode._PLANS.clear()
+    seq_lens = [70, 49, 0, 33]
+    query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
+        seq_lens, 0, 8, 4, 128, 16, torch.float32, seed=3
+    )
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    block_tables = block_tables.clamp(min=0)
+    scale = 128**-0.5
+    # max_seq_len past SHORT_SPLIT_KEYS: the long settings
+    out = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens_t, scale, max_seq_len=1024,
+                              num_splits=1, sliding_window=window, soft_cap=soft_cap)  # fmt: skip
+    (plan,) = decode._PLANS.values()
+    decode._PLANS.clear()
+    assert plan.variants[1][4] == 2
+    expected = paged_decode_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale, window, soft_cap)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
 @needs_triton
