@@ -15,7 +15,8 @@ SDPA (enable_gqa) on contiguous K/V of the same shape. The split count is the on
 With ``--prefix-len P`` every row's first P keys are row 0's blocks and the call is the engine's cascade decode
 (the shared-prefix kernel, the split kernel over each row's keys from P on, and with several splits the merge), as
 its cascade graphs run it (``max_prefix_len = --max-seq-len``); each setting is then the split kernel's
-``CASCADE_SUFFIX_SETTINGS`` (and ``LONG_SETTINGS``); the bandwidth share counts the prefix's bytes once.
+``CASCADE_SUFFIX_SETTINGS`` at every split count (``CASCADE_ONE_SPLIT_SETTINGS`` off; and ``LONG_SETTINGS``); the
+bandwidth share counts the prefix's bytes once. A setting is BLOCK_N/stages/warps[/KV heads a program packs].
 
 Shape ``HQxHKV:BATCHxCONTEXT``: query heads x KV heads (head_dim 128, block_size 16, shuffled block tables, bf16).
 Prints µs per call (median of the graph replays) and the share of the copy bandwidth the K/V reads reach.
@@ -109,17 +110,20 @@ def main(argv=None) -> int:
     prefix = None
     if args.prefix_len:
         prefix = torch.tensor([args.prefix_len], dtype=torch.int32, device="cuda")
-    saved = (decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE, decode.CASCADE_SUFFIX_SETTINGS)
-    current = decode.long_split_settings(torch.device("cuda"))
+    saved = (decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE, decode.CASCADE_SUFFIX_SETTINGS,
+             decode.CASCADE_ONE_SPLIT_SETTINGS)  # fmt: skip
+    current = [decode.long_split_settings(torch.device("cuda"))]  # what the card runs now
     if prefix is not None and decode.CASCADE_SUFFIX_SETTINGS is not None:
-        current = decode.CASCADE_SUFFIX_SETTINGS  # what shared-prefix calls run at head_dim 128
+        current = [decode.CASCADE_SUFFIX_SETTINGS]  # what shared-prefix calls run at head_dim 128
+    if prefix is not None and decode.CASCADE_ONE_SPLIT_SETTINGS is not None:
+        current.append(decode.CASCADE_ONE_SPLIT_SETTINGS)  # and one-split ones
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = [decode.choose_num_splits(args.max_seq_len, batch, hkv, num_sms) for _, hkv, batch, _ in shapes]
     rows = []
     for setting in settings:
         decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE = setting, {}
-        if prefix is not None:  # shared-prefix calls take CASCADE_SUFFIX_SETTINGS when it is set
-            decode.CASCADE_SUFFIX_SETTINGS = setting
+        if prefix is not None:  # shared-prefix calls take these at any split count
+            decode.CASCADE_SUFFIX_SETTINGS, decode.CASCADE_ONE_SPLIT_SETTINGS = setting, None
         decode._PLANS.clear()
         cells = []
         for n, (query, seq_lens, paged, _, kv_bytes) in zip(splits, inputs, strict=True):
@@ -137,10 +141,11 @@ def main(argv=None) -> int:
                 cells.append(f"{us:.1f} ({kv_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
             except Exception as exc:  # e.g. out of shared memory for large tiles x stages
                 cells.append(f"failed: {type(exc).__name__}")
-        mark = " (this card's now)" if setting == current else ""
+        mark = " (this card's now)" if setting in current else ""
         rows.append(f"| {' / '.join(map(str, setting))}{mark} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
-    decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE, decode.CASCADE_SUFFIX_SETTINGS = saved
+    (decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE, decode.CASCADE_SUFFIX_SETTINGS,
+     decode.CASCADE_ONE_SPLIT_SETTINGS) = saved  # fmt: skip
     decode._PLANS.clear()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     cells = []

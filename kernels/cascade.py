@@ -130,7 +130,10 @@ def _shared_prefix_kernel(
     USE_SOFT_CAP: tl.constexpr,
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
+    LAUNCH_DEPENDENTS: tl.constexpr,  # the split kernel is launched with PDL: let it start (it waits for our partials)
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     row_tile_idx = tl.program_id(0)
     kv_head_idx = tl.program_id(1)
     split_idx = tl.program_id(2)

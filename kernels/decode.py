@@ -87,7 +87,19 @@ LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
 # 2 stages, 2 warps took 224 rows x 400 keys 51.7 -> 44.5 µs, 128 x 420 39.4 -> 36.9, 32 x 440 22.4 -> 22.2, and
 # long suffixes 348.5 -> 357.9 (224 x 1360, 16 heads) and 213.4 -> 202.1 (128 x 1360, 32 heads); the prefix workload
 # end to end +1.5% (alternating runs). None = the plain decode's settings.
-CASCADE_SUFFIX_SETTINGS: tuple[int, int, int] | None = (16, 2, 2)
+CASCADE_SUFFIX_SETTINGS: tuple[int, ...] | None = (16, 2, 2)
+# Shared-prefix calls with one split (large batches: the split kernel folds the prefix partials in), at head_dim 128:
+# (keys per tile, stages, warps, KV heads a program packs), or None = CASCADE_SUFFIX_SETTINGS. Packing 4 KV heads a
+# program (Qwen3-0.6B's 16 / 8 heads: 8 query rows, K/V tiles of 16 keys x 4 heads, 16 KB each) took the whole
+# cascade call on the H200 (`decode_sweep.py --prefix-len 336`, twentieth session) at 224 rows x 400 keys 37.6 ->
+# 33.5 µs, 224 x 1360 275 -> 229 and Llama-3.1-8B's heads at 256 x 400 41.9 -> 39.1, but 128 x 1360 at Llama's
+# heads 145 -> 166 and several-split calls (32 rows) 22.0 -> 23.3: so one-split calls only. The prefix workload end
+# to end (alternating): 47 814 / 45 668 -> 49 754 / 49 760 output tok/s.
+CASCADE_ONE_SPLIT_SETTINGS: tuple[int, ...] | None = (16, 2, 2, 4)
+# A one-split shared-prefix call launches its split kernel with programmatic dependent launch (SM90+) after the prefix
+# kernel: the split kernel reads each row's own keys while the prefix kernel (a few hundred latency-bound programs)
+# still runs, and waits for the prefix partials (griddepcontrol.wait) only before folding them in.
+CASCADE_PDL = True
 # The shared-prefix kernel at head_dim 128: (keys per tile, warps); None = 64 keys, 4 warps. The 64-key tiles over 4
 # warps run out of registers at every BLOCK_M (sm_90 build of Triton 3.6, ptxas -v: 255 registers and 700-912 bytes
 # of spill stores a thread), and 32-key tiles over 8 warps spill nothing (197-229 registers). Measured anyway, the
@@ -193,6 +205,8 @@ def _paged_decode_kernel(
     # heads, one contiguous run of the cache block (key-major, head-minor); each query row keeps the scores of its
     # own head's columns. 1 = one head a program.
     HEADS: tl.constexpr,
+    # MERGE_PREFIX, launched with PDL after the shared-prefix kernel: wait for its partials before reading them.
+    WAIT_PREFIX: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -369,6 +383,8 @@ def _paged_decode_kernel(
                 m_i = m_new
 
     if MERGE_PREFIX:
+        if WAIT_PREFIX:
+            tl.extra.cuda.gdc_wait()
         if prefix_len > 0:  # else the prefix kernel wrote nothing: the plain decode
             # Each prefix partial (normalized acc, lse in the log2 domain; lse -inf and no acc for a split without
             # keys) is one more online-softmax step with weight exp2(lse - m).
@@ -853,6 +869,7 @@ def paged_decode_triton(
     # One split with a prefix: the prefix kernel runs first and the split kernel folds its partials in (one launch
     # fewer than the merge, and no partial of the split's own).
     merge_prefix = has_prefix and write_out and CASCADE_MERGE_IN_SPLIT
+    prefix_pdl = merge_prefix and plan.pdl_ok and USE_PDL and CASCADE_PDL
     num_partials = num_prefix_splits if merge_prefix else num_splits + num_prefix_splits
 
     if write_out and not has_prefix:
@@ -872,7 +889,8 @@ def paged_decode_triton(
     out_strides = out.stride()
 
     if has_prefix and len(plan.variants) > 2:
-        decode_args, min_tiles, num_stages, num_warps, heads = plan.variants[2]
+        # one split: CASCADE_ONE_SPLIT_SETTINGS (the last variant; CASCADE_SUFFIX_SETTINGS' when it is None)
+        decode_args, min_tiles, num_stages, num_warps, heads = plan.variants[-1 if write_out else 2]
     else:
         variant = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
         decode_args, min_tiles, num_stages, num_warps, heads = variant
@@ -880,7 +898,7 @@ def paged_decode_triton(
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
 
-    def launch_prefix(split_offset: int) -> None:
+    def launch_prefix(split_offset: int, launch_dependents: bool = False) -> None:
         _PREFIX(
             (cdiv(num_seqs * plan.group, plan.block_m), num_kv_heads, num_prefix_splits),
             query, k_cache, v_cache, block_tables, seq_lens, prefix_len, partial_acc, partial_lse,
@@ -891,12 +909,13 @@ def paged_decode_triton(
             split_offset,  # the first partial slot of the prefix kernel's
             *plan.prefix_args,  # scale_log2 .. MIN_TILES_PER_SPLIT
             plan.dot_fp32,
+            launch_dependents,  # LAUNCH_DEPENDENTS
             num_warps=plan.prefix_num_warps,
             num_stages=2,
         )  # fmt: skip
 
     if merge_prefix:
-        launch_prefix(0)  # its partials are the only ones
+        launch_prefix(0, prefix_pdl)  # its partials are the only ones
     grid = (num_seqs, num_kv_heads // heads, num_splits)
     args = (
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
@@ -911,8 +930,9 @@ def paged_decode_triton(
         merge_prefix,  # MERGE_PREFIX
         *plan.prefix_split_rule,  # PREFIX_BLOCK_N, PREFIX_MIN_TILES
         heads,  # HEADS
+        prefix_pdl,  # WAIT_PREFIX
     )  # fmt: skip
-    _DECODE(grid, *args, num_warps=num_warps, num_stages=num_stages)
+    _DECODE(grid, *args, num_warps=num_warps, num_stages=num_stages, launch_pdl=prefix_pdl)
     if bind is not None and write_out and not has_prefix and not pdl:
         bound = _DECODE.bind(grid, args, _BOUND_POSITIONS, num_warps=num_warps, num_stages=num_stages)
         if bound is not None:
@@ -968,8 +988,10 @@ class _Plan:
         if head_dim_pad == 128:
             long = long_split_settings(query.device)
             settings = ((SHORT_BLOCK_N, SHORT_NUM_STAGES, DECODE_NUM_WARPS), long)
-            if CASCADE_SUFFIX_SETTINGS is not None:
-                settings += (CASCADE_SUFFIX_SETTINGS,)
+            if CASCADE_SUFFIX_SETTINGS is not None or CASCADE_ONE_SPLIT_SETTINGS is not None:
+                settings += (CASCADE_SUFFIX_SETTINGS or long,)
+            if CASCADE_ONE_SPLIT_SETTINGS is not None:
+                settings += (CASCADE_ONE_SPLIT_SETTINGS,)
         else:
             settings = ((base_block_n, 2, DECODE_NUM_WARPS),) * 2
         use_window = sliding_window is not None and sliding_window > 0

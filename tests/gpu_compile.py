@@ -146,13 +146,20 @@ def compile_launch(jit_fn, args, num_warps, num_stages, launch_pdl, capability: 
 
 def _pdl_variants(launches: list[tuple]) -> list[tuple]:
     """The decode and merge kernels as a CUDA device launches them with PDL (split kernel LAUNCH_DEPENDENTS, merge
-    WAIT_PRIMARY and launch_pdl): SM90 only, never chosen with CPU tensors."""
+    WAIT_PRIMARY and launch_pdl; a one-split shared-prefix call's prefix kernel LAUNCH_DEPENDENTS and split kernel
+    WAIT_PREFIX and launch_pdl): SM90 only, never chosen with CPU tensors."""
     out = []
     for jit_fn, args, num_warps, num_stages, _ in launches:
         values = {p.name: a for p, a in zip(jit_fn.params, args, strict=True)}
+        # A one-split shared-prefix call (MERGE_PREFIX): the prefix kernel first, the split kernel as its dependent.
+        cascade_flag = {"_shared_prefix_kernel": "LAUNCH_DEPENDENTS", "_paged_decode_kernel": "WAIT_PREFIX"}
+        flag = cascade_flag.get(jit_fn.__name__)
+        if flag == "LAUNCH_DEPENDENTS" or (flag and values["MERGE_PREFIX"]):
+            patched = [True if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
+            out.append((jit_fn, tuple(patched), num_warps, num_stages, flag == "WAIT_PREFIX"))
         # paged_decode_triton uses PDL for several splits without a prefix: the split kernel's flag, the merge's.
         for flag, one_split in (("LAUNCH_DEPENDENTS", "WRITE_OUT"), ("WAIT_PRIMARY", "ONE_SPLIT")):
-            if flag in values and not values["HAS_PREFIX"] and not values[one_split]:
+            if flag in values and "HAS_PREFIX" in values and not values["HAS_PREFIX"] and not values[one_split]:
                 patched = [True if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
                 out.append((jit_fn, tuple(patched), num_warps, num_stages, flag == "WAIT_PRIMARY"))
     return out

@@ -217,8 +217,11 @@ def test_suffix_settings_at_head_dim_128(block_size, num_splits, prefix_settings
     _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=num_splits)
     (plan,) = decode._PLANS.values()
     decode._PLANS.clear()
-    assert len(plan.variants) == 3 and plan.variants[2][2:4] == decode.CASCADE_SUFFIX_SETTINGS[1:3]
+    # variants: short and long splits, then several-split shared-prefix calls, then one-split ones (packed heads)
+    assert len(plan.variants) == 4 and plan.variants[2][2:4] == decode.CASCADE_SUFFIX_SETTINGS[1:3]
     assert plan.variants[2][0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]  # BLOCK_N
+    block_n, stages, warps, heads = decode.CASCADE_ONE_SPLIT_SETTINGS
+    assert plan.variants[3][0][9] == block_n and plan.variants[3][2:] == (stages, warps, min(heads, 2))
     assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (prefix_settings or (64, 4))
 
 
@@ -311,12 +314,14 @@ def _fused_call(query, k_cache, v_cache, block_tables, seq_lens, scale, **kwargs
 def test_packed_kv_heads_in_the_suffix_kernel(
     num_heads, num_kv_heads, heads, block_size, num_splits, fused, monkeypatch
 ):
-    """CASCADE_SUFFIX_SETTINGS' fourth entry: a split-kernel program packs that many KV heads (at most
-    num_kv_heads: 8 over 4 heads packs 4), its query tile all their query heads, each K/V tile BLOCK_N keys x those
-    heads, one contiguous run of a block, and each query row keeps only its own head's columns. Group 3 pads 6 query
-    rows to 16; block size 8 takes a table lookup per column; the fused write stores every packed head's new K/V
-    once. Equal to plain attention, the new K/V written and nothing else touched."""
+    """A setting's fourth entry (here CASCADE_SUFFIX_SETTINGS', for every split count): a split-kernel program
+    packs that many KV heads (at most num_kv_heads: 8 over 4 heads packs 4), its query tile all their query heads,
+    each K/V tile BLOCK_N keys x those heads, one contiguous run of a block, and each query row keeps only its own
+    head's columns. Group 3 pads 6 query rows to 16; block size 8 takes a table lookup per column; the fused write
+    stores every packed head's new K/V once. Equal to plain attention, the new K/V written and nothing else
+    touched."""
     monkeypatch.setattr(decode, "CASCADE_SUFFIX_SETTINGS", (16, 2, 2, heads))
+    monkeypatch.setattr(decode, "CASCADE_ONE_SPLIT_SETTINGS", None)  # one split too
     decode._PLANS.clear()
     seq_lens = [70, 49, 0, 64, 57]
     query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
