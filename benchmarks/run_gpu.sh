@@ -77,6 +77,9 @@
 #             prefix workload's steps and longer suffixes; BLOCK_N/stages/warps[/KV heads a program packs], the list
 #             in CASCADE_SWEEP), then the fastest at 224 rows end to end against 16/2/2, alternating (module_ab.py:
 #             kernels.decode.CASCADE_SUFFIX_SETTINGS)                                                         (~6 min)
+#   one-split-ab  plain decode calls of one split with KV heads packed (decode_sweep.py over LONG_SETTINGS at large
+#             batches, BLOCK_N/stages/warps/heads, the list in ONE_SPLIT_SWEEP), then the fastest packed setting at
+#             256 x 1024 as ONE_SPLIT_SETTINGS on the nano workload against None, alternating (module_ab.py)   (~8 min)
 #   cascade-merge-ab  the prefix workload with a one-split shared-prefix call's merge launch (CASCADE_MERGE_IN_SPLIT
 #             off) and without it (on: the split kernel folds the prefix partials in), alternating (module_ab.py),
 #             then the cascade call's sweep row at the default settings                                     (~3 min)
@@ -340,6 +343,23 @@ print(min(rows, key=lambda r: float(r[2].split()[0]))[1].split('(')[0].strip().r
                 "$out/cascade-sweep.md")
             [ -n "$best" ] || continue
             prefix_ab hf_paged.kernels.decode.CASCADE_SUFFIX_SETTINGS "(16, 2, 2)" "($best)" "($best)" "(16, 2, 2)"
+            ;;
+        one-split-ab)
+            # shellcheck disable=SC2086
+            timeout 200 python3 benchmarks/decode_sweep.py --shapes 16x8:256x256 16x8:256x512 16x8:256x1024 \
+                16x8:256x2048 16x8:128x1024 32x8:256x512 32x8:256x2048 --settings ${ONE_SPLIT_SWEEP:-64/3/4 16/2/4/8 \
+                16/3/4/8 32/2/4/4 32/3/4/4 32/2/8/8 64/3/4/2 64/2/8/2 16/2/2/4 32/3/8/4} \
+                --out "$out/one-split-sweep.md" 2>&1 | tail -14
+            # The packed setting fastest at nano's shape (third column), end to end against none, alternating.
+            best=$(python3 -c "import re,sys; rows=[r.split('|') for r in open(sys.argv[1]) if re.match(r'\| \d+ / \d+ / \d+ / \d', r)]
+print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().replace(' / ', ', '))" \
+                "$out/one-split-sweep.md")
+            [ -n "$best" ] || continue
+            for value in None "($best)" "($best)" None; do
+                echo "ONE_SPLIT_SETTINGS=$value (nano)"
+                PYTHONPATH=$PWD timeout 150 python3 benchmarks/module_ab.py "hf_paged.kernels.decode.ONE_SPLIT_SETTINGS=$value" \
+                    -- --workload nano --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
             ;;
         skinny-ab)  # SKINNY_AB: the switch's values, in run order (default 0 64 64 0); nano runs each distinct one
             # shellcheck disable=SC2086

@@ -96,6 +96,9 @@ CASCADE_SUFFIX_SETTINGS: tuple[int, ...] | None = (16, 2, 2)
 # heads 145 -> 166 and several-split calls (32 rows) 22.0 -> 23.3: so one-split calls only. The prefix workload end
 # to end (alternating): 47 814 / 45 668 -> 49 754 / 49 760 output tok/s.
 CASCADE_ONE_SPLIT_SETTINGS: tuple[int, ...] | None = (16, 2, 2, 4)
+# Plain (no prefix) calls of one split at head_dim 128 whose rows give every SM a program with the heads packed
+# (large batches): (keys per tile, stages, warps, KV heads a program packs), or None = the long or short settings.
+ONE_SPLIT_SETTINGS: tuple[int, ...] | None = None
 # A one-split shared-prefix call launches its split kernel with programmatic dependent launch (SM90+) after the prefix
 # kernel: the split kernel reads each row's own keys while the prefix kernel (a few hundred latency-bound programs)
 # still runs, and waits for the prefix partials (griddepcontrol.wait) only before folding them in.
@@ -888,12 +891,13 @@ def paged_decode_triton(
     partial_strides = (*partial_acc.stride(), *partial_lse.stride())
     out_strides = out.stride()
 
-    if has_prefix and len(plan.variants) > 2:
-        # one split: CASCADE_ONE_SPLIT_SETTINGS (the last variant; CASCADE_SUFFIX_SETTINGS' when it is None)
-        decode_args, min_tiles, num_stages, num_warps, heads = plan.variants[-1 if write_out else 2]
-    else:
-        variant = plan.variants[cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS]
-        decode_args, min_tiles, num_stages, num_warps, heads = variant
+    variants = plan.variants
+    variant = variants["long" if cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS else "short"]
+    if has_prefix:
+        variant = variants.get("cascade_one_split" if write_out else "cascade", variant)
+    elif write_out and "one_split" in variants and num_seqs * num_kv_heads >= num_sms * variants["one_split"][4]:
+        variant = variants["one_split"]  # at least a program an SM with its heads packed
+    decode_args, min_tiles, num_stages, num_warps, heads = variant
     fused = new_key is not None
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
@@ -985,15 +989,22 @@ class _Plan:
         # (SHORT_SPLIT_KEYS). Other head dims keep the earlier settings, as the shared-prefix kernel does: 64 keys,
         # 32 above head_dim 128 (the K/V tiles stay in registers), 2 stages, 4 warps.
         base_block_n = 32 if head_dim_pad > 128 else 64
+        # name -> (keys per tile, stages, warps[, KV heads a program packs]): "short" and "long" splits; at head_dim
+        # 128 also "one_split" (plain calls of one split over enough rows, ONE_SPLIT_SETTINGS), "cascade" and
+        # "cascade_one_split" (shared-prefix calls: CASCADE_SUFFIX_SETTINGS, CASCADE_ONE_SPLIT_SETTINGS); a missing
+        # name falls back to "long" (paged_decode_triton).
         if head_dim_pad == 128:
             long = long_split_settings(query.device)
-            settings = ((SHORT_BLOCK_N, SHORT_NUM_STAGES, DECODE_NUM_WARPS), long)
-            if CASCADE_SUFFIX_SETTINGS is not None or CASCADE_ONE_SPLIT_SETTINGS is not None:
-                settings += (CASCADE_SUFFIX_SETTINGS or long,)
-            if CASCADE_ONE_SPLIT_SETTINGS is not None:
-                settings += (CASCADE_ONE_SPLIT_SETTINGS,)
+            settings = {"short": (SHORT_BLOCK_N, SHORT_NUM_STAGES, DECODE_NUM_WARPS), "long": long}
+            for name, value in (
+                ("one_split", ONE_SPLIT_SETTINGS),
+                ("cascade", CASCADE_SUFFIX_SETTINGS),
+                ("cascade_one_split", CASCADE_ONE_SPLIT_SETTINGS or CASCADE_SUFFIX_SETTINGS),
+            ):
+                if value is not None:
+                    settings[name] = value
         else:
-            settings = ((base_block_n, 2, DECODE_NUM_WARPS),) * 2
+            settings = {"short": (base_block_n, 2, DECODE_NUM_WARPS), "long": (base_block_n, 2, DECODE_NUM_WARPS)}
         use_window = sliding_window is not None and sliding_window > 0
         use_soft_cap = soft_cap is not None and soft_cap > 0
         scale_args = (
@@ -1003,11 +1014,10 @@ class _Plan:
         )
         self.strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
         self.new_kv_strides = (0,) * 6 if new_key is None else (*new_key.stride(), *new_value.stride())
-        # (decode_args, MIN_TILES_PER_SPLIT, num_stages, num_warps, HEADS) for short splits, then for long ones, then
-        # (with CASCADE_SUFFIX_SETTINGS) for shared-prefix calls. A setting's optional fourth entry is the KV heads a
-        # program packs, taken as its largest power-of-two divisor that divides num_kv_heads.
-        variants = []
-        for block_n, num_stages, num_warps, *packed in settings:
+        # name -> (decode_args, MIN_TILES_PER_SPLIT, num_stages, num_warps, HEADS). A setting's optional fourth entry
+        # is the KV heads a program packs, taken as its largest divisor of num_kv_heads that is a power of two.
+        self.variants = {}
+        for name, (block_n, num_stages, num_warps, *packed) in settings.items():
             heads = math.gcd(packed[0] if packed else 1, self.num_kv_heads)
             decode_args = (
                 *scale_args,
@@ -1017,8 +1027,7 @@ class _Plan:
                 block_n, block_size % block_n == 0,  # BLOCK_N, ONE_BLOCK_PER_TILE
                 use_window, use_soft_cap,
             )  # fmt: skip
-            variants.append((decode_args, max(1, MIN_KEYS_PER_SPLIT // block_n), num_stages, num_warps, heads))
-        self.variants = tuple(variants)
+            self.variants[name] = (decode_args, max(1, MIN_KEYS_PER_SPLIT // block_n), num_stages, num_warps, heads)
         self.block_m = block_m_for(self.num_seqs * group, head_dim_pad)
         prefix_block_n, self.prefix_num_warps = base_block_n, 4
         if head_dim_pad == 128 and CASCADE_PREFIX_SETTINGS is not None:

@@ -217,11 +217,11 @@ def test_suffix_settings_at_head_dim_128(block_size, num_splits, prefix_settings
     _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=num_splits)
     (plan,) = decode._PLANS.values()
     decode._PLANS.clear()
-    # variants: short and long splits, then several-split shared-prefix calls, then one-split ones (packed heads)
-    assert len(plan.variants) == 4 and plan.variants[2][2:4] == decode.CASCADE_SUFFIX_SETTINGS[1:3]
-    assert plan.variants[2][0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]  # BLOCK_N
+    # several-split shared-prefix calls, then one-split ones (packed heads)
+    cascade, one_split = plan.variants["cascade"], plan.variants["cascade_one_split"]
+    assert cascade[2:4] == decode.CASCADE_SUFFIX_SETTINGS[1:3] and cascade[0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]
     block_n, stages, warps, heads = decode.CASCADE_ONE_SPLIT_SETTINGS
-    assert plan.variants[3][0][9] == block_n and plan.variants[3][2:] == (stages, warps, min(heads, 2))
+    assert one_split[0][9] == block_n and one_split[2:] == (stages, warps, min(heads, 2))
     assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (prefix_settings or (64, 4))
 
 
@@ -338,7 +338,7 @@ def test_packed_kv_heads_in_the_suffix_kernel(
         out = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
     (plan,) = decode._PLANS.values()
     decode._PLANS.clear()
-    assert plan.variants[2][4] == min(heads, num_kv_heads)  # HEADS
+    assert plan.variants["cascade_one_split"][4] == plan.variants["cascade"][4] == min(heads, num_kv_heads)
     atol, rtol = TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # the padding row
@@ -363,9 +363,40 @@ def test_packed_kv_heads_in_plain_decode(window, soft_cap, monkeypatch):
                               num_splits=1, sliding_window=window, soft_cap=soft_cap)  # fmt: skip
     (plan,) = decode._PLANS.values()
     decode._PLANS.clear()
-    assert plan.variants[1][4] == 2
+    assert plan.variants["long"][4] == 2
     expected = paged_decode_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale, window, soft_cap)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_sms, packed", [(4, True), (16, False)])
+def test_one_split_settings_pack_heads_only_over_enough_rows(num_sms, packed, monkeypatch):
+    """ONE_SPLIT_SETTINGS (plain calls of one split) pack KV heads only when the rows still give every SM a program
+    (5 rows x 4 KV heads / 2 packed = 10 programs: packed over 4 SMs, not over 16); the fused write with it."""
+    monkeypatch.setattr(decode, "ONE_SPLIT_SETTINGS", (16, 2, 2, 2))
+    monkeypatch.setattr(decode, "DEFAULT_NUM_SMS", num_sms)
+    decode._PLANS.clear()
+    grids = []
+    launcher = decode._DECODE
+
+    def recording(grid, *args, **kwargs):
+        grids.append(grid)
+        return launcher(grid, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "_DECODE", recording)
+    seq_lens = [70, 49, 0, 33, 16]
+    query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
+        seq_lens, 0, 8, 4, 128, 16, torch.bfloat16, seed=5
+    )
+    scale = 128**-0.5
+    expected = _plain_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    out, k_in, v_in = _fused_call(query, k_cache, v_cache, block_tables, seq_lens_t, scale, max_seq_len=40960,
+                                  num_splits=1)  # fmt: skip
+    decode._PLANS.clear()
+    assert grids == [(5, 2 if packed else 4, 1)]
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_in, k_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_in, v_cache, atol=0, rtol=0, equal_nan=True)
 
 
 @needs_triton
