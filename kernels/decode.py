@@ -6,9 +6,10 @@ layout, the slot formula and the exact attention semantics are in kernels/refere
 
 Two kernels:
 
-1. ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns one KV
-   head of one sequence and packs all ``group = num_heads // num_kv_heads`` query heads of that KV
-   head into the rows of one tile, so each K/V tile is read from memory once per group. The
+1. ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads // HEADS, num_splits)``. A program owns one KV
+   head of one sequence (``HEADS`` of them when a setting packs several: off by default, measured no faster end
+   to end) and packs all ``group = num_heads // num_kv_heads`` query heads of that KV head into the rows of one
+   tile, so each K/V tile is read from memory once per group. The
    sequence's live key range is cut into ``num_splits`` contiguous pieces, on KV-tile boundaries:
 
        keys:    [ lo ....................................... seq_len )   lo = seq_len - window, or 0
@@ -27,7 +28,9 @@ With ``prefix_len`` (shared-prefix "cascade" decode, kernels/cascade.py) a third
 ``prefix_len``, which every row shares, once per KV head for all rows; the split kernel then starts each row at
 ``prefix_len``. With several splits the merge also combines the prefix kernel's partials. With one split (large
 batches) the prefix kernel runs first and the split kernel folds its partials into its own online softmax and writes
-``out``: two launches, no merge (``CASCADE_MERGE_IN_SPLIT``). ``prefix_len`` is read on the device, so with 0 the
+``out``: two launches, no merge (``CASCADE_MERGE_IN_SPLIT``); on SM90+ the split kernel is launched with
+programmatic dependent launch and reads its own keys while the prefix kernel runs, waiting only before the fold
+(``CASCADE_PDL``). ``prefix_len`` is read on the device, so with 0 the
 kernels do exactly the plain decode (the prefix kernel returns at once; with one split the split kernel writes
 ``out`` and reads no partial, with several the merge reads only the split kernel's).
 
@@ -89,19 +92,25 @@ LONG_SETTINGS_BY_DEVICE: dict[str, tuple[int, int, int]] = {}
 # end to end +1.5% (alternating runs). None = the plain decode's settings.
 CASCADE_SUFFIX_SETTINGS: tuple[int, ...] | None = (16, 2, 2)
 # Shared-prefix calls with one split (large batches: the split kernel folds the prefix partials in), at head_dim 128:
-# (keys per tile, stages, warps, KV heads a program packs), or None = CASCADE_SUFFIX_SETTINGS. Packing 4 KV heads a
-# program (Qwen3-0.6B's 16 / 8 heads: 8 query rows, K/V tiles of 16 keys x 4 heads, 16 KB each) took the whole
-# cascade call on the H200 (`decode_sweep.py --prefix-len 336`, twentieth session) at 224 rows x 400 keys 37.6 ->
-# 33.5 µs, 224 x 1360 275 -> 229 and Llama-3.1-8B's heads at 256 x 400 41.9 -> 39.1, but 128 x 1360 at Llama's
-# heads 145 -> 166 and several-split calls (32 rows) 22.0 -> 23.3: so one-split calls only. The prefix workload end
-# to end (alternating): 47 814 / 45 668 -> 49 754 / 49 760 output tok/s.
-CASCADE_ONE_SPLIT_SETTINGS: tuple[int, ...] | None = (16, 2, 2, 4)
+# (keys per tile, stages, warps[, KV heads a program packs]), or None = CASCADE_SUFFIX_SETTINGS. Packing 4 KV heads a
+# program (Qwen3-0.6B's 16 / 8 heads: 8 query rows, K/V tiles of 16 keys x 4 heads) took the whole cascade call on
+# the H200 with rows of equal length (`decode_sweep.py --prefix-len 336`, twentieth session) at 224 rows x 400 keys
+# 37.6 -> 33.5 µs (27.6 vs 29.1 with CASCADE_PDL), but 128 x 1360 at Llama-3.1-8B's heads 145 -> 166, and the prefix
+# workload end to end (alternating runs) moved +6.5% and -0.7% (H200, without CASCADE_PDL) and -2.6% (H100, with it):
+# no gain that holds, so it stays off. (Packing plain calls, ONE_SPLIT_SETTINGS, lost 8.8% on nano.)
+CASCADE_ONE_SPLIT_SETTINGS: tuple[int, ...] | None = None
 # Plain (no prefix) calls of one split at head_dim 128 whose rows give every SM a program with the heads packed
 # (large batches): (keys per tile, stages, warps, KV heads a program packs), or None = the long or short settings.
+# Swept on the H200 (`run_gpu.sh OUT one-split-ab`, twentieth session, rows of equal length), 16 / 2 / 2 / 4 beat the
+# long settings (64 / 3 / 4) at 256 rows x 256-2048 keys by 1-9% (64.4 vs 70.7 µs at 256 x 256) but lost 11% at 128
+# x 1024; on nano (rows of 100-2048 keys) it lost 8.8% end to end (21 869 / 21 870 vs 23 948 / 23 981 tok/s,
+# alternating): a program holding every packed head of one row leaves the long rows' tail to few programs. Off.
 ONE_SPLIT_SETTINGS: tuple[int, ...] | None = None
 # A one-split shared-prefix call launches its split kernel with programmatic dependent launch (SM90+) after the prefix
 # kernel: the split kernel reads each row's own keys while the prefix kernel (a few hundred latency-bound programs)
-# still runs, and waits for the prefix partials (griddepcontrol.wait) only before folding them in.
+# still runs, and waits for the prefix partials (griddepcontrol.wait) only before folding them in. The whole call at
+# 224 rows x 400 keys on the H200: 37.6 -> 29.1 µs (decode_sweep.py --prefix-len 336); the prefix workload end to end
+# +3.6% and +9.1% over the same code without it (alternating runs, twentieth session).
 CASCADE_PDL = True
 # The shared-prefix kernel at head_dim 128: (keys per tile, warps); None = 64 keys, 4 warps. The 64-key tiles over 4
 # warps run out of registers at every BLOCK_M (sm_90 build of Triton 3.6, ptxas -v: 255 registers and 700-912 bytes

@@ -217,11 +217,11 @@ def test_suffix_settings_at_head_dim_128(block_size, num_splits, prefix_settings
     _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=num_splits)
     (plan,) = decode._PLANS.values()
     decode._PLANS.clear()
-    # several-split shared-prefix calls, then one-split ones (packed heads)
+    # several-split shared-prefix calls, then one-split ones (CASCADE_ONE_SPLIT_SETTINGS, else the same)
     cascade, one_split = plan.variants["cascade"], plan.variants["cascade_one_split"]
     assert cascade[2:4] == decode.CASCADE_SUFFIX_SETTINGS[1:3] and cascade[0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]
-    block_n, stages, warps, heads = decode.CASCADE_ONE_SPLIT_SETTINGS
-    assert one_split[0][9] == block_n and one_split[2:] == (stages, warps, min(heads, 2))
+    block_n, stages, warps, *packed = decode.CASCADE_ONE_SPLIT_SETTINGS or decode.CASCADE_SUFFIX_SETTINGS
+    assert one_split[0][9] == block_n and one_split[2:] == (stages, warps, min(packed[0] if packed else 1, 2))
     assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (prefix_settings or (64, 4))
 
 
