@@ -25,6 +25,8 @@ from hf_paged import ContinuousBatcher, SamplingParams
 
 LONG = os.environ.get("HF_PAGED_FUZZ") == "long"
 NUM_RUNS = 48 if LONG else 5
+# Hunting runs take other seeds: HF_PAGED_FUZZ_SEED_BASE=1000 runs seeds 1000 .. 1000 + NUM_RUNS - 1.
+SEED_BASE = int(os.environ.get("HF_PAGED_FUZZ_SEED_BASE", "0"))
 OPS_PER_RUN = 1200 if LONG else 80
 
 
@@ -253,7 +255,7 @@ def fused_model():
     return model
 
 
-@pytest.mark.parametrize("seed", range(NUM_RUNS))
+@pytest.mark.parametrize("seed", range(SEED_BASE, SEED_BASE + NUM_RUNS))
 def test_engine_fuzz(seed, model_and_tokenizer, fuzz_references, fused_model):
     model, tokenizer = model_and_tokenizer
     start = time.perf_counter()
