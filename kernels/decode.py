@@ -349,20 +349,7 @@ def _paged_decode_kernel(
                              + offs_d * stride_kd, nk, mask=d_mask)  # fmt: skip
                     tl.store(v_head_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
                              + offs_d * stride_vd, nv, mask=d_mask)  # fmt: skip
-                # The new key's score for each query row ([GROUP_PAD]), as the tile loop scores a key (fp32
-                # products of the stored dtype), then one more online-softmax step.
-                s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], axis=1)
-                if USE_SOFT_CAP:
-                    s_new = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s_new) + 1.0))
-                else:
-                    s_new = s_new * scale_log2
-                m_new = tl.maximum(m_i, s_new)  # finite
-                alpha = tl.exp2(m_i - m_new)
-                p_new = tl.exp2(s_new - m_new)  # [GROUP_PAD]
-                l_i = l_i * alpha + p_new
-                # p rounded to the value dtype, as the loop's p @ v takes it
-                acc = acc * alpha[:, None] + p_new.to(nv.dtype).to(tl.float32)[:, None] * nv.to(tl.float32)[None, :]
-                m_i = m_new
+                nk_rows, nv_rows = nk[None, :], nv[None, :]  # [1, HEAD_DIM_PAD]: the new K/V of every query row
             else:
                 # Each query row's own KV head: kv_of_g [GROUP_PAD]; nk, nv: [GROUP_PAD, HEAD_DIM_PAD] (a KV head's
                 # new K/V repeated over its GROUP query rows; padded rows load nothing).
@@ -382,17 +369,21 @@ def _paged_decode_kernel(
                              nk, mask=w_mask)  # fmt: skip
                     tl.store(v_cache_ptr + v_slot_offset + kv_of_g[:, None] * stride_vh
                              + offs_d[None, :] * stride_vd, nv, mask=w_mask)  # fmt: skip
-                s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32), axis=1)  # [GROUP_PAD]
-                if USE_SOFT_CAP:
-                    s_new = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s_new) + 1.0))
-                else:
-                    s_new = s_new * scale_log2
-                m_new = tl.maximum(m_i, s_new)  # finite
-                alpha = tl.exp2(m_i - m_new)
-                p_new = tl.exp2(s_new - m_new)  # [GROUP_PAD]
-                l_i = l_i * alpha + p_new
-                acc = acc * alpha[:, None] + p_new.to(nv.dtype).to(tl.float32)[:, None] * nv.to(tl.float32)
-                m_i = m_new
+                nk_rows, nv_rows = nk, nv
+            # The new key's score for each query row ([GROUP_PAD]), as the tile loop scores a key (fp32 products of
+            # the stored dtype), then one more online-softmax step.
+            s_new = tl.sum(q.to(tl.float32) * nk_rows.to(tl.float32), axis=1)
+            if USE_SOFT_CAP:
+                s_new = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s_new) + 1.0))
+            else:
+                s_new = s_new * scale_log2
+            m_new = tl.maximum(m_i, s_new)  # finite
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)  # [GROUP_PAD]
+            l_i = l_i * alpha + p_new
+            # p rounded to the value dtype, as the loop's p @ v takes it
+            acc = acc * alpha[:, None] + p_new.to(nv_rows.dtype).to(tl.float32)[:, None] * nv_rows.to(tl.float32)
+            m_i = m_new
 
     if MERGE_PREFIX:
         if WAIT_PREFIX:
