@@ -10,7 +10,7 @@ Cache slots nothing may read are NaN, and ``out`` starts as NaN.
 import pytest
 import torch
 from helpers import needs_triton
-from hf_paged.kernels import cascade, decode, paged_attention, paged_decode
+from hf_paged.kernels import cascade, decode, launch, paged_attention, paged_decode
 from hf_paged.kernels.decode import paged_decode_triton
 from hf_paged.kernels.reference import paged_attention_ref, paged_decode_ref
 
@@ -397,6 +397,42 @@ def test_one_split_settings_pack_heads_only_over_enough_rows(num_sms, packed, mo
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k_in, k_cache, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_in, v_cache, atol=0, rtol=0, equal_nan=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("cascade_pdl, num_splits", [(True, 1), (False, 1), (True, 3)])
+def test_prefix_then_split_kernel_launch_with_pdl(cascade_pdl, num_splits, monkeypatch):
+    """Where PDL is supported (SM90+: forced here on the host), a one-split shared-prefix call launches the prefix
+    kernel with LAUNCH_DEPENDENTS and the split kernel with launch_pdl and WAIT_PREFIX (it waits before folding the
+    partials in); never one without the other, not with CASCADE_PDL off, and not with several splits (the merge reads
+    the partials after both)."""
+    monkeypatch.setattr(decode, "CASCADE_PDL", cascade_pdl)
+    decode._PLANS.clear()
+    args = _shared_inputs(SEQ_LENS, 3, 8, 2, 32, 16, torch.float32)
+    kwargs = dict(max_seq_len=max(SEQ_LENS), num_splits=num_splits, prefix_len=_prefix(48))
+    paged_decode_triton(*args, 32**-0.5, **kwargs)  # makes the plan
+    (plan,) = decode._PLANS.values()
+    plan.pdl_ok = True
+    launches = []
+
+    def recorder(name, launcher):
+        def record(grid, *launch_args, launch_pdl=False, **launch_kwargs):
+            names = [p.name for p in launch._params(launcher.jit_fn)]
+            launches.append((name, launch_args[names.index("LAUNCH_DEPENDENTS" if name == "prefix" else "WAIT_PREFIX")]
+                             if name != "merge" else None, launch_pdl))  # fmt: skip
+
+        return record
+
+    monkeypatch.setattr(decode, "_PREFIX", recorder("prefix", decode._PREFIX))
+    monkeypatch.setattr(decode, "_DECODE", recorder("split", decode._DECODE))
+    monkeypatch.setattr(decode, "_MERGE", recorder("merge", decode._MERGE))
+    paged_decode_triton(*args, 32**-0.5, **kwargs)
+    decode._PLANS.clear()
+    if num_splits == 1:
+        pdl = cascade_pdl
+        assert launches == [("prefix", pdl, False), ("split", pdl, pdl)]
+    else:  # split kernel, prefix kernel, merge: no PDL between them (the prefix kernel sits between)
+        assert launches == [("split", False, False), ("prefix", False, False), ("merge", None, False)]
 
 
 @needs_triton
