@@ -374,7 +374,8 @@ def test_one_split_settings_pack_heads_only_over_enough_rows(num_sms, packed, mo
     """ONE_SPLIT_SETTINGS (plain calls of one split) pack KV heads only when the rows still give every SM a program
     (5 rows x 4 KV heads / 2 packed = 10 programs: packed over 4 SMs, not over 16); the fused write with it."""
     monkeypatch.setattr(decode, "ONE_SPLIT_SETTINGS", (16, 2, 2, 2))
-    monkeypatch.setattr(decode, "DEFAULT_NUM_SMS", num_sms)
+    monkeypatch.setattr(decode, "DEFAULT_NUM_SMS", num_sms)  # the SM count off CUDA
+    monkeypatch.setattr(decode, "_num_sms", lambda device_index: num_sms)  # and on CUDA
     decode._PLANS.clear()
     grids = []
     launcher = decode._DECODE
