@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--steps", action="store_true", help="also print every step")
+    parser.add_argument("--profile", action="store_true", help="list the kernels of one more run (torch.profiler)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     warnings.filterwarnings("ignore")
@@ -210,6 +211,16 @@ def main(argv: list[str] | None = None) -> None:
             f"| {key} | {g['steps']} | {g['tokens']} | {g['gpu']:.1f} | {g['floor']:.1f} | "
             f"{g['gpu'] / max(g['floor'], 1e-9):.2f} | {g['idle']:.1f} | {g['gpu'] / g['steps']:.3f} | {buckets} |"
         )
+    if args.profile and cuda:
+        from step_kernels import _kernel_table  # noqa: PLC0415 (benchmarks/ is the script's directory)
+
+        engine.reset_prefix_cache()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.generate(workload.prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+        print(f"\n### The kernels of one more run ({len(records)} forwards), µs in the whole run\n")
+        print(_kernel_table(prof, 1, 40).replace("a step", "in the run"))
 
 
 if __name__ == "__main__":

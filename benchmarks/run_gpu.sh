@@ -80,6 +80,9 @@
 #   one-split-ab  plain decode calls of one split with KV heads packed (decode_sweep.py over LONG_SETTINGS at large
 #             batches, BLOCK_N/stages/warps/heads, the list in ONE_SPLIT_SWEEP), then the fastest packed setting at
 #             256 x 1024 as ONE_SPLIT_SETTINGS on the nano workload against None, alternating (module_ab.py)   (~8 min)
+#   prefix-split-ab  keys a shared-prefix kernel split streams at least (kernels.cascade.MIN_KEYS_PER_PREFIX_SPLIT):
+#             the cascade call at 256 / 128 / 64 (decode_sweep.py --prefix-len 336), then the prefix workload at the
+#             values of PREFIX_SPLIT_AB (default 256 64 64 256), one process each (module_ab.py)             (~6 min)
 #   cascade-merge-ab  the prefix workload with a one-split shared-prefix call's merge launch (CASCADE_MERGE_IN_SPLIT
 #             off) and without it (on: the split kernel folds the prefix partials in), alternating (module_ab.py),
 #             then the cascade call's sweep row at the default settings                                     (~3 min)
@@ -361,6 +364,17 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                     -- --workload nano --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        prefix-split-ab)
+            for keys in 256 128 64; do
+                echo "MIN_KEYS_PER_PREFIX_SPLIT=$keys"
+                PYTHONPATH=$PWD timeout 90 python3 benchmarks/module_ab.py \
+                    "hf_paged.kernels.cascade.MIN_KEYS_PER_PREFIX_SPLIT=$keys" -- benchmarks/decode_sweep.py \
+                    --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 16x8:64x400 16x8:32x440 --settings 16/2/2 \
+                    2>&1 | grep "^| \(16\|SDPA\)" | tee -a "$out/$part-sweep.md"
+            done
+            # shellcheck disable=SC2086
+            prefix_ab hf_paged.kernels.cascade.MIN_KEYS_PER_PREFIX_SPLIT ${PREFIX_SPLIT_AB:-256 64 64 256}
+            ;;
         skinny-ab)  # SKINNY_AB: the switch's values, in run order (default 0 64 64 0); nano runs each distinct one
             # shellcheck disable=SC2086
             prefix_ab hf_paged.engine.fuse.SKINNY_MAX_ROWS ${SKINNY_AB:-0 64 64 0}
@@ -485,7 +499,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

@@ -9,8 +9,10 @@ device time per step: name, launches per step, µs per step, share of the step's
 default engine's decode steps on CUDA read them once per step: shared-prefix "cascade" decode), as in the bench's
 prefix workload (a 341-token prefix, 21 full blocks of 16: ``--batch 224 --prompt 400 --shared-prefix 341``).
 
+``--chunk N``: each profiled step also carries one new N-token prompt (a mixed step: decode rows and a prompt chunk).
+
 Run: python benchmarks/step_kernels.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--sizes 256 64 1]
-     [--shared-prefix N]
+     [--shared-prefix N] [--chunk N]
 """
 
 import argparse
@@ -56,6 +58,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "on", "off"],
         help="EngineConfig.cascade_attention (auto: on for CUDA)",
     )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="each profiled step also carries one new prompt of this many tokens (a mixed step)",
+    )
     parser.add_argument("--no-fuse", dest="fuse", action="store_false", help="EngineConfig(fuse_projections=False)")
     args = parser.parse_args(argv)
     if not 0 <= args.shared_prefix <= args.prompt:
@@ -85,10 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
+                if args.chunk:  # one token to sample: the request ends with its prefill, the batch stays at size
+                    prompt = torch.randint(10, 1000, (args.chunk,), generator=gen).tolist()
+                    engine.add_request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
                 engine.step()
             sync()
+        kind = f"mixed: decode batch {size} + a {args.chunk}-token prompt" if args.chunk else f"decode batch {size}"
         print(
-            f"\n### {args.model}, decode batch {size}, context ~{args.prompt} ({args.shared_prefix} shared), "
+            f"\n### {args.model}, {kind}, context ~{args.prompt} ({args.shared_prefix} shared), "
             f"{args.steps} steps profiled, projections fused: {bool(engine.runner.fused_groups)}, graph replays "
             f"so far {engine.runner.graph_steps}, shared-prefix steps so far {engine.runner.num_cascade_steps}"
         )

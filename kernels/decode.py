@@ -53,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .cascade import MIN_KEYS_PER_PREFIX_SPLIT, _shared_prefix_kernel, block_m_for, choose_num_prefix_splits
+from . import cascade as _cascade  # its MIN_KEYS_PER_PREFIX_SPLIT is read at plan time: one switch for both kernels
+from .cascade import _shared_prefix_kernel, block_m_for, choose_num_prefix_splits
 from .launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["paged_decode_triton", "choose_num_splits"]
@@ -1032,7 +1033,7 @@ class _Plan:
         prefix_block_n, self.prefix_num_warps = base_block_n, 4
         if head_dim_pad == 128 and CASCADE_PREFIX_SETTINGS is not None:
             prefix_block_n, self.prefix_num_warps = CASCADE_PREFIX_SETTINGS
-        self.prefix_split_rule = (prefix_block_n, max(1, MIN_KEYS_PER_PREFIX_SPLIT // prefix_block_n))
+        self.prefix_split_rule = (prefix_block_n, max(1, _cascade.MIN_KEYS_PER_PREFIX_SPLIT // prefix_block_n))
         self.prefix_args = (
             *scale_args,
             group, self.head_dim, head_dim_pad, block_size, self.block_m, prefix_block_n,  # GROUP .. BLOCK_N
