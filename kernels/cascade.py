@@ -51,7 +51,11 @@ __all__ = ["choose_num_prefix_splits", "block_m_for"]
 
 MAX_NUM_PREFIX_SPLITS = 16
 # Each prefix split adds one partial per row and query head (16 KiB written and read per row per layer at
-# Qwen3-0.6B's 16 heads x head_dim 128), so a split should cover enough keys to be worth its partials.
+# Qwen3-0.6B's 16 heads x head_dim 128), so a split should cover enough keys to be worth its partials. Measured on
+# the H100 (twenty-first session, `run_gpu.sh OUT prefix-split-ab`; the whole cascade call, 336-token prefix, µs):
+# 256 / 128 / 64 keys gave 33.5 / 36.7 / 49.1 at 224 rows and 22.2 / 20.4 / 18.8 at 32 rows, and the prefix workload
+# lost 10% with 64 (48 540 / 48 743 vs 43 441 / 43 819 tok/s, alternating): at large batches the extra partials cost
+# more than the shorter chains of loads save. Kept at 256 (the engine takes shared-prefix steps from ~48 rows).
 MIN_KEYS_PER_PREFIX_SPLIT = 256
 # Programs to aim for per SM, as the decode kernel does.
 PROGRAMS_PER_SM = 4
