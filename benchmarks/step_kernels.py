@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-fuse", dest="fuse", action="store_false", help="EngineConfig(fuse_projections=False)")
     args = parser.parse_args(argv)
+    if args.chunk and max(args.sizes) >= 256:  # the engine's max_num_seqs: a full batch admits no new prompt
+        parser.error(f"--chunk needs every --sizes below max_num_seqs (256), to leave the prompt a row: {args.sizes}")
     if not 0 <= args.shared_prefix <= args.prompt:
         parser.error(f"--shared-prefix must be in [0, --prompt={args.prompt}], got {args.shared_prefix}")
     warnings.filterwarnings("ignore")

@@ -102,3 +102,9 @@ def test_engine_trace_and_step_kernels_run_on_the_cpu(capsys):
     assert "### tiny, decode batch 3, context ~40 (32 shared)" in out and "### tiny, decode batch 1" in out
     with pytest.raises(SystemExit):
         _script("step_kernels").main(["--device", "cpu", "--prompt", "8", "--shared-prefix", "9"])
+    # --chunk: each profiled step also carries a new prompt (a mixed step); a full batch (max_num_seqs) is refused
+    _script("step_kernels").main(["--device", "cpu", "--model", "tiny", "--batch", "3", "--prompt", "20",
+                                  "--sizes", "2", "--steps", "1", "--chunk", "12"])  # fmt: skip
+    assert "### tiny, mixed: decode batch 2 + a 12-token prompt" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        _script("step_kernels").main(["--device", "cpu", "--sizes", "256", "--chunk", "12"])
