@@ -522,3 +522,20 @@ def test_custom_op_with_prefix_traces_whole():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     plain = torch.ops.hf_paged.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, 0.25, 64, 0, 0.0)
     torch.testing.assert_close(plain, expected, atol=1e-5, rtol=1e-5)  # callers that pass no prefix
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_prefix_split_rule_is_one_switch(num_splits, monkeypatch):
+    """kernels.cascade.MIN_KEYS_PER_PREFIX_SPLIT sets both the host's split count and the kernels' split rule (the
+    prefix kernel's and the split kernel's fold of its partials), read when a plan is made; results stay exact."""
+    monkeypatch.setattr(cascade, "MIN_KEYS_PER_PREFIX_SPLIT", 16)
+    decode._PLANS.clear()
+    try:
+        # 96 shared keys: one key tile a split (several splits) instead of one split.
+        _check([100, 120, 97], 6, 96, 4, 2, 32, 16, torch.float32, num_splits)
+        plans = list(decode._PLANS.values())
+        assert plans and all(p.prefix_split_rule[1] == max(1, 16 // p.prefix_split_rule[0]) == 1 for p in plans)
+        assert cascade.choose_num_prefix_splits(96, num_row_tiles=1, num_kv_heads=2, num_sms=132) == 6
+    finally:
+        decode._PLANS.clear()
