@@ -66,18 +66,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-fuse", dest="fuse", action="store_false", help="EngineConfig(fuse_projections=False)")
     args = parser.parse_args(argv)
-    if args.chunk and max(args.sizes) >= 256:  # the engine's max_num_seqs: a full batch admits no new prompt
-        parser.error(f"--chunk needs every --sizes below max_num_seqs (256), to leave the prompt a row: {args.sizes}")
     if not 0 <= args.shared_prefix <= args.prompt:
         parser.error(f"--shared-prefix must be in [0, --prompt={args.prompt}], got {args.shared_prefix}")
     warnings.filterwarnings("ignore")
     from torch.profiler import ProfilerActivity, profile
 
-    model = build_model(args.model, args.device)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     config = EngineConfig(compile_model=None if cuda else False, fuse_projections=None if args.fuse else False,
                           cascade_attention=ON_OFF[args.cascade_attention])  # fmt: skip
+    if args.chunk and max(args.sizes) >= config.max_num_seqs:  # a full batch admits no new prompt
+        parser.error(f"--chunk needs every --sizes below max_num_seqs ({config.max_num_seqs}), to leave the prompt "
+                     f"a row: {args.sizes}")  # fmt: skip
+    model = build_model(args.model, args.device)  # after the checks: building the 8B shape takes a while
     engine = ContinuousBatcher(model, config=config)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
