@@ -83,6 +83,11 @@
 #   prefix-split-ab  keys a shared-prefix kernel split streams at least (kernels.cascade.MIN_KEYS_PER_PREFIX_SPLIT):
 #             the cascade call at 256 / 128 / 64 (decode_sweep.py --prefix-len 336), then the prefix workload at the
 #             values of PREFIX_SPLIT_AB (default 256 64 64 256), one process each (module_ab.py)             (~6 min)
+#   l2-prefetch  benchmarks/l2_prefetch.py: a Qwen3-0.6B layer's GEMMs L2-cold / hot, and the layer with its
+#             o / gate_up / down weights prefetched into L2 on a side stream while attention runs (rejected)  (~1 min)
+#   prefill-map-ab  the prefill kernel's grid: the binary-search bound (kernels.prefill.SCAN_MAX_SEQS=0, a program
+#             per sequence slot) against the exact tile map (1024): CUDA tests of the kernel, an 8B mixed step's
+#             kernels (224 decode rows + a 128-token prompt), then the prefix workload 0 1024 1024 0 (module_ab.py) (~6 min)
 #   cascade-merge-ab  the prefix workload with a one-split shared-prefix call's merge launch (CASCADE_MERGE_IN_SPLIT
 #             off) and without it (on: the split kernel folds the prefix partials in), alternating (module_ab.py),
 #             then the cascade call's sweep row at the default settings                                     (~3 min)
@@ -385,6 +390,20 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                     -- --workload nano --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        l2-prefetch)
+            timeout 200 python3 benchmarks/l2_prefetch.py 2>&1 | grep -v -i warn | tee "$out/$part.md"
+            ;;
+        prefill-map-ab)
+            HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q tests/test_prefill.py \
+                2>&1 | tail -3 | tee -a "$out/$part.md"
+            for value in 0 1024; do
+                echo "SCAN_MAX_SEQS=$value (8B mixed step)" | tee -a "$out/$part-step.md"
+                PYTHONPATH=$PWD timeout 150 python3 benchmarks/module_ab.py "hf_paged.kernels.prefill.SCAN_MAX_SEQS=$value" \
+                    -- benchmarks/step_kernels.py --model llama-8b --batch 240 --sizes 224 --chunk 128 --top 8 2>&1 \
+                    | grep "^kernel time\|^| \`" | tee -a "$out/$part-step.md"
+            done
+            prefix_ab hf_paged.kernels.prefill.SCAN_MAX_SEQS 0 1024 1024 0
+            ;;
         cascade-merge-ab)
             prefix_ab hf_paged.kernels.decode.CASCADE_MERGE_IN_SPLIT False True True False
             timeout 150 python3 benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 16x8:128x420 \
@@ -499,7 +518,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

@@ -25,14 +25,24 @@ scale is positive, else the exact update of the masked tiles (the fused one need
 K/V are read through the block table, except that with ``key=/value=`` a fresh prompt (no cached
 context) reads them from the contiguous new-token tensors instead.
 
-Grid: ``(num_tokens * GROUP // BLOCK_M + num_seqs, num_kv_heads)``, one flat axis of tile slots for the whole batch
-(as vLLM's unified attention). Sequence s owns the slots from ``first_slot(s) = (cu_seqlens_q[s] - cu_seqlens_q[0]) *
-GROUP // BLOCK_M + s`` up to ``first_slot(s + 1)``: at least ``cdiv(q_len * GROUP, BLOCK_M)`` of them, since floor(a +
-b) - floor(a) >= ceil(b) - 1. A program finds its sequence by binary search over ``cu_seqlens_q`` and exits at once on
-a spare slot. The grid depends only on the tensor shapes, never on the lengths: one grid serves a batch of one long
-prompt or of many decode rows without idle programs in proportion to ``num_seqs * max_query_len``, and a CUDA graph
-captured with padded shapes (zero-length padding sequences, padding tokens of no sequence) replays it for any batch
-that fits.
+Grid: ``(programs, num_kv_heads)`` over one flat axis of tile slots for the whole batch (as vLLM's unified
+attention). Sequence s owns ``cdiv(q_len * GROUP, BLOCK_M)`` consecutive slots, after those of the sequences before it
+(an empty sequence owns none). Every program loads ``cu_seqlens_q`` as one vector, scans it in registers into each
+sequence's last slot, and takes the slots ``pid, pid + programs, ...`` below the total (from the end of the slot
+range: longest tiles first), finding each one's sequence by a vector compare, not a chain of dependent loads. The grid
+depends only on the tensor shapes, never on the lengths: ``programs = cdiv(num_tokens * GROUP, BLOCK_M) + spare``,
+the token tiles plus the rounding slack of ``spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens //
+SCAN_TOKENS_PER_SPARE_SLOT))`` sequences; a batch of more short sequences loops. So one grid serves a batch of one
+long prompt or of many short ones, and a CUDA graph captured with padded shapes (zero-length padding sequences,
+padding tokens of no sequence, and in a mixed step the decode rows, which the decode kernel takes) replays it for any
+batch that fits, without a program for each empty sequence.
+
+Past ``SCAN_MAX_SEQS`` sequences (the scan's registers) the grid is the bound ``num_tokens * GROUP // BLOCK_M +
+num_seqs``, one slot a program: sequence s's first slot is ``(cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP // BLOCK_M +
+s`` (at least ``cdiv(q_len * GROUP, BLOCK_M)`` slots each, since floor(a + b) - floor(a) >= ceil(b) - 1), found by
+binary search over ``cu_seqlens_q``; a spare slot exits at once. Measured (twenty-first session, an 8B mixed step of
+224 decode rows and a 128-token prompt on an H100): that grid's ~270 x 8 programs, nearly all spare, took 27 µs a
+layer for ~0.1 GFLOP of attention.
 """
 
 import os
@@ -41,12 +51,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher, next_power_of_2
+from .launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["paged_prefill_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# The exact tile map (see "Grid" in the module docstring) for batches of up to this many sequences: each program holds
+# a [next_power_of_2(num_seqs)] scan of cu_seqlens_q in registers. Larger batches take the binary-search grid.
+SCAN_MAX_SEQS = 1024
+# Programs of the exact-map grid beyond the token tiles, for the slots that rounding up each sequence's tiles adds:
+# max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT), at most num_seqs. A batch with more sequences that
+# carry tokens loops (a program takes a second slot). Measured on an H100 (twenty-second session, RESULTS.md): 16
+# spare slots alone took an 8B mixed step's prefill kernel (224 decode rows + a 128-token prompt) from 994 to 324 µs,
+# but ran the prefix workload slower (its first 2048-token step holds 58 prefix-hit chunks of ~30 tokens, 64 slots
+# over 48 programs: two ~360-key tiles in a row); one spare slot per 32 tokens gives that step 96 programs.
+SCAN_SPARE_SLOTS = 16
+SCAN_TOKENS_PER_SPARE_SLOT = 32
 _LOG2E = 1.4426950408889634
 
 
@@ -283,30 +304,106 @@ def _paged_prefill_kernel(
     K_ROW_MAJOR: tl.constexpr,
     EXACT_SOFTMAX: tl.constexpr,  # scale <= 0: no fused update of the interior tiles
     CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
+    SEQS_PAD: tl.constexpr,  # power of two >= num_seqs: the exact tile map; 0 = the binary-search bound grid
 ):
-    # Flat grid over the row tiles of every sequence (see "Grid" in the module docstring). Causal: later tiles
-    # attend to more keys, and chunks sit after decode rows; launch from the end so the short ones fill the tail.
-    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Tile slots (see "Grid" in the module docstring). Causal: later tiles attend to more keys, and chunks sit after
+    # decode rows; slots are taken from the end so the short ones fill the tail.
     kv_head = tl.program_id(1)
-    # seq_idx: the last sequence whose first slot first_slot(s) = (cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP //
-    # BLOCK_M + s is <= slot. Offsets count from cu_seqlens_q[0], which may be > 0 (rows before it belong to no
-    # sequence): first_slot(0) = 0 <= slot then holds for every program, the search's invariant.
-    cu_first = tl.load(cu_seqlens_q_ptr)
-    seq_lo = 0
-    seq_hi = num_seqs
-    while seq_hi - seq_lo > 1:
-        mid = (seq_lo + seq_hi) // 2
-        before = (tl.load(cu_seqlens_q_ptr + mid) - cu_first) * GROUP // BLOCK_M + mid <= slot
-        seq_lo = tl.where(before, mid, seq_lo)
-        seq_hi = tl.where(before, seq_hi, mid)
-    seq_idx = seq_lo
+    num_programs = tl.num_programs(0)
+    if SEQS_PAD > 0:
+        # The exact tile map: sequence s owns cdiv(q_len * GROUP, BLOCK_M) slots after those of the sequences before
+        # it (an empty sequence owns none). Every program scans cu_seqlens_q in registers (one vector load, no
+        # chain of dependent loads) and loops over the slots pid, pid + num_programs, ... below the total.
+        offs_s = tl.arange(0, SEQS_PAD)  # [SEQS_PAD]
+        s_ok = offs_s < num_seqs
+        q_lo = tl.load(cu_seqlens_q_ptr + offs_s, mask=s_ok, other=0)  # [SEQS_PAD]
+        q_hi = tl.load(cu_seqlens_q_ptr + offs_s + 1, mask=s_ok, other=0)  # [SEQS_PAD]
+        seq_tiles = ((q_hi - q_lo) * GROUP + BLOCK_M - 1) // BLOCK_M  # [SEQS_PAD]; 0 past num_seqs
+        tile_ends = tl.cumsum(seq_tiles, axis=0)  # [SEQS_PAD]: one past each sequence's last slot
+        total_slots = tl.sum(seq_tiles, axis=0)
+    else:
+        total_slots = num_programs  # one slot a program (the grid is the bound below)
+    for it in range(tl.program_id(0), total_slots, num_programs):
+        slot = total_slots - 1 - it
+        if SEQS_PAD > 0:
+            seq_idx = tl.sum((tile_ends <= slot).to(tl.int32), axis=0)  # the sequence whose slots hold this one
+            first_tile = tl.sum(tl.where(offs_s == seq_idx, tile_ends - seq_tiles, 0), axis=0)
+            q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+            q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+            row_start = (slot - first_tile) * BLOCK_M
+        else:
+            # seq_idx: the last sequence whose first slot first_slot(s) = (cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP
+            # // BLOCK_M + s is <= slot. Offsets count from cu_seqlens_q[0], which may be > 0 (rows before it belong
+            # to no sequence): first_slot(0) = 0 <= slot then holds for every program, the search's invariant.
+            cu_first = tl.load(cu_seqlens_q_ptr)
+            seq_lo = 0
+            seq_hi = num_seqs
+            while seq_hi - seq_lo > 1:
+                mid = (seq_lo + seq_hi) // 2
+                before = (tl.load(cu_seqlens_q_ptr + mid) - cu_first) * GROUP // BLOCK_M + mid <= slot
+                seq_lo = tl.where(before, mid, seq_lo)
+                seq_hi = tl.where(before, seq_hi, mid)
+            seq_idx = seq_lo
+            q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+            q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+            row_start = (slot - ((q_start - cu_first) * GROUP // BLOCK_M + seq_idx)) * BLOCK_M
+        if row_start < q_len * GROUP:  # else a spare slot of the bound (binary-search grid only)
+            _attend_slot(
+                query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+                stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block, stride_cache_offset,
+                stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h, stride_table_s,
+                stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len, row_start, kv_head,
+                HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32,
+                K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV,
+            )  # fmt: skip
 
-    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
-    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+
+@triton.jit
+def _attend_slot(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    key_ptr,
+    value_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_query_t,
+    stride_query_h,
+    stride_out_t,
+    stride_out_h,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
+    stride_table_s,
+    stride_table_b,
+    qk_scale,
+    soft_cap,
+    sliding_window,
+    seq_idx,  # the sequence of this slot
+    q_start,  # its first new token's row in query
+    q_len,  # its new tokens
+    row_start,  # the slot's first (token, head) row of the sequence: a multiple of BLOCK_M below q_len * GROUP
+    kv_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    K_ROW_MAJOR: tl.constexpr,
+    EXACT_SOFTMAX: tl.constexpr,
+    CONTIG_KV: tl.constexpr,
+):
+    """One slot: rows [row_start, row_start + BLOCK_M) of sequence seq_idx, for one KV head."""
     num_rows = q_len * GROUP
-    row_start = (slot - ((q_start - cu_first) * GROUP // BLOCK_M + seq_idx)) * BLOCK_M
-    if row_start >= num_rows:  # a spare slot of this sequence (or of an empty padding sequence)
-        return
     ctx_len = tl.load(seq_lens_ptr + seq_idx)
     first_pos = ctx_len - q_len  # context position of the sequence's first new token
 
@@ -566,7 +663,16 @@ def paged_prefill_triton(
     contig_kv = key is not None
     if not contig_kv:  # never read (CONTIG_KV=False): any pointer and strides of the right dtype
         key = value = k_cache[0, 0]  # [num_kv_heads, head_dim]
-    grid = (num_tokens * group // tile_m + num_seqs, num_kv_heads)
+    # The exact tile map (SEQS_PAD > 0) needs at most cdiv(tokens * group, tile_m) + (sequences with tokens) slots;
+    # a grid with fewer programs loops, so the grid is capped there: padding and decode rows, empty sequences in a
+    # captured mixed step, take no program each. Past SCAN_MAX_SEQS sequences the binary-search grid (a program a
+    # slot of the bound) spares the registers of the scan.
+    seqs_pad = next_power_of_2(num_seqs) if num_seqs <= SCAN_MAX_SEQS else 0
+    if seqs_pad:
+        spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT))
+        grid = (max(1, cdiv(num_tokens * group, tile_m) + spare), num_kv_heads)
+    else:
+        grid = (num_tokens * group // tile_m + num_seqs, num_kv_heads)
     _PREFILL(
         grid,
         query, k_cache, v_cache, key, value, block_tables, seq_lens, cu_seqlens_q, out,
@@ -586,6 +692,7 @@ def paged_prefill_triton(
         k_row_major,  # K_ROW_MAJOR
         not scale > 0,  # EXACT_SOFTMAX: the fused update folds the scale into max(scores): needs scale > 0
         contig_kv,  # CONTIG_KV
+        seqs_pad,  # SEQS_PAD
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

@@ -283,6 +283,57 @@ def test_leading_empty_sequences(block_m):
     assert out[num_tokens:].isnan().all()
 
 
+@pytest.mark.parametrize("scan_max_seqs, spare_slots", [(0, 16), (1024, 0), (1024, 3)])
+@pytest.mark.parametrize("block_m", [16, None])
+def test_tile_maps_and_looping_programs(monkeypatch, scan_max_seqs, spare_slots, block_m):
+    # The same padded mixed batch through each grid: the binary-search bound (SCAN_MAX_SEQS below the batch), and
+    # the exact tile map with fewer programs than slots, so that programs loop (no spare slack at all: each
+    # sequence's rounding takes a second pass), with leading empty sequences as a mixed step has them.
+    monkeypatch.setattr(prefill, "SCAN_MAX_SEQS", scan_max_seqs)
+    monkeypatch.setattr(prefill, "SCAN_SPARE_SLOTS", spare_slots)
+    gen = torch.Generator().manual_seed(11)
+    seqs = [(0, 3 + i) for i in range(6)]  # leading empty sequences (decode rows taken by the decode kernel)
+    for _ in range(23):
+        q_len = [1, 2, 3, 9, 20][torch.randint(5, (1,), generator=gen).item()]
+        seqs.append((q_len, q_len + torch.randint(0, 30, (1,), generator=gen).item()))
+    seqs += [(0, 0)] * 7
+    _check(seqs, num_heads=6, num_kv_heads=2, block_size=8, block_m=block_m, extra=5, max_query_len=512,
+           max_seq_len=2048)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_chunks, chunk_len", [(1, 24), (12, 30)])
+def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, num_chunks, chunk_len):
+    # A mixed graph step: 200 decode rows (made empty sequences: the decode kernel took them), prompt chunks, padding
+    # to 256 sequences. The exact-map grid is the token tiles plus the spare slots of SCAN_SPARE_SLOTS or one per
+    # SCAN_TOKENS_PER_SPARE_SLOT tokens, however many empty sequences the batch holds (RESULTS.md, 22nd session:
+    # each took a program per KV head before).
+    grids = []
+    launch = prefill._PREFILL
+
+    def record(grid, *args, **kwargs):
+        grids.append(grid)
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(prefill, "_PREFILL", record)
+    monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 16)
+    num_decode, num_pad = 200, 256 - 200 - num_chunks
+    seqs = [(1, 4)] * num_decode + [(chunk_len, chunk_len + 9)] * num_chunks + [(0, 0)] * num_pad
+    query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(seqs, 4, 2, 64, 16, torch.float16)
+    scale = 64**-0.5
+    expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    out = torch.zeros_like(query)
+    with _tiles(16):
+        paged_prefill_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.clamp(min=num_decode), scale,
+            max_query_len=chunk_len, max_seq_len=chunk_len + 9, out=out,
+        )  # fmt: skip
+    torch.testing.assert_close(out[num_decode:], expected[num_decode:], atol=2e-3, rtol=2e-3)
+    num_tokens, group = query.shape[0], 2
+    spare = max(prefill.SCAN_SPARE_SLOTS, num_tokens // 16)
+    assert grids == [(-(-num_tokens * group // 16) + spare, 2)]
+    assert grids[0][0] < num_tokens * group // 16 + 256  # the binary-search bound's program per sequence
+
+
 def test_strided_query():
     _check(MIXED, query_view=True)
 
