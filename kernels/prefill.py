@@ -26,23 +26,26 @@ K/V are read through the block table, except that with ``key=/value=`` a fresh p
 context) reads them from the contiguous new-token tensors instead.
 
 Grid: ``(programs, num_kv_heads)`` over one flat axis of tile slots for the whole batch (as vLLM's unified
-attention). Sequence s owns ``cdiv(q_len * GROUP, BLOCK_M)`` consecutive slots, after those of the sequences before it
-(an empty sequence owns none). Every program loads ``cu_seqlens_q`` as one vector, scans it in registers into each
-sequence's last slot, and takes the slots ``pid, pid + programs, ...`` below the total (from the end of the slot
-range: longest tiles first), finding each one's sequence by a vector compare, not a chain of dependent loads. The grid
-depends only on the tensor shapes, never on the lengths: ``programs = cdiv(num_tokens * GROUP, BLOCK_M) + spare``,
-the token tiles plus the rounding slack of ``spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens //
-SCAN_TOKENS_PER_SPARE_SLOT))`` sequences; a batch of more short sequences loops. So one grid serves a batch of one
-long prompt or of many short ones, and a CUDA graph captured with padded shapes (zero-length padding sequences,
-padding tokens of no sequence, and in a mixed step the decode rows, which the decode kernel takes) replays it for any
-batch that fits, without a program for each empty sequence.
+attention), in one of two forms chosen from the shapes alone (never the lengths), so that a CUDA graph captured with
+padded shapes (zero-length padding sequences, padding tokens of no sequence, and in a mixed step the decode rows,
+which the decode kernel takes) replays it for any batch that fits.
 
-Past ``SCAN_MAX_SEQS`` sequences (the scan's registers) the grid is the bound ``num_tokens * GROUP // BLOCK_M +
-num_seqs``, one slot a program: sequence s's first slot is ``(cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP // BLOCK_M +
-s`` (at least ``cdiv(q_len * GROUP, BLOCK_M)`` slots each, since floor(a + b) - floor(a) >= ceil(b) - 1), found by
-binary search over ``cu_seqlens_q``; a spare slot exits at once. Measured (twenty-first session, an 8B mixed step of
-224 decode rows and a 128-token prompt on an H100): that grid's ~270 x 8 programs, nearly all spare, took 27 µs a
-layer for ~0.1 GFLOP of attention.
+The exact tile map, for batches of more than ``spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens //
+SCAN_TOKENS_PER_SPARE_SLOT))`` sequences (a mixed graph's 256 sequence slots): sequence s owns ``cdiv(q_len * GROUP,
+BLOCK_M)`` consecutive slots after those of the sequences before it (an empty sequence owns none). Every program loads
+``cu_seqlens_q`` as one vector, scans it in registers into each sequence's last slot, and takes the slots ``pid, pid +
+programs, ...`` below the total (from the end of the slot range: longest tiles first), finding each one's sequence by
+a vector compare, not a chain of dependent loads. ``programs = cdiv(num_tokens * GROUP, BLOCK_M) + spare``: the token
+tiles plus the rounding slack of ``spare`` sequences; a batch of more short sequences loops. No program is spent on an
+empty sequence.
+
+The bound grid, for batches of at most ``spare`` sequences (a few long prompts) and past ``SCAN_MAX_SEQS``
+sequences (the scan's registers): ``programs = num_tokens * GROUP // BLOCK_M + num_seqs``, one slot a program, no
+loop: sequence s's first slot is ``(cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP // BLOCK_M + s`` (at least
+``cdiv(q_len * GROUP, BLOCK_M)`` slots each, since floor(a + b) - floor(a) >= ceil(b) - 1), found by binary search over
+``cu_seqlens_q``; a spare slot exits at once. Measured (twenty-first session, an 8B mixed step of 224 decode rows and
+a 128-token prompt on an H100): there this grid's ~270 x 8 programs, nearly all spare, took 27 µs a layer for ~0.1
+GFLOP of attention; the map, 10 µs (twenty-second session).
 """
 
 import os
@@ -321,41 +324,49 @@ def _paged_prefill_kernel(
         seq_tiles = ((q_hi - q_lo) * GROUP + BLOCK_M - 1) // BLOCK_M  # [SEQS_PAD]; 0 past num_seqs
         tile_ends = tl.cumsum(seq_tiles, axis=0)  # [SEQS_PAD]: one past each sequence's last slot
         total_slots = tl.sum(seq_tiles, axis=0)
-    else:
-        total_slots = num_programs  # one slot a program (the grid is the bound below)
-    for it in range(tl.program_id(0), total_slots, num_programs):
-        slot = total_slots - 1 - it
-        if SEQS_PAD > 0:
+        for it in range(tl.program_id(0), total_slots, num_programs):
+            slot = total_slots - 1 - it
             seq_idx = tl.sum((tile_ends <= slot).to(tl.int32), axis=0)  # the sequence whose slots hold this one
             first_tile = tl.sum(tl.where(offs_s == seq_idx, tile_ends - seq_tiles, 0), axis=0)
             q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
             q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
-            row_start = (slot - first_tile) * BLOCK_M
-        else:
-            # seq_idx: the last sequence whose first slot first_slot(s) = (cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP
-            # // BLOCK_M + s is <= slot. Offsets count from cu_seqlens_q[0], which may be > 0 (rows before it belong
-            # to no sequence): first_slot(0) = 0 <= slot then holds for every program, the search's invariant.
-            cu_first = tl.load(cu_seqlens_q_ptr)
-            seq_lo = 0
-            seq_hi = num_seqs
-            while seq_hi - seq_lo > 1:
-                mid = (seq_lo + seq_hi) // 2
-                before = (tl.load(cu_seqlens_q_ptr + mid) - cu_first) * GROUP // BLOCK_M + mid <= slot
-                seq_lo = tl.where(before, mid, seq_lo)
-                seq_hi = tl.where(before, seq_hi, mid)
-            seq_idx = seq_lo
-            q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
-            q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
-            row_start = (slot - ((q_start - cu_first) * GROUP // BLOCK_M + seq_idx)) * BLOCK_M
-        if row_start < q_len * GROUP:  # else a spare slot of the bound (binary-search grid only)
             _attend_slot(
                 query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
                 stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block, stride_cache_offset,
                 stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h, stride_table_s,
-                stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len, row_start, kv_head,
-                HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32,
-                K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV,
+                stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len,
+                (slot - first_tile) * BLOCK_M, kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
+                HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV,
             )  # fmt: skip
+    else:
+        # The bound grid, one slot a program, no loop (the code measured before the map, kept for batches of few
+        # sequences, which it serves as well). seq_idx: the last sequence whose first slot first_slot(s) =
+        # (cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP // BLOCK_M + s is <= slot. Offsets count from cu_seqlens_q[0],
+        # which may be > 0 (rows before it belong to no sequence): first_slot(0) = 0 <= slot then holds for every
+        # program, the search's invariant.
+        slot = num_programs - 1 - tl.program_id(0)
+        cu_first = tl.load(cu_seqlens_q_ptr)
+        seq_lo = 0
+        seq_hi = num_seqs
+        while seq_hi - seq_lo > 1:
+            mid = (seq_lo + seq_hi) // 2
+            before = (tl.load(cu_seqlens_q_ptr + mid) - cu_first) * GROUP // BLOCK_M + mid <= slot
+            seq_lo = tl.where(before, mid, seq_lo)
+            seq_hi = tl.where(before, seq_hi, mid)
+        seq_idx = seq_lo
+        q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+        q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+        row_start = (slot - ((q_start - cu_first) * GROUP // BLOCK_M + seq_idx)) * BLOCK_M
+        if row_start >= q_len * GROUP:  # a spare slot of this sequence (or of an empty padding sequence)
+            return
+        _attend_slot(
+            query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+            stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block, stride_cache_offset,
+            stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h, stride_table_s,
+            stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len, row_start, kv_head,
+            HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR,
+            EXACT_SOFTMAX, CONTIG_KV,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -664,13 +675,15 @@ def paged_prefill_triton(
     if not contig_kv:  # never read (CONTIG_KV=False): any pointer and strides of the right dtype
         key = value = k_cache[0, 0]  # [num_kv_heads, head_dim]
     # The exact tile map (SEQS_PAD > 0) needs at most cdiv(tokens * group, tile_m) + (sequences with tokens) slots;
-    # a grid with fewer programs loops, so the grid is capped there: padding and decode rows, empty sequences in a
-    # captured mixed step, take no program each. Past SCAN_MAX_SEQS sequences the binary-search grid (a program a
-    # slot of the bound) spares the registers of the scan.
-    seqs_pad = next_power_of_2(num_seqs) if num_seqs <= SCAN_MAX_SEQS else 0
+    # a grid with fewer programs loops, so the grid is capped at `spare` sequences' slack: padding and decode rows,
+    # empty sequences in a captured mixed step, take no program each. A batch of at most `spare` sequences (a few
+    # long prompts) takes the bound grid, about as many programs, without the loop: 4 x 1024 fresh tokens ran 139 /
+    # 169 µs (new K/V / block table) through the loop against 130 / 150 in earlier sessions (RESULTS.md, 22nd
+    # session). Past SCAN_MAX_SEQS sequences the bound grid spares the registers of the scan.
+    spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT))
+    seqs_pad = next_power_of_2(num_seqs) if spare < num_seqs <= SCAN_MAX_SEQS else 0
     if seqs_pad:
-        spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT))
-        grid = (max(1, cdiv(num_tokens * group, tile_m) + spare), num_kv_heads)
+        grid = (cdiv(num_tokens * group, tile_m) + spare, num_kv_heads)
     else:
         grid = (num_tokens * group // tile_m + num_seqs, num_kv_heads)
     _PREFILL(

@@ -334,6 +334,23 @@ def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, nu
     assert grids[0][0] < num_tokens * group // 16 + 256  # the binary-search bound's program per sequence
 
 
+def test_few_long_prompts_take_the_bound_grid(monkeypatch):
+    # At most `spare` sequences (a few long prompts): the bound grid, a program a slot, no loop (the code measured
+    # before the map; the loop ran 4 x 1024 fresh tokens 6-13% slower on an H100, RESULTS.md, 22nd session).
+    grids = []
+    launch = prefill._PREFILL
+
+    def record(grid, *args, **kwargs):
+        grids.append((grid, args[-1]))  # the last positional argument is SEQS_PAD
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(prefill, "_PREFILL", record)
+    seqs = [(40, 40), (23, 50), (9, 9)]
+    _check(seqs, num_heads=4, num_kv_heads=2, block_m=16, extra=2)
+    tokens = 40 + 23 + 9 + 2
+    assert grids == [((tokens * 2 // 16 + len(seqs), 2), 0)]
+
+
 def test_strided_query():
     _check(MIXED, query_view=True)
 
