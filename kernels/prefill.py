@@ -677,9 +677,10 @@ def paged_prefill_triton(
     # The exact tile map (SEQS_PAD > 0) needs at most cdiv(tokens * group, tile_m) + (sequences with tokens) slots;
     # a grid with fewer programs loops, so the grid is capped at `spare` sequences' slack: padding and decode rows,
     # empty sequences in a captured mixed step, take no program each. A batch of at most `spare` sequences (a few
-    # long prompts) takes the bound grid, about as many programs, without the loop: 4 x 1024 fresh tokens ran 139 /
-    # 169 µs (new K/V / block table) through the loop against 130 / 150 in earlier sessions (RESULTS.md, 22nd
-    # session). Past SCAN_MAX_SEQS sequences the bound grid spares the registers of the scan.
+    # long prompts) takes the bound grid, about as many programs, and its leaner code: through the map, 4 x 1024 fresh
+    # tokens ran 139 / 169 µs (new K/V / block table) on an H100 against 130 / 150 in earlier sessions, and ptxas
+    # gives the map's form 255 registers instead of 222 and 80-120 bytes of stack instead of 16 (RESULTS.md, 22nd
+    # session; benchmarks/ptxas_check.py). Past SCAN_MAX_SEQS sequences the bound grid spares the scan's registers.
     spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT))
     seqs_pad = next_power_of_2(num_seqs) if spare < num_seqs <= SCAN_MAX_SEQS else 0
     if seqs_pad:
