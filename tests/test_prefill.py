@@ -283,6 +283,19 @@ def test_leading_empty_sequences(block_m):
     assert out[num_tokens:].isnan().all()
 
 
+def _record_grids(monkeypatch) -> list:
+    """(grid, SEQS_PAD) of every prefill launch from now on (SEQS_PAD is the last positional argument)."""
+    grids = []
+    launch = prefill._PREFILL
+
+    def record(grid, *args, **kwargs):
+        grids.append((grid, args[-1]))
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(prefill, "_PREFILL", record)
+    return grids
+
+
 @pytest.mark.parametrize("scan_max_seqs, spare_slots", [(0, 16), (1024, 0), (1024, 3)])
 @pytest.mark.parametrize("block_m", [16, None])
 def test_tile_maps_and_looping_programs(monkeypatch, scan_max_seqs, spare_slots, block_m):
@@ -307,14 +320,7 @@ def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, nu
     # to 256 sequences. The exact-map grid is the token tiles plus the spare slots of SCAN_SPARE_SLOTS or one per
     # SCAN_TOKENS_PER_SPARE_SLOT tokens, however many empty sequences the batch holds (RESULTS.md, 22nd session:
     # each took a program per KV head before).
-    grids = []
-    launch = prefill._PREFILL
-
-    def record(grid, *args, **kwargs):
-        grids.append(grid)
-        return launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(prefill, "_PREFILL", record)
+    grids = _record_grids(monkeypatch)
     monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 16)
     num_decode, num_pad = 200, 256 - 200 - num_chunks
     seqs = [(1, 4)] * num_decode + [(chunk_len, chunk_len + 9)] * num_chunks + [(0, 0)] * num_pad
@@ -330,21 +336,14 @@ def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, nu
     torch.testing.assert_close(out[num_decode:], expected[num_decode:], atol=2e-3, rtol=2e-3)
     num_tokens, group = query.shape[0], 2
     spare = max(prefill.SCAN_SPARE_SLOTS, num_tokens // 16)
-    assert grids == [(-(-num_tokens * group // 16) + spare, 2)]
-    assert grids[0][0] < num_tokens * group // 16 + 256  # the binary-search bound's program per sequence
+    assert grids == [((-(-num_tokens * group // 16) + spare, 2), 256)]  # the map (SEQS_PAD 256)
+    assert grids[0][0][0] < num_tokens * group // 16 + 256  # the binary-search bound's program per sequence
 
 
 def test_few_long_prompts_take_the_bound_grid(monkeypatch):
     # At most `spare` sequences (a few long prompts): the bound grid, a program a slot, no loop (the code measured
     # before the map; the loop ran 4 x 1024 fresh tokens 6-13% slower on an H100, RESULTS.md, 22nd session).
-    grids = []
-    launch = prefill._PREFILL
-
-    def record(grid, *args, **kwargs):
-        grids.append((grid, args[-1]))  # the last positional argument is SEQS_PAD
-        return launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(prefill, "_PREFILL", record)
+    grids = _record_grids(monkeypatch)
     seqs = [(40, 40), (23, 50), (9, 9)]
     _check(seqs, num_heads=4, num_kv_heads=2, block_m=16, extra=2)
     tokens = 40 + 23 + 9 + 2

@@ -21,7 +21,9 @@ def _ptxas_available() -> bool:
 
 
 needs_ptxas = pytest.mark.skipif(
-    not _ptxas_available(), reason="Triton's NVIDIA backend (with its bundled ptxas) is not installed"
+    not _ptxas_available(),
+    reason="needs Triton's NVIDIA backend and its bundled ptxas (the Linux x86-64 Triton wheel, as CI and the device "
+    "image install it); a Triton build without it cannot compile for sm_90",
 )
 
 
