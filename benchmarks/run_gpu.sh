@@ -98,6 +98,11 @@
 #             pointwise kernels at ~30% of the copy bandwidth) with the decoder layers compiled by default and with
 #             inductor's max-autotune (Triton GEMM templates, epilogues fused), alternating (module_ab.py:
 #             LAYER_COMPILE_OPTIONS; the first autotuning run has the longer timeout; start-up in the table)  (~9 min)
+#   compile-ab  fewer kernels a layer without new code: the prefix workload with the decoder layers compiled (the
+#             default), the whole model compiled (--compile full: the residual add that ends a layer fuses with the
+#             next layer's norm) and the layers with inductor's combo kernels (LAYER_COMPILE_OPTIONS options
+#             combo_kernels: the q and k rotary kernels as one launch), alternating, start-up in each row (~8 min)
+#   compile-ab-8b  the sharegpt 8B workload, layers vs full, one repeat each, alternating                   (~9 min)
 #   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
 #             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
@@ -431,6 +436,27 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                     --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        compile-ab)
+            combo="{'options': {'combo_kernels': True}}"
+            for run in layers full combo combo full layers; do
+                echo "compile: $run"
+                if [ "$run" = combo ]; then
+                    PYTHONPATH=$PWD timeout 150 python3 benchmarks/module_ab.py \
+                        "hf_paged.engine.model_runner.LAYER_COMPILE_OPTIONS=$combo" -- --workload prefix \
+                        --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+                else
+                    timeout 150 python3 -m hf_paged.frontends.bench --workload prefix --systems hf_paged --repeats 3 \
+                        --compile "$run" 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+                fi
+            done
+            ;;
+        compile-ab-8b)
+            for run in layers full full layers; do
+                echo "compile: $run"
+                timeout 200 python3 -m hf_paged.frontends.bench --model llama-8b --workload sharegpt \
+                    --systems hf_paged --repeats 1 --compile "$run" 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
+            ;;
         mixed-ab-8b)
             old="(16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)"
             new=$(python3 -c "from hf_paged.engine.model_runner import MIXED_TOKEN_SIZES as s; print(s)")
@@ -518,7 +544,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, compile-ab, compile-ab-8b, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac
