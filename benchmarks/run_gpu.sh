@@ -98,6 +98,9 @@
 #             pointwise kernels at ~30% of the copy bandwidth) with the decoder layers compiled by default and with
 #             inductor's max-autotune (Triton GEMM templates, epilogues fused), alternating (module_ab.py:
 #             LAYER_COMPILE_OPTIONS; the first autotuning run has the longer timeout; start-up in the table)  (~9 min)
+#   argmax-ab  greedy sampling's argmax: kernels/argmax_rows.py on CUDA (tests with every launch checked), against
+#             torch.argmax in a CUDA graph (benchmarks/argmax_bench.py), then the prefix workload with
+#             kernels.TRITON_ARGMAX False True True False (module_ab.py)                                      (~4 min)
 #   compile-ab  fewer kernels a layer without new code: the prefix workload with the decoder layers compiled (the
 #             default), the whole model compiled (--compile full: the residual add that ends a layer fuses with the
 #             next layer's norm) and the layers with inductor's combo kernels (LAYER_COMPILE_OPTIONS options
@@ -436,6 +439,12 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                     --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
+        argmax-ab)
+            HF_PAGED_CHECK_LAUNCH=1 timeout 200 python3 -m pytest -q tests/test_argmax.py 2>&1 | tail -3 \
+                | tee -a "$out/$part.md"
+            timeout 150 python3 benchmarks/argmax_bench.py 2>&1 | grep -v -i warn | tee -a "$out/$part.md"
+            prefix_ab hf_paged.kernels.TRITON_ARGMAX False True True False
+            ;;
         compile-ab)
             combo="{'options': {'combo_kernels': True}}"
             for run in layers full combo combo full layers; do
@@ -544,7 +553,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, compile-ab, compile-ab-8b, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, argmax-ab, compile-ab, compile-ab-8b, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

@@ -20,6 +20,7 @@ from .launch import on_device
 from .reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, write_kv_ref
 
 __all__ = [
+    "argmax",
     "write_kv",
     "copy_blocks",
     "copy_blocks_layers",
@@ -34,6 +35,10 @@ __all__ = [
 ]
 
 _triton_modules: SimpleNamespace | None = None
+# ``argmax`` on CUDA: the Triton kernels of kernels/argmax_rows.py (True) or torch.argmax (False). Off until measured
+# on a card (written in the twenty-second session, whose device time had run out: correct under the interpreter, and
+# compiled for sm_90 by ptxas with no spill); run_gpu.sh part argmax-ab times both and A/Bs the prefix workload.
+TRITON_ARGMAX = False
 
 
 def _triton() -> SimpleNamespace:
@@ -42,10 +47,29 @@ def _triton() -> SimpleNamespace:
     decoding pays per layer."""
     global _triton_modules
     if _triton_modules is None:
-        from . import cache_ops, decode, prefill
+        from . import argmax_rows, cache_ops, decode, prefill
 
-        _triton_modules = SimpleNamespace(cache_ops=cache_ops, decode=decode, prefill=prefill)
+        _triton_modules = SimpleNamespace(argmax_rows=argmax_rows, cache_ops=cache_ops, decode=decode, prefill=prefill)
     return _triton_modules
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # x: [num_rows, vocab] -> [num_rows], int64
+    """``torch.argmax(x, dim=-1)`` of a 2-D float tensor (greedy sampling): on CUDA with ``TRITON_ARGMAX``, two
+    Triton launches that spread each row over many programs (kernels/argmax_rows.py); otherwise torch's own (the
+    reference)."""
+    if x.is_cuda and TRITON_ARGMAX and _triton_argmax_takes(x) and not torch.compiler.is_compiling():
+        with on_device(x):
+            return _triton().argmax_rows.argmax_rows_triton(x)
+    return x.argmax(dim=-1)
+
+
+def _triton_argmax_takes(x: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and 0 < x.shape[1] < 2**31 - 1
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and (x.stride(1) == 1 or x.shape[1] == 1)
+    )
 
 
 def write_kv(
