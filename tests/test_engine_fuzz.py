@@ -19,6 +19,7 @@ import threading
 import time
 
 import pytest
+from helpers import needs_triton, route_prefill_through_triton
 from models import DEVICE, char_tokenizer, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
@@ -262,6 +263,20 @@ def test_engine_fuzz(seed, model_and_tokenizer, fuzz_references, fused_model):
     counts = _run(seed, model, tokenizer, fuzz_references, fused_model)
     if LONG:
         print(f"seed {seed}: {counts} in {time.perf_counter() - start:.1f} s")
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", [SEED_BASE + 100, SEED_BASE + 101])
+def test_engine_fuzz_through_the_triton_prefill_kernel(seed, model_and_tokenizer, fuzz_references, fused_model,
+                                                      monkeypatch):  # fmt: skip
+    """The fuzzer's mix (n, beams, preemption, chunking, async, aborts, interrupts) with every prefill and
+    mixed-step attention call through the Triton prefill kernel (interpreted on the CPU) in the exact tile map's
+    form with no spare program, so that programs loop over a step's chunks; greedy results against the references
+    (the reference attention's, where another test made them first)."""
+    model, tokenizer = model_and_tokenizer
+    seqs_pads = route_prefill_through_triton(monkeypatch, spare_slots=0)
+    _run(seed, model, tokenizer, fuzz_references, fused_model)
+    assert seqs_pads and any(seqs_pads), seqs_pads
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ logits rows, double-buffered staging), which is what can go wrong in the bucketi
 
 import pytest
 import torch
-from helpers import assert_engine_drained, engine_outputs, needs_triton
+from helpers import assert_engine_drained, engine_outputs, needs_triton, route_prefill_through_triton
 from models import DEVICE
 from models import tiny_model as _tiny_model
 
@@ -319,39 +319,11 @@ def test_engine_with_the_triton_prefill_kernel(monkeypatch, spare_slots):
     runner's padded mixed inputs (decode rows as empty leading sequences, padding sequences and tokens) in the exact
     tile map's grid (no spare slot: programs loop over the slots of a step's several chunks) and in the bound grid,
     with chunked prefill and prefix hits, against the reference engine."""
-    from hf_paged.kernels import prefill
-
-    from hf_paged import attention as attention_module
-
-    monkeypatch.setattr(prefill, "SCAN_SPARE_SLOTS", spare_slots)
-    monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 1 << 20)
-    seqs_pads = []
-    launch = prefill._PREFILL
-
-    def recording(grid, *args, **kwargs):
-        seqs_pads.append(args[-1])  # SEQS_PAD: > 0 for the map
-        return launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(prefill, "_PREFILL", recording)
-    original = attention_module.paged_attention
-
-    def triton_prefill(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_query_len=None,
-                       max_seq_len=None, sliding_window=None, soft_cap=None, out=None, key=None, value=None,
-                       **kwargs):  # fmt: skip
-        if max_query_len == 1:
-            return original(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                            max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window,
-                            soft_cap=soft_cap, out=out, key=key, value=value, **kwargs)  # fmt: skip
-        return prefill.paged_prefill_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                                            max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                            sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key,
-                                            value=value)  # fmt: skip
-
     prompts, params = _workload()
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
     # All at once: mixed steps carry several chunks (a prompt's tail, whole short prompts, prefix hits).
     expected = engine_outputs(_engine(tiny_model(), graphs=True, **config), prompts, params, 0)
-    monkeypatch.setattr(attention_module, "paged_attention", triton_prefill)
+    seqs_pads = route_prefill_through_triton(monkeypatch, spare_slots)
     engine = _engine(tiny_model(), graphs=True, **config)
     _assert_same(engine_outputs(engine, prompts, params, 0), expected)
     assert engine.bucket_runs["mixed"] > 0, engine.bucket_runs
