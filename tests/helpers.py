@@ -21,11 +21,26 @@ from hf_paged.frontends import models as frontend_models
 HANG_TIMEOUT_S = 900
 
 
-def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) -> list[int]:
+def record_prefill_launches(monkeypatch) -> list[tuple[tuple, int]]:
+    """(grid, SEQS_PAD) of every prefill kernel launch from now on (SEQS_PAD > 0: the exact tile map; 0: the bound
+    grid). SEQS_PAD is the kernel's last positional argument."""
+    from hf_paged.kernels import prefill
+
+    launches = []
+    launch = prefill._PREFILL
+
+    def recording(grid, *args, **kwargs):
+        launches.append((grid, args[-1]))
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(prefill, "_PREFILL", recording)
+    return launches
+
+
+def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) -> list[tuple[tuple, int]]:
     """Send the engine's prefill and mixed-step attention (``max_query_len != 1``) to the Triton prefill kernel
     (interpreted on the CPU), decode calls as before. ``spare_slots`` (with it, none per token): the tile map's
-    spare programs, 0 making programs loop over a step's chunks. Returns the list that receives each launch's
-    ``SEQS_PAD`` (> 0: the exact tile map; 0: the bound grid)."""
+    spare programs, 0 making programs loop over a step's chunks. Returns ``record_prefill_launches``'s list."""
     from hf_paged.kernels import prefill
 
     from hf_paged import attention as attention_module
@@ -33,14 +48,7 @@ def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) ->
     if spare_slots is not None:
         monkeypatch.setattr(prefill, "SCAN_SPARE_SLOTS", spare_slots)
         monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 1 << 20)
-    seqs_pads = []
-    launch = prefill._PREFILL
-
-    def recording(grid, *args, **kwargs):
-        seqs_pads.append(args[-1])  # SEQS_PAD, the kernel's last positional argument
-        return launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(prefill, "_PREFILL", recording)
+    launches = record_prefill_launches(monkeypatch)
     original = attention_module.paged_attention
 
     def attention(
@@ -70,7 +78,7 @@ def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) ->
                                             value=value)  # fmt: skip
 
     monkeypatch.setattr(attention_module, "paged_attention", attention)
-    return seqs_pads
+    return launches
 
 
 def has_default_model() -> bool:

@@ -4,20 +4,14 @@ On CPU the Triton kernels run under TRITON_INTERPRET=1 (CHUNK made small so that
 interpreter's speed); the same tests run unchanged on CUDA, at the default CHUNK too.
 """
 
-import os
-
 import pytest
 import torch
+from helpers import needs_triton
+from hf_paged.kernels import argmax_rows as argmax_module
+from hf_paged.kernels.argmax_rows import argmax_rows_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels: run on CUDA (the device machine) and interpreted in CI (.ci/run sets TRITON_INTERPRET=1)",
-)
-
-if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-    from hf_paged.kernels import argmax_rows as argmax_module
-    from hf_paged.kernels.argmax_rows import argmax_rows_triton
+pytestmark = needs_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CHUNKS = [64, None] if DEVICE == "cpu" else [64, 4096]  # None: the module's default; the interpreter keeps it small

@@ -323,9 +323,10 @@ def test_engine_with_the_triton_prefill_kernel(monkeypatch, spare_slots):
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
     # All at once: mixed steps carry several chunks (a prompt's tail, whole short prompts, prefix hits).
     expected = engine_outputs(_engine(tiny_model(), graphs=True, **config), prompts, params, 0)
-    seqs_pads = route_prefill_through_triton(monkeypatch, spare_slots)
+    launches = route_prefill_through_triton(monkeypatch, spare_slots)
     engine = _engine(tiny_model(), graphs=True, **config)
     _assert_same(engine_outputs(engine, prompts, params, 0), expected)
     assert engine.bucket_runs["mixed"] > 0, engine.bucket_runs
+    seqs_pads = [pad for _, pad in launches]
     assert seqs_pads and (any(seqs_pads) if spare_slots == 0 else not any(seqs_pads)), seqs_pads
     assert_engine_drained(engine)

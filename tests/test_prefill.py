@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from helpers import record_prefill_launches
 from hf_paged.kernels.reference import paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -283,19 +284,6 @@ def test_leading_empty_sequences(block_m):
     assert out[num_tokens:].isnan().all()
 
 
-def _record_grids(monkeypatch) -> list:
-    """(grid, SEQS_PAD) of every prefill launch from now on (SEQS_PAD is the last positional argument)."""
-    grids = []
-    launch = prefill._PREFILL
-
-    def record(grid, *args, **kwargs):
-        grids.append((grid, args[-1]))
-        return launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(prefill, "_PREFILL", record)
-    return grids
-
-
 @pytest.mark.parametrize("scan_max_seqs, spare_slots", [(0, 16), (1024, 0), (1024, 3)])
 @pytest.mark.parametrize("block_m", [16, None])
 def test_tile_maps_and_looping_programs(monkeypatch, scan_max_seqs, spare_slots, block_m):
@@ -320,7 +308,7 @@ def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, nu
     # to 256 sequences. The exact-map grid is the token tiles plus the spare slots of SCAN_SPARE_SLOTS or one per
     # SCAN_TOKENS_PER_SPARE_SLOT tokens, however many empty sequences the batch holds (RESULTS.md, 22nd session:
     # each took a program per KV head before).
-    grids = _record_grids(monkeypatch)
+    grids = record_prefill_launches(monkeypatch)
     monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 16)
     num_decode, num_pad = 200, 256 - 200 - num_chunks
     seqs = [(1, 4)] * num_decode + [(chunk_len, chunk_len + 9)] * num_chunks + [(0, 0)] * num_pad
@@ -343,7 +331,7 @@ def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, nu
 def test_few_long_prompts_take_the_bound_grid(monkeypatch):
     # At most `spare` sequences (a few long prompts): the bound grid, a program a slot, no loop (the code measured
     # before the map; the loop ran 4 x 1024 fresh tokens 6-13% slower on an H100, RESULTS.md, 22nd session).
-    grids = _record_grids(monkeypatch)
+    grids = record_prefill_launches(monkeypatch)
     seqs = [(40, 40), (23, 50), (9, 9)]
     _check(seqs, num_heads=4, num_kv_heads=2, block_m=16, extra=2)
     tokens = 40 + 23 + 9 + 2
