@@ -126,26 +126,31 @@ def sweep_splits(batch: int, context: int) -> dict[int, float]:
     return result
 
 
-PDL_POINTS = ((1, 512), (1, 2048), (1, 4096), (8, 512), (8, 2048), (32, 512))
+PDL_POINTS = ((1, 512), (1, 2048), (1, 4096), (8, 512), (8, 2048), (8, 4096), (32, 512), (32, 2048), (32, 4096))
 
 
 def bench_pdl(l2_bytes: int) -> list[str]:
-    """Markdown rows: in-graph µs of the decode with the split merge launched normally and with programmatic
-    dependent launch (``decode.USE_PDL``; the kernel uses PDL only for small split grids, see decode.py)."""
+    """Markdown rows: in-graph µs of the decode with the split merge launched normally, with programmatic dependent
+    launch for small split grids only (``decode.PDL_LATE_TRIGGER`` off) and for every split grid (the default: a
+    larger grid triggers the merge as each program writes its partial; see decode.py)."""
     from hf_paged.kernels import decode
 
     lines = ["### Decode split merge: normal launch vs PDL, in a CUDA graph (µs)", "",
-             "| batch | context | normal | PDL where the heuristic allows it |", "|---:|---:|---:|---:|"]  # fmt: skip
-    saved = decode.USE_PDL
+             "| batch | context | split programs | normal | PDL, small grids only | PDL, late trigger, large grids |",
+             "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    saved = decode.USE_PDL, decode.PDL_LATE_TRIGGER
     try:
         for batch, context in PDL_POINTS:
-            decode.USE_PDL = False
-            normal = _bench_paged_decode(batch, context, l2_bytes)[3]
-            decode.USE_PDL = True
-            pdl = _bench_paged_decode(batch, context, l2_bytes)[3]
-            lines.append(f"| {batch} | {context} | {normal:.1f} | {pdl:.1f} |")
+            times = []
+            for use_pdl, late in ((False, False), (True, False), (True, True)):
+                decode.USE_PDL, decode.PDL_LATE_TRIGGER = use_pdl, late
+                times.append(_bench_paged_decode(batch, context, l2_bytes)[3])
+            num_sms = decode._num_sms(torch.cuda.current_device())
+            splits = decode.choose_num_splits(context, batch, NUM_KV_HEADS, num_sms)
+            cells = " | ".join(f"{t:.1f}" for t in times)
+            lines.append(f"| {batch} | {context} | {batch * NUM_KV_HEADS * splits} | {cells} |")
     finally:
-        decode.USE_PDL = saved
+        decode.USE_PDL, decode.PDL_LATE_TRIGGER = saved
     return lines
 
 

@@ -105,6 +105,8 @@
 #             default), the whole model compiled (--compile full: the residual add that ends a layer fuses with the
 #             next layer's norm) and the layers with inductor's combo kernels (LAYER_COMPILE_OPTIONS options
 #             combo_kernels: the q and k rotary kernels as one launch), alternating, start-up in each row (~8 min)
+#   pdl-tests  tests/test_decode.py's PDL tests: the merge's early and late trigger and no PDL, equal outputs (~1 min)
+#   compile-ab-small  nano and short (Qwen3-0.6B), layers / full / full / layers, start-up in each row      (~7 min)
 #   compile-ab-8b  the sharegpt 8B workload, layers vs full, one repeat each, alternating                   (~9 min)
 #   mixed-ab-8b  the 8B sharegpt workload with the mixed-step graph sizes before the twelfth session and now,
 #             alternating both ways (benchmarks/module_ab.py: MIXED_TOKEN_SIZES; --repeats 2)                 (~6 min)
@@ -459,6 +461,19 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 fi
             done
             ;;
+        pdl-tests)  # the split merge's PDL forms on the card (early and late trigger, no PDL): equal outputs
+            HF_PAGED_CHECK_LAUNCH=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py \
+                -k "pdl or trigger" 2>&1 | tail -3 | tee -a "$out/tests.txt"
+            ;;
+        compile-ab-small)  # the compile modes on the table's other Qwen3-0.6B workloads (compile-ab is the prefix one)
+            for workload in nano short; do
+                for run in layers full full layers; do
+                    echo "compile: $run ($workload)"
+                    timeout 150 python3 -m hf_paged.frontends.bench --workload $workload --systems hf_paged \
+                        --repeats 3 --compile "$run" 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+                done
+            done
+            ;;
         compile-ab-8b)
             for run in layers full full layers; do
                 echo "compile: $run"
@@ -553,7 +568,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, argmax-ab, compile-ab, compile-ab-8b, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, argmax-ab, pdl-tests, compile-ab, compile-ab-small, compile-ab-8b, mixed-ab-8b, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

@@ -204,7 +204,9 @@ def _paged_decode_kernel(
     WRITE_OUT: tl.constexpr,  # num_splits == 1: normalize and write out, skip the merge (unless a prefix is set)
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles (MIN_KEYS_PER_SPLIT keys)
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
-    LAUNCH_DEPENDENTS: tl.constexpr,  # the merge is launched with PDL: let it start (it waits for our partials)
+    # The merge is launched with PDL: 1 = let it start at once (it waits for our partials), 2 = once this program has
+    # written its partial (a split grid larger than one round of resident programs), 0 = no PDL merge.
+    LAUNCH_DEPENDENTS: tl.constexpr,
     # The new token's K/V come in new_k/new_v instead of the cache: the program whose split holds position
     # seq_len - 1 writes them at their slot and attends to them from registers; the cache is read below it only.
     FUSED_WRITE: tl.constexpr,
@@ -221,7 +223,7 @@ def _paged_decode_kernel(
     # MERGE_PREFIX, launched with PDL after the shared-prefix kernel: wait for its partials before reading them.
     WAIT_PREFIX: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
+    if LAUNCH_DEPENDENTS == 1:
         tl.extra.cuda.gdc_launch_dependents()
     seq_idx = tl.program_id(0)
     kv_head_idx = tl.program_id(1) * HEADS  # the program's first KV head
@@ -442,6 +444,8 @@ def _paged_decode_kernel(
     else:
         tl.store(pa_ptrs, acc, mask=acc_mask)
         tl.store(pl_ptrs, lse, mask=g_mask)
+    if LAUNCH_DEPENDENTS == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_prefix_splits", "stride_pls", "stride_plh"])
@@ -593,6 +597,10 @@ def _num_sms(device_index: int) -> int:
 # Programmatic dependent launch of the split merge (SM90+): its launch overlaps the split kernel, which a CUDA graph
 # otherwise leaves as a gap between the two (~2 µs at 1 x 4096 on an H100). A module switch for benchmarks.
 USE_PDL = True
+# Split grids larger than one round of resident programs launch the merge with PDL too, triggered by each split
+# program once its partial is written (LAUNCH_DEPENDENTS == 2): the merge's launch overlaps the split kernel's last
+# programs. A module switch for benchmarks (benchmarks/kernels.py's PDL table).
+PDL_LATE_TRIGGER = True
 
 
 @functools.cache
@@ -853,13 +861,14 @@ def paged_decode_triton(
     # and only while the split grid fits one round of resident programs: the merge's programs, started early, wait
     # in SM slots that a larger split grid still needs (H100, in a graph: 1 x 512 7.0 -> 6.4 µs, 1 x 4096 13.9 ->
     # 13.6, but 32 x 512 33.1 -> 34.6; benchmarks/RESULTS.md, sixth session).
-    pdl = (
-        plan.pdl_ok
-        and USE_PDL
-        and not write_out
-        and not has_prefix
-        and num_seqs * num_kv_heads * num_splits <= PROGRAMS_PER_SM * num_sms
-    )
+    # A larger split grid (PDL_LATE_TRIGGER) lets the merge start only as its last programs finish: the merge's
+    # launch then overlaps the split kernel's tail instead of following it.
+    pdl = plan.pdl_ok and USE_PDL and not write_out and not has_prefix
+    launch_dependents = 0
+    if pdl:
+        launch_dependents = 1 if num_seqs * num_kv_heads * num_splits <= PROGRAMS_PER_SM * num_sms else 2
+        if launch_dependents == 2 and not PDL_LATE_TRIGGER:
+            pdl, launch_dependents = False, 0
     if has_prefix and num_prefix_splits is None:
         num_prefix_splits = choose_num_prefix_splits(
             max_seq_len if max_prefix_len is None else max_prefix_len,
@@ -930,7 +939,7 @@ def paged_decode_triton(
         *decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
         has_prefix, write_out,
         min_tiles, plan.dot_fp32,  # MIN_TILES_PER_SPLIT, DOT_FP32
-        pdl,  # LAUNCH_DEPENDENTS
+        launch_dependents,  # LAUNCH_DEPENDENTS
         fused,  # FUSED_WRITE
         merge_prefix,  # MERGE_PREFIX
         *plan.prefix_split_rule,  # PREFIX_BLOCK_N, PREFIX_MIN_TILES

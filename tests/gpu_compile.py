@@ -157,10 +157,15 @@ def _pdl_variants(launches: list[tuple]) -> list[tuple]:
         if flag == "LAUNCH_DEPENDENTS" or (flag and values["MERGE_PREFIX"]):
             patched = [True if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
             out.append((jit_fn, tuple(patched), num_warps, num_stages, flag == "WAIT_PREFIX"))
-        # paged_decode_triton uses PDL for several splits without a prefix: the split kernel's flag, the merge's.
-        for flag, one_split in (("LAUNCH_DEPENDENTS", "WRITE_OUT"), ("WAIT_PRIMARY", "ONE_SPLIT")):
+        # paged_decode_triton uses PDL for several splits without a prefix: the split kernel's flag (1: trigger at
+        # once, 2: after its partial is written, for large split grids), the merge's.
+        for flag, one_split, value in (
+            ("LAUNCH_DEPENDENTS", "WRITE_OUT", 1),
+            ("LAUNCH_DEPENDENTS", "WRITE_OUT", 2),
+            ("WAIT_PRIMARY", "ONE_SPLIT", True),
+        ):  # fmt: skip
             if flag in values and "HAS_PREFIX" in values and not values["HAS_PREFIX"] and not values[one_split]:
-                patched = [True if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
+                patched = [value if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
                 out.append((jit_fn, tuple(patched), num_warps, num_stages, flag == "WAIT_PRIMARY"))
     return out
 

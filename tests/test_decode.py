@@ -573,3 +573,87 @@ def test_a_one_split_call_keeps_nothing_in_a_cuda_graph_pool():
     assert out_ptr in live_in_pool()  # the check sees the pool's live tensors
     del out
     assert live_in_pool() == []
+
+
+@needs_triton
+@pytest.mark.parametrize("late_trigger", [True, False])
+def test_the_split_merge_launches_with_pdl_for_small_and_large_split_grids(late_trigger, monkeypatch):
+    """Where PDL is supported (SM90+: forced here on the host), a several-split call without a prefix launches the
+    merge with launch_pdl and WAIT_PRIMARY. A split grid within one round of resident programs (PROGRAMS_PER_SM an
+    SM) triggers the merge at once (LAUNCH_DEPENDENTS 1); a larger one triggers it as each program has written its
+    partial (2), or, with PDL_LATE_TRIGGER off, launches the merge without PDL (0). One split: no merge, no PDL."""
+    from hf_paged.kernels import decode, launch
+
+    monkeypatch.setattr(decode, "PDL_LATE_TRIGGER", late_trigger)
+    seq_lens = [150, 90, 30]  # 3 rows x 2 KV heads
+    args = tuple(_make_inputs(seq_lens, 4, 2, 32, 16, torch.float32))
+    launches = []
+
+    def recorder(name, launcher):
+        def record(grid, *launch_args, launch_pdl=False, **launch_kwargs):
+            names = [p.name for p in launch._params(launcher.jit_fn)]
+            flag = "LAUNCH_DEPENDENTS" if name == "split" else "WAIT_PRIMARY"
+            launches.append((name, launch_args[names.index(flag)], launch_pdl))
+
+        return record
+
+    for num_splits, num_sms, expected in (
+        (3, 132, [("split", 1, False), ("merge", True, True)]),  # 18 programs <= 4 x 132
+        (
+            3,
+            4,
+            [("split", 2, False), ("merge", True, True)]
+            if late_trigger
+            else [("split", 0, False), ("merge", False, False)],
+        ),  # 18 programs > 4 x 4  # fmt: skip
+        (1, 4, [("split", 0, False)]),
+    ):
+        decode._PLANS.clear()
+        paged_decode_triton(*args, 32**-0.5, max_seq_len=150, num_splits=num_splits)  # makes the plan
+        (plan,) = decode._PLANS.values()
+        plan.pdl_ok, plan.num_sms = True, num_sms
+        launches.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(decode, "_DECODE", recorder("split", decode._DECODE))
+            patch.setattr(decode, "_MERGE", recorder("merge", decode._MERGE))
+            paged_decode_triton(*args, 32**-0.5, max_seq_len=150, num_splits=num_splits)
+        assert launches == expected, (num_splits, num_sms)
+    decode._PLANS.clear()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs an SM90+ CUDA device: programmatic dependent launch (device machine: run_gpu.sh tests-kernels)",
+)
+def test_the_merge_reads_every_partial_under_each_pdl_trigger():
+    """The merge waits for the whole split grid whichever way it was triggered: on a card, a split grid of several
+    rounds (late trigger), one round (trigger at once) and no PDL give the same output bit for bit, eager and
+    replayed in a CUDA graph, and match the reference."""
+    from hf_paged.kernels import decode
+
+    seq_lens = [int(n) for n in torch.randint(1, 2048, (96,), generator=torch.Generator().manual_seed(3))]
+    query, k_cache, v_cache, tables, lens = _make_inputs(seq_lens, 32, 8, 128, 16, torch.bfloat16)
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(query, k_cache, v_cache, tables, lens, cu_seqlens_q, 128**-0.5)
+    saved = decode.USE_PDL, decode.PDL_LATE_TRIGGER
+    outs = {}
+    try:
+        for batch in (96, 4):  # 96 x 8 x 4 splits: several rounds (late trigger); 4 x 8 x 4: one round
+            for name, use_pdl in (("pdl", True), ("none", False)):
+                decode.USE_PDL, decode.PDL_LATE_TRIGGER = use_pdl, True
+                q, t, n = query[:batch], tables[:batch], lens[:batch]
+                eager = paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4)
+                out = torch.empty_like(q)
+                paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4, out=out)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4, out=out)
+                out.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, eager), (batch, name)
+                outs[batch, name] = eager
+            assert torch.equal(outs[batch, "pdl"], outs[batch, "none"]), batch
+            torch.testing.assert_close(outs[batch, "pdl"].float(), ref[:batch].float(), atol=2e-2, rtol=2e-2)
+    finally:
+        decode.USE_PDL, decode.PDL_LATE_TRIGGER = saved
