@@ -11,6 +11,7 @@ SDPA (enable_gqa) on contiguous K/V of the same shape. The split count is the on
 
     python benchmarks/decode_sweep.py [--shapes 16x8:256x512 32x8:256x2048 ...] [--max-seq-len N] [--out FILE]
     python benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 ...   # shared-prefix (cascade) decode
+    python benchmarks/decode_sweep.py --shapes 32x8:32x2048 --splits 1 2 3 4 6 8 --settings 64/3/4  # split counts
 
 With ``--prefix-len P`` every row's first P keys are row 0's blocks and the call is the engine's cascade decode
 (the shared-prefix kernel, the split kernel over each row's keys from P on, and with several splits the merge), as
@@ -88,6 +89,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=40960, help="the bound the split count is chosen by")
     parser.add_argument("--prefix-len", type=int, default=0, help="keys every row shares (cascade decode)")
     parser.add_argument("--settings", nargs="+", help="BLOCK_N/stages/warps triples to time (default: a grid)")
+    parser.add_argument(
+        "--splits",
+        nargs="+",
+        type=int,
+        help="time each shape at each of these split counts (default: the one the engine picks)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.prefix_len % BLOCK_SIZE or args.prefix_len < 0:
@@ -118,7 +125,9 @@ def main(argv=None) -> int:
     if prefix is not None and decode.CASCADE_ONE_SPLIT_SETTINGS is not None:
         current.append(decode.CASCADE_ONE_SPLIT_SETTINGS)  # and one-split ones
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = [decode.choose_num_splits(args.max_seq_len, batch, hkv, num_sms) for _, hkv, batch, _ in shapes]
+    picked = [decode.choose_num_splits(args.max_seq_len, batch, hkv, num_sms) for _, hkv, batch, _ in shapes]
+    # (shape index, split count) a column: the engine's pick, or each of --splits
+    cases = [(i, n) for i in range(len(shapes)) for n in (args.splits or [picked[i]])]
     rows = []
     for setting in settings:
         decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE = setting, {}
@@ -126,7 +135,8 @@ def main(argv=None) -> int:
             decode.CASCADE_SUFFIX_SETTINGS, decode.CASCADE_ONE_SPLIT_SETTINGS = setting, None
         decode._PLANS.clear()
         cells = []
-        for n, (query, seq_lens, paged, _, kv_bytes) in zip(splits, inputs, strict=True):
+        for i, n in cases:
+            query, seq_lens, paged, _, kv_bytes = inputs[i]
             rotation = itertools.cycle(paged)
             out = torch.empty_like(query)
 
@@ -148,7 +158,7 @@ def main(argv=None) -> int:
      decode.CASCADE_ONE_SPLIT_SETTINGS) = saved  # fmt: skip
     decode._PLANS.clear()
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    cells = []
+    sdpa_cells = []
     for (hq, _, batch, _), (query, _, _, dense, _) in zip(shapes, inputs, strict=True):
         rotation = itertools.cycle(dense)
         q = query.view(batch, hq, 1, HEAD_DIM)
@@ -159,8 +169,8 @@ def main(argv=None) -> int:
 
         us = graph_us(run_sdpa)
         dense_bytes = dense[0][0].numel() * dense[0][0].element_size() * 2  # every row's keys and values
-        cells.append(f"{us:.1f} ({dense_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
-    rows.append("| SDPA, contiguous K/V | " + " | ".join(cells) + " |")
+        sdpa_cells.append(f"{us:.1f} ({dense_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
+    rows.append("| SDPA, contiguous K/V | " + " | ".join(sdpa_cells[i] for i, _ in cases) + " |")
     header = (
         f"### Decode launch settings for long splits, {torch.cuda.get_device_name()}, copy bandwidth "
         f"{bandwidth:.0f} GB/s, in a CUDA graph, µs (share of the copy bandwidth); splits chosen for max_seq_len "
@@ -168,9 +178,12 @@ def main(argv=None) -> int:
         + (f"; every row shares its first {args.prefix_len} keys (cascade)" if prefix is not None else "")
         + "; SDPA reads every row's keys\n\n"
         "| BLOCK_N / stages / warps | "
-        + " | ".join(f"{s} ({n} split{'s' * (n > 1)})" for s, n in zip(args.shapes, splits, strict=True))
+        + " | ".join(
+            f"{args.shapes[i]} ({n} split{'s' * (n > 1)}{', the pick' if args.splits and n == picked[i] else ''})"
+            for i, n in cases
+        )
         + " |\n|---|"
-        + "---:|" * len(shapes)
+        + "---:|" * len(cases)
     )
     emit_table("\n" + header + "\n" + "\n".join(rows) + "\n", args.out)
     return 0
