@@ -61,10 +61,15 @@ def copy_gbs(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
-def make_inputs(hq, hkv, batch, context, l2_bytes, generator, prefix_len=0):
+def make_inputs(hq, hkv, batch, context, l2_bytes, generator, prefix_len=0, ragged=False):
     """Rotating sets of (k_cache, v_cache, block_tables) spanning 2x L2, one query; contiguous K/V for SDPA too.
-    With ``prefix_len`` (a multiple of BLOCK_SIZE) every row's first blocks are row 0's."""
-    kv_bytes = 2 * (prefix_len + batch * (context - prefix_len)) * hkv * HEAD_DIM * 2
+    With ``prefix_len`` (a multiple of BLOCK_SIZE) every row's first blocks are row 0's. ``ragged``: row lengths
+    uniform in [context / 8, context] (seeded) instead of all ``context``."""
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    if ragged:
+        low = max(context // 8, prefix_len + 1)
+        seq_lens = torch.randint(low, context + 1, (batch,), device="cuda", generator=generator).to(torch.int32)
+    kv_bytes = 2 * (prefix_len + int(seq_lens.sum()) - batch * prefix_len) * hkv * HEAD_DIM * 2
     num_sets = min(triton.cdiv(2 * l2_bytes, kv_bytes), 64) if kv_bytes < 2 * l2_bytes else 1
     blocks_per_seq = triton.cdiv(context, BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
@@ -79,7 +84,6 @@ def make_inputs(hq, hkv, batch, context, l2_bytes, generator, prefix_len=0):
         kd = torch.randn(batch, hkv, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
         dense.append((kd, torch.randn_like(kd)))
     query = torch.randn(batch, hq, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     return query, seq_lens, paged, dense, kv_bytes
 
 
@@ -94,6 +98,11 @@ def main(argv=None) -> int:
         nargs="+",
         type=int,
         help="time each shape at each of these split counts (default: the one the engine picks)",
+    )
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="row lengths uniform in [context / 8, context] (SDPA, which pads every row, is left out)",
     )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
     shapes = [parse_shape(s) for s in args.shapes]
     if any(args.prefix_len >= context for *_, context in shapes):
         parser.error(f"--prefix-len {args.prefix_len}: every shape's context must be longer")
-    inputs = [make_inputs(*shape, l2_bytes, generator, args.prefix_len) for shape in shapes]
+    inputs = [make_inputs(*shape, l2_bytes, generator, args.prefix_len, args.ragged) for shape in shapes]
     prefix = None
     if args.prefix_len:
         prefix = torch.tensor([args.prefix_len], dtype=torch.int32, device="cuda")
@@ -160,6 +169,8 @@ def main(argv=None) -> int:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_cells = []
     for (hq, _, batch, _), (query, _, _, dense, _) in zip(shapes, inputs, strict=True):
+        if args.ragged:
+            break
         rotation = itertools.cycle(dense)
         q = query.view(batch, hq, 1, HEAD_DIM)
 
@@ -170,13 +181,16 @@ def main(argv=None) -> int:
         us = graph_us(run_sdpa)
         dense_bytes = dense[0][0].numel() * dense[0][0].element_size() * 2  # every row's keys and values
         sdpa_cells.append(f"{us:.1f} ({dense_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
-    rows.append("| SDPA, contiguous K/V | " + " | ".join(sdpa_cells[i] for i, _ in cases) + " |")
+    if not args.ragged:
+        rows.append("| SDPA, contiguous K/V | " + " | ".join(sdpa_cells[i] for i, _ in cases) + " |")
     header = (
         f"### Decode launch settings for long splits, {torch.cuda.get_device_name()}, copy bandwidth "
         f"{bandwidth:.0f} GB/s, in a CUDA graph, µs (share of the copy bandwidth); splits chosen for max_seq_len "
         f"{args.max_seq_len}"
         + (f"; every row shares its first {args.prefix_len} keys (cascade)" if prefix is not None else "")
-        + "; SDPA reads every row's keys\n\n"
+        + ("; ragged rows: lengths uniform in [context / 8, context]" if args.ragged else "")
+        + ("" if args.ragged else "; SDPA reads every row's keys")
+        + "\n\n"
         "| BLOCK_N / stages / warps | "
         + " | ".join(
             f"{args.shapes[i]} ({n} split{'s' * (n > 1)}{', the pick' if args.splits and n == picked[i] else ''})"

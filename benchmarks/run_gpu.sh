@@ -113,6 +113,7 @@
 #   sweep     benchmarks/decode_sweep.py: the decode kernel's long-split launch settings on this card    (~2 min)
 #   split-sweep-mid  decode_sweep.py at Llama-8B's heads, 8-64 rows: split counts 1-8 x three long-split settings,
 #             beside SDPA (the 8B run's small decode steps; the decode kernel is 0.78-0.94x SDPA there)      (~2 min)
+#   split-sweep-mid-ragged  the same shapes, ragged rows, split counts 1-6 and 9, the long-split setting      (~1 min)
 #   prefill-sweep  benchmarks/prefill_sweep.py: the prefill kernel's tiles (kernels.prefill.PREFILL_TILES) beside
 #             SDPA, fresh prompts of both model shapes, K/V through the block table and from the new tokens  (~2 min)
 #   stages-ab-8b  the 8B sharegpt workload with the long-split settings 64/3/4 (the default) and STAGES_AB
@@ -498,6 +499,11 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 32x8:32x2048 32x8:64x1024 --splits 1 2 3 4 6 8 --settings 64/3/4 32/3/4 64/3/8 \
                 --out "$out/split-sweep-mid.md" 2>&1 | tail -8
             ;;
+        split-sweep-mid-ragged)  # the same shapes with ragged rows (lengths uniform in [context / 8, context])
+            timeout 200 python3 benchmarks/decode_sweep.py --ragged --shapes 32x8:8x2048 32x8:16x1024 32x8:32x512 \
+                32x8:32x1024 32x8:32x2048 32x8:64x1024 --splits 1 2 3 4 5 6 9 --settings 64/3/4 \
+                --out "$out/split-sweep-mid-ragged.md" 2>&1 | tail -4
+            ;;
         sweep) timeout 240 python3 benchmarks/decode_sweep.py --out "$out/sweep.md" 2>&1 | tail -21 ;;
         prefill-sweep) timeout 240 python3 benchmarks/prefill_sweep.py --out "$out/prefill-sweep.md" 2>&1 | tail -14 ;;
         table)
@@ -575,7 +581,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
                 "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
                 "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, argmax-ab, pdl-tests, compile-ab, compile-ab-small, compile-ab-8b, mixed-ab-8b, split-sweep-mid, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
+                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, argmax-ab, pdl-tests, compile-ab, compile-ab-small, compile-ab-8b, mixed-ab-8b, split-sweep-mid, split-sweep-mid-ragged, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
             exit 2
             ;;
     esac

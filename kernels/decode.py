@@ -597,10 +597,11 @@ def _num_sms(device_index: int) -> int:
 # Programmatic dependent launch of the split merge (SM90+): its launch overlaps the split kernel, which a CUDA graph
 # otherwise leaves as a gap between the two (~2 µs at 1 x 4096 on an H100). A module switch for benchmarks.
 USE_PDL = True
-# Split grids larger than one round of resident programs launch the merge with PDL too, triggered by each split
-# program once its partial is written (LAUNCH_DEPENDENTS == 2): the merge's launch overlaps the split kernel's last
-# programs. A module switch for benchmarks (benchmarks/kernels.py's PDL table).
-PDL_LATE_TRIGGER = True
+# Split grids larger than one round of resident programs could launch the merge with PDL too, triggered by each split
+# program once its partial is written (LAUNCH_DEPENDENTS == 2), so that the merge's launch overlaps the split
+# kernel's last programs. Measured slower on the H100 (benchmarks/kernels.py's PDL table, twenty-third session: 8 x
+# 2048 30.0 -> 30.5 µs, 32 x 512 31.5 -> 32.0, 32 x 4096 193.1 -> 193.6, in a CUDA graph): off; kept as a switch.
+PDL_LATE_TRIGGER = False
 
 
 @functools.cache
@@ -861,8 +862,8 @@ def paged_decode_triton(
     # and only while the split grid fits one round of resident programs: the merge's programs, started early, wait
     # in SM slots that a larger split grid still needs (H100, in a graph: 1 x 512 7.0 -> 6.4 µs, 1 x 4096 13.9 ->
     # 13.6, but 32 x 512 33.1 -> 34.6; benchmarks/RESULTS.md, sixth session).
-    # A larger split grid (PDL_LATE_TRIGGER) lets the merge start only as its last programs finish: the merge's
-    # launch then overlaps the split kernel's tail instead of following it.
+    # With PDL_LATE_TRIGGER (off: measured slower) a larger split grid lets the merge start only as its last
+    # programs finish.
     pdl = plan.pdl_ok and USE_PDL and not write_out and not has_prefix
     launch_dependents = 0
     if pdl:
