@@ -35,9 +35,10 @@ __all__ = [
 ]
 
 _triton_modules: SimpleNamespace | None = None
-# ``argmax`` on CUDA: the Triton kernels of kernels/argmax_rows.py (True) or torch.argmax (False). Off until measured
-# on a card (written in the twenty-second session, whose device time had run out: correct under the interpreter, and
-# compiled for sm_90 by ptxas with no spill); run_gpu.sh part argmax-ab times both and A/Bs the prefix workload.
+# ``argmax`` on CUDA: the Triton kernels of kernels/argmax_rows.py (True) or torch.argmax (False). Measured on an H200
+# (twenty-third session, benchmarks/RESULTS.md): the kernel is 1.9-8.8x faster in a CUDA graph (26-46 µs -> 3-24 at
+# 1-256 rows of Llama-3.1-8B's vocabulary) with equal answers, but the prefix workload showed no gain end to end
+# (-1.4%, inside the runs' spread; ~1% was predicted). Off until an A/B resolves a gain; run_gpu.sh part argmax-ab.
 TRITON_ARGMAX = False
 
 
