@@ -127,10 +127,33 @@
 #        bash benchmarks/run_gpu.sh OUTDIR --spread QUEUE...   (QUEUE = PART[+PART...], a GPU each, all at once; not the
 #        grid parts, tests or all)
 set -uo pipefail
+# Every part run_part knows, as its case labels name them (tests/test_run_gpu.py checks that the two agree).
+KNOWN_PARTS=(tests tests-cache tests-cache-fuzz tests-engine-fuzz tests-kernels tests-prefill tests-engine kernels
+    skinny-gemm skinny-ab pdl-ab pdl-ab-nano engine generate grid-qwen-a grid-qwen-b grid-llama-a grid-llama-b
+    grid-spread-qwen grid-spread-llama grid-spread grid-spread-llama-modes grid-spread-modes-qwen
+    grid-spread-modes-llama grid-spread-modes grid-spread-greedy memory phases layer-host eager-greedy segments
+    binding-ab eager-cells copy-ab profile profile-python trace kernels-step kernels-step-prefix fuse-ab fuse-ab-8b
+    fused-write-ab prefix-cascade cascade-ab cascade-write-ab cascade-bytes-ab cascade-suffix-ab one-split-ab
+    prefix-split-ab l2-prefetch prefill-map-ab cascade-merge-ab cascade-prefix-ab autotune-ab argmax-ab pdl-tests
+    compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
+    stages-ab-8b table table-8b all)
 out=${1:-${OUT:-/tmp/hf_paged_out}}
 shift || true
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
+# Every part named, of every --spread queue, is checked before anything runs: a name the script does not know (a
+# part added to the tree after the device call copied it, a typo) fails the call at once instead of ending one queue
+# early while the others run.
+for queue in "${parts[@]}"; do
+    [ "$queue" = "--spread" ] && continue
+    IFS=+ read -ra named <<<"$queue"
+    for part in "${named[@]}"; do
+        [[ " ${KNOWN_PARTS[*]} " == *" $part "* ]] || {
+            echo "run_gpu.sh: unknown part '$part' (${KNOWN_PARTS[*]})" >&2
+            exit 2
+        }
+    done
+done
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
@@ -577,11 +600,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
             timeout 400 python3 benchmarks/generate.py --quick --out "$out/generate.md" 2>&1 | grep -v Warning | tail -25
             ;;
         *)
-            echo "run_gpu.sh: unknown part '$part' (tests, tests-cache, tests-cache-fuzz, tests-engine-fuzz, tests-kernels, tests-prefill, tests-engine, kernels, skinny-gemm, skinny-ab, pdl-ab, pdl-ab-nano, engine, generate, grid-qwen-a, grid-qwen-b," \
-                "grid-llama-a, grid-llama-b, grid-spread-qwen, grid-spread-llama, grid-spread, grid-spread-llama-modes," \
-                "grid-spread-modes-qwen, grid-spread-modes-llama, grid-spread-modes, grid-spread-greedy, memory, phases, layer-host, eager-greedy, segments, binding-ab, eager-cells, copy-ab, profile, profile-python, trace," \
-                "kernels-step, kernels-step-prefix, fuse-ab, fuse-ab-8b, fused-write-ab, prefix-cascade, cascade-ab," \
-                "cascade-write-ab, cascade-bytes-ab, cascade-suffix-ab, one-split-ab, prefix-split-ab, l2-prefetch, prefill-map-ab, cascade-merge-ab, cascade-prefix-ab, autotune-ab, argmax-ab, pdl-tests, compile-ab, compile-ab-small, compile-ab-8b, mixed-ab-8b, split-sweep-mid, split-sweep-mid-ragged, sweep, prefill-sweep, stages-ab-8b, table, table-8b, all)" >&2
+            echo "run_gpu.sh: unknown part '$part' (${KNOWN_PARTS[*]})" >&2
             exit 2
             ;;
     esac

@@ -14,11 +14,19 @@ SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
 
 def _parts() -> list[str]:
-    """The parts the script's own usage error lists."""
+    """The parts the script knows: its KNOWN_PARTS array (which its usage error lists)."""
+    listed = re.search(r"^KNOWN_PARTS=\(([^)]*)\)", SCRIPT.read_text(), re.M)
+    assert listed, "run_gpu.sh no longer defines KNOWN_PARTS"
+    return listed.group(1).split()
+
+
+def test_the_known_parts_are_run_parts_case_labels():
+    """KNOWN_PARTS (what a call is checked against before it runs) names exactly the parts run_part branches on."""
     text = SCRIPT.read_text()
-    listed = re.search(r"unknown part '\$part' \(([^)]*)\)", text.replace('" \\\n                "', " "))
-    assert listed, "run_gpu.sh's usage error no longer lists its parts"
-    return [p.strip() for p in listed.group(1).split(",")]
+    body = text[text.index("run_part() {") : text.index("\n        *)\n", text.index("run_part() {"))]
+    labels = [name.strip() for group in re.findall(r"^ {8}([a-z0-9][a-z0-9 |-]*)\)", body, re.M)
+              for name in group.split("|")]  # fmt: skip
+    assert len(labels) > 50 and sorted(labels) == sorted(_parts())
 
 
 @pytest.fixture
@@ -55,6 +63,18 @@ def test_an_unknown_part_is_refused(fake_path, tmp_path):
     result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "no-such-part"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "unknown part 'no-such-part'" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["kernels", "no-such-part"], ["--spread", "kernels+table", "pdl-ab+no-such-part"]])
+def test_an_unknown_part_anywhere_fails_the_call_before_anything_runs(args, fake_path, tmp_path):
+    """A part the script does not know, in any position or --spread queue (e.g. added to the tree after the device
+    call copied it), fails the whole call at once: no part runs, nothing is installed, no output folder is made."""
+    env = dict(os.environ, PATH=fake_path)
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(SCRIPT), str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "unknown part 'no-such-part'" in result.stderr
+    assert "ran:" not in result.stdout and not out.exists()
 
 
 def test_spread_runs_each_queue_on_its_own_gpu(fake_path, tmp_path):
