@@ -64,7 +64,7 @@ def copy_gbs(num_bytes: int = 2 << 30) -> float:
 def make_inputs(hq, hkv, batch, context, l2_bytes, generator, prefix_len=0, ragged=False):
     """Rotating sets of (k_cache, v_cache, block_tables) spanning 2x L2, one query; contiguous K/V for SDPA too.
     With ``prefix_len`` (a multiple of BLOCK_SIZE) every row's first blocks are row 0's. ``ragged``: row lengths
-    uniform in [context / 8, context] (seeded) instead of all ``context``."""
+    uniform in [context / 8, context] (seeded) instead of all ``context``, and no dense K/V."""
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     if ragged:
         low = max(context // 8, prefix_len + 1)
@@ -81,8 +81,9 @@ def make_inputs(hq, hkv, batch, context, l2_bytes, generator, prefix_len=0, ragg
         tables = perm.view(batch, blocks_per_seq).to(torch.int32)
         tables[:, : prefix_len // BLOCK_SIZE] = tables[0, : prefix_len // BLOCK_SIZE].clone()
         paged.append((k, v, tables))
-        kd = torch.randn(batch, hkv, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
-        dense.append((kd, torch.randn_like(kd)))
+        if not ragged:  # SDPA pads every row to the context: no like-for-like baseline for ragged rows
+            kd = torch.randn(batch, hkv, context, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
+            dense.append((kd, torch.randn_like(kd)))
     query = torch.randn(batch, hq, HEAD_DIM, device="cuda", dtype=DTYPE, generator=generator)
     return query, seq_lens, paged, dense, kv_bytes
 

@@ -131,8 +131,9 @@ PDL_POINTS = ((1, 512), (1, 2048), (1, 4096), (8, 512), (8, 2048), (8, 4096), (3
 
 def bench_pdl(l2_bytes: int) -> list[str]:
     """Markdown rows: in-graph µs of the decode with the split merge launched normally, with programmatic dependent
-    launch for small split grids only (``decode.PDL_LATE_TRIGGER`` off) and for every split grid (the default: a
-    larger grid triggers the merge as each program writes its partial; see decode.py)."""
+    launch for small split grids only (the default: ``decode.PDL_LATE_TRIGGER`` off) and for every split grid
+    (``PDL_LATE_TRIGGER`` on: a larger grid triggers the merge as each program writes its partial; measured slower,
+    see decode.py)."""
     from hf_paged.kernels import decode
 
     lines = ["### Decode split merge: normal launch vs PDL, in a CUDA graph (µs)", "",
