@@ -122,6 +122,10 @@
 #   table     the README's engine table, Qwen3-0.6B rows: nano, prefix caching on vs off, the short workload beside
 #             transformers' continuous batching (one run of it)                                             (~6 min)
 #   table-8b  the table's Llama-3.1-8B row: sharegpt, 512 requests                                          (~3 min)
+#   cap-ab-prefix  the prefix workload at 400 requests (issue 13's count) with --max-num-seqs 256 and 512, caching on
+#             and off in each process, 256 / 512 / 512 / 256 (one process each; CAP_AB sets the values)        (~5 min)
+#   cap-ab-short  the short workload (1 000 requests) at --max-num-seqs 256 and 512 (CAP_AB)                 (~4 min)
+#   cap-ab-8b  the 8B sharegpt workload (512 requests) at --max-num-seqs 256 and 512 (CAP_AB; --repeats 2)    (~7 min)
 #   all       tests, kernels, generate (the default; longer than one call)
 # Usage (repo root, CUDA machine): bash benchmarks/run_gpu.sh [OUTDIR] [PART ...]
 #        bash benchmarks/run_gpu.sh OUTDIR --spread QUEUE...   (QUEUE = PART[+PART...], a GPU each, all at once; not the
@@ -136,7 +140,7 @@ KNOWN_PARTS=(tests tests-cache tests-cache-fuzz tests-engine-fuzz tests-kernels 
     fused-write-ab prefix-cascade cascade-ab cascade-write-ab cascade-bytes-ab cascade-suffix-ab one-split-ab
     prefix-split-ab l2-prefetch prefill-map-ab cascade-merge-ab cascade-prefix-ab autotune-ab argmax-ab pdl-tests
     compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
-    stages-ab-8b table table-8b all)
+    stages-ab-8b table table-8b cap-ab-prefix cap-ab-short cap-ab-8b all)
 out=${1:-${OUT:-/tmp/hf_paged_out}}
 shift || true
 parts=("$@")
@@ -535,6 +539,26 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
             "${bench[@]}" --workload prefix --systems hf_paged,hf_paged_no_prefix 2>&1 | grep "^| hf_paged"
             timeout 240 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md" --workload short \
                 --systems hf_paged,hf_cb --baseline-repeats 1 2>&1 | grep "^| hf_"
+            ;;
+        cap-ab-prefix)
+            for cap in ${CAP_AB:-256 512 512 256}; do
+                timeout 200 python3 -m hf_paged.frontends.bench --workload prefix --num-requests 400 --repeats 3 \
+                    --systems hf_paged,hf_paged_no_prefix --max-num-seqs "$cap" --out "$out/cap-ab-prefix.md" 2>&1 \
+                    | grep "^| hf_paged" | sed "s/^/cap $cap /"
+            done
+            ;;
+        cap-ab-short)
+            for cap in ${CAP_AB:-256 512}; do
+                timeout 200 python3 -m hf_paged.frontends.bench --workload short --repeats 3 --systems hf_paged \
+                    --max-num-seqs "$cap" --out "$out/cap-ab-short.md" 2>&1 | grep "^| hf_paged" | sed "s/^/cap $cap /"
+            done
+            ;;
+        cap-ab-8b)
+            for cap in ${CAP_AB:-256 512}; do
+                timeout 270 python3 -m hf_paged.frontends.bench --model llama-8b --workload sharegpt --repeats 2 \
+                    --systems hf_paged --max-num-seqs "$cap" --out "$out/cap-ab-8b.md" 2>&1 | grep "^| hf_paged" \
+                    | sed "s/^/cap $cap /"
+            done
             ;;
         table-8b) timeout 240 python3 -m hf_paged.frontends.bench --repeats 3 --out "$out/table.md" --model llama-8b \
             --workload sharegpt --systems hf_paged 2>&1 | grep "^| hf_paged" ;;
