@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     config = EngineConfig(compile_model=None if cuda else False, fuse_projections=None if args.fuse else False,
-                          cascade_attention=ON_OFF[args.cascade_attention])  # fmt: skip
+                          cascade_attention=ON_OFF[args.cascade_attention]).resolved(args.device)  # fmt: skip
     if args.chunk and max(args.sizes) >= config.max_num_seqs:  # a full batch admits no new prompt
         parser.error(f"--chunk needs every --sizes below max_num_seqs ({config.max_num_seqs}), to leave the prompt "
                      f"a row: {args.sizes}")  # fmt: skip

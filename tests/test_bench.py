@@ -15,6 +15,7 @@ def test_workloads_have_the_documented_shapes():
     assert 120 < statistics.mean(len(p) for p in share.prompts) < 200
     assert 280 < statistics.mean(share.output_lens) < 400
     assert max(len(p) for p in share.prompts) <= 2048
+    assert len(make_workload("prefix", 1000, None).prompts) == 400  # issue 13's count
     prefix = make_workload("prefix", 1000, 50)
     assert all(p[:341] == prefix.prompts[0][:341] for p in prefix.prompts)
     assert all(351 <= len(p) <= 381 for p in prefix.prompts) and all(20 <= n <= 80 for n in prefix.output_lens)

@@ -255,6 +255,35 @@ def test_bad_input_is_rejected_while_others_complete(reference):
     assert_engine_drained(engine)
 
 
+def test_max_num_seqs_default_is_resolved_by_the_card(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_paged.engine import config as config_mod
+    from hf_paged.engine.config import EngineConfig, default_max_num_seqs
+
+    assert EngineConfig().max_num_seqs is None  # resolved by the engine, where the model's device is known
+    assert EngineConfig().resolved("cpu").max_num_seqs == 256
+    assert EngineConfig(max_num_batched_tokens=32).resolved("cpu").max_num_seqs == 32  # never above the budget
+    assert EngineConfig(max_num_seqs=48).resolved("cuda").max_num_seqs == 48  # a set value stays
+    engine = make_engine(tiny_model("llama"), num_blocks=8)
+    expected = default_max_num_seqs(DEVICE, 2048)  # 256 on the CPU; by the card on CUDA (the GPU test run)
+    assert DEVICE != "cpu" or expected == 256
+    assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == engine.runner.max_num_seqs == expected
+    assert engine.inputs.max_num_seqs == expected
+    # CUDA cards, faked: 512 from LARGE_CARD_GIB of memory on (an H100's 79.1 GiB), 256 below (a 24 GiB card)
+    monkeypatch.setattr(config_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config_mod.torch.cuda, "current_device", lambda: 0)
+    for gib, expected in ((79.1, 512), (140.0, 512), (70.0, 512), (69.9, 256), (24.0, 256)):
+        props = SimpleNamespace(total_memory=int(gib * 2**30))
+        monkeypatch.setattr(config_mod.torch.cuda, "get_device_properties", lambda index, p=props: p)
+        assert default_max_num_seqs("cuda", 2048) == expected, gib
+        assert default_max_num_seqs(torch.device("cuda", 1), 2048) == expected, gib
+        assert default_max_num_seqs("cuda", 300) == min(expected, 300), gib
+        assert EngineConfig().resolved("cuda:0").max_num_seqs == expected, gib
+    assert default_max_num_seqs("cpu", 2048) == 256
+    assert default_max_num_seqs(None, 2048) == 256
+
+
 def test_engine_rejects_bad_configuration():
     with pytest.raises(ValueError, match="`max_num_seqs` \\(64\\) must not exceed `max_num_batched_tokens` \\(32\\)"):
         make_engine(tiny_model("llama"), num_blocks=8, max_num_batched_tokens=32, max_num_seqs=64)

@@ -87,8 +87,8 @@ class ContinuousBatcher:
             raise TypeError(f"pass either `config` or keyword settings, not both (got {sorted(settings)})")
         if not isinstance(config, EngineConfig):
             raise TypeError(f"`config` must be an EngineConfig, got {type(config).__name__}")
-        self.config = config
         info = ModelInfo.from_model(model)
+        self.config = config = config.resolved(info.devices[0])  # max_num_seqs by the card
         if getattr(model.config, "_attn_implementation", None) != "paged":
             import hf_paged.attention  # noqa: F401  (registers "paged")
 

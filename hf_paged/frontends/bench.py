@@ -4,7 +4,7 @@ Random-weight bf16 models built from configs (no hub; like ``vllm bench --load-f
 prompt ids, EOS ignored, seeded workloads:
 - nano: 256 requests, prompt U[100, 1024], output U[100, 1024] (nano-vllm's bench);
 - sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
-- prefix: a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4);
+- prefix: 400 requests, a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4);
 - short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps).
 Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without shared-prefix decode
 (``hf_paged_no_cascade``; on by default on CUDA), hf_paged without async scheduling (``hf_paged_sync``),
@@ -90,7 +90,7 @@ def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: in
         lens_out = torch.empty(n).log_normal_(mu_out, sigma_out, generator=gen).clamp(4, 2048).long().tolist()
         return Workload(name, [ids(k) for k in lens_in], lens_out)
     if name == "prefix":
-        n = num_requests or 200
+        n = num_requests or 400  # issue 13's count (the twenty-third session and before: 200)
         prefix = ids(341)
         uniq = torch.randint(10, 41, (n,), generator=gen).tolist()
         lens_out = torch.randint(20, 81, (n,), generator=gen).tolist()
@@ -326,7 +326,7 @@ def emit_table(table: str, out: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hf_paged.engine.config import EngineConfig
+    from hf_paged.engine.config import EngineConfig, default_max_num_seqs
 
     parser = argparse.ArgumentParser(prog="hf-paged bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
@@ -357,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         help="share of the card for weights, activations and pool (default: %(default)s)",
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="EngineConfig.max_num_seqs (default: the engine's, by the card: 512 on >= 70 GiB, else "
+                             "256); also the wave size of the floor")  # fmt: skip
     parser.add_argument("--compile", default="auto", choices=["auto", "none", "layers", "full"],
                         help="hf_paged's compile_model: auto (the engine's default: layers on CUDA), none, layers, "
                              "full (default: %(default)s)")  # fmt: skip
@@ -393,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(args.workload, model.config.vocab_size, num_requests)
     if args.quick:
         workload.output_lens = [min(n, 128) for n in workload.output_lens]
+    if args.max_num_seqs is None:  # the engine's default for this card, named in the table's header
+        args.max_num_seqs = default_max_num_seqs(next(model.parameters()).device, args.max_num_batched_tokens)
     bandwidth, flops = measure_ceilings()
     floor = floor_seconds(model, workload, bandwidth, flops, args.max_num_seqs)
     baseline_repeats = args.baseline_repeats or args.repeats
@@ -427,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         f"transformers {transformers.__version__}, hf_paged {hf_paged.__version__}\n\n"
         f"`hf-paged bench {' '.join(argv if argv is not None else sys.argv[1:])}` — measured copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; physical floor {floor:.2f} s = "
-        f"{floor_tps:.0f} output tok/s\n\n"
+        f"{floor_tps:.0f} output tok/s; max_num_seqs {args.max_num_seqs}\n\n"
         "| system | runs | time (s), median [min, max] | output tok/s, median [min, max] | total tok/s | % of floor "
         "| start-up to first token (s) | peak memory (GiB) | notes |\n"
         "|---|---|---|---|---|---|---|---|---|\n"

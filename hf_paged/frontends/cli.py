@@ -181,7 +181,8 @@ def _add_engine_args(command: argparse.ArgumentParser, num_blocks_help: str, com
     engine.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block; default: 16")
     engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="default: %(default)s")
     engine.add_argument("--max-num-seqs", type=_positive_int,
-                        help="most sequences in one step; default: min(256, --max-num-batched-tokens)")  # fmt: skip
+                        help="most sequences in one step; default: 512 on a CUDA card of >= 70 GiB, else 256, "
+                             "never above --max-num-batched-tokens")  # fmt: skip
     engine.add_argument("--no-prefix-caching", action="store_true", help="don't reuse blocks across prompts")
     engine.add_argument(
         "--no-cascade-attention",
