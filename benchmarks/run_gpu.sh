@@ -57,6 +57,9 @@
 #   profile-python  the same call under cProfile (Python functions by own time): where eager PagedCache's greedy
 #             steps at batch 32-64 spend the 4-9% they trail DynamicCache by (sixteenth session's grid)      (~3 min)
 #   trace     benchmarks/engine_trace.py: nano and prefix on/off step by step, GPU time beside each step's floor (~4 min)
+#   trace-prefix  engine_trace.py on the prefix workload alone, caching on and off (before the first forward, each
+#             step kind's GPU time beside its floor)                                                         (~3 min)
+#   prefix-5  hf-paged bench, the prefix workload caching on and off, 5 repeats                             (~2 min)
 #   kernels-step  benchmarks/step_kernels.py: the kernels of a captured decode step at batch 256, 64, 1        (~1 min)
 #   kernels-step-prefix  the same for the prefix workload's decode steps (224, 128 and 32 rows sharing a 341-token
 #             prefix, ~400 keys), shared-prefix decode on and off                                               (~3 min)
@@ -140,7 +143,7 @@ KNOWN_PARTS=(tests tests-cache tests-cache-fuzz tests-engine-fuzz tests-kernels 
     fused-write-ab prefix-cascade cascade-ab cascade-write-ab cascade-bytes-ab cascade-suffix-ab one-split-ab
     prefix-split-ab l2-prefetch prefill-map-ab cascade-merge-ab cascade-prefix-ab autotune-ab argmax-ab pdl-tests
     compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
-    stages-ab-8b table table-8b cap-ab-prefix cap-ab-short cap-ab-8b all)
+    stages-ab-8b table table-8b trace-prefix prefix-5 cap-ab-prefix cap-ab-short cap-ab-8b all)
 out=${1:-${OUT:-/tmp/hf_paged_out}}
 shift || true
 parts=("$@")
@@ -207,7 +210,7 @@ run_prefill_tests() {
 }
 
 run_engine_tests() {  # every engine on the GPU captures CUDA graphs, warms up and runs async scheduling
-    HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    HF_PAGED_CHECK_LAUNCH=1 HF_PAGED_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -p no:cacheprovider \
         tests/test_engine.py tests/test_async.py tests/test_engine_reliability.py tests/test_graph_steps.py \
         tests/test_engine_cascade.py tests/test_fuse.py -W ignore::FutureWarning -rf 2>&1 | tee "$out/tests-engine.log" | tail -6 \
         | tee -a "$out/tests.txt"
@@ -322,6 +325,16 @@ run_part() {  # run_part PART: one part, its figures under $out
             for flag in "" --no-prefix-caching; do
                 timeout 90 python3 benchmarks/engine_trace.py --workload prefix $flag 2>&1 | tail -14 | tee -a "$out/trace.md"
             done
+            ;;
+        trace-prefix)
+            for flag in "" --no-prefix-caching; do
+                timeout 120 python3 benchmarks/engine_trace.py --workload prefix $flag 2>&1 | tail -16 \
+                    | tee -a "$out/trace-prefix.md"
+            done
+            ;;
+        prefix-5)
+            timeout 240 python3 -m hf_paged.frontends.bench --workload prefix --repeats 5 \
+                --systems hf_paged,hf_paged_no_prefix --out "$out/prefix-5.md" 2>&1 | grep "^| hf_paged"
             ;;
         kernels-step) timeout 150 python3 benchmarks/step_kernels.py --sizes 256 64 1 2>&1 | grep -v "USDT\|^STAGE" \
             | tee "$out/step_kernels.md" ;;
