@@ -329,3 +329,94 @@ def test_close_drains_and_the_engine_still_serves(reference):
     assert not engine.runner.use_cuda_graphs
     assert _drive(engine)[rid].outputs[0].token_ids == reference[0]
     assert_engine_drained(engine)
+
+
+class _BusyEvent:
+    """A device event stand-in on the CPU: busy for ``polls`` queries, then done."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.polls = -1
+
+
+def _busy_launches(engine, monkeypatch, polls: int = 3) -> list[int]:
+    """Give every deferred step a _BusyEvent (as a CUDA step has); returns the prompts add_while_busy adds, a call
+    each."""
+    from hf_paged.engine import engine as engine_mod
+
+    launch = engine._launch
+
+    def busy_launch(sched, logits):
+        launched = launch(sched, logits)
+        if launched.deferred:
+            launched.event = _BusyEvent(polls)
+        return launched
+
+    monkeypatch.setattr(engine, "_launch", busy_launch)
+    added = []
+    add_while_busy = engine_mod._Feeder.add_while_busy
+
+    def counting(feeder, event):
+        before = len(feeder.ids)
+        add_while_busy(feeder, event)
+        added.append(len(feeder.ids) - before)
+
+    monkeypatch.setattr(engine_mod._Feeder, "add_while_busy", counting)
+    return added
+
+
+def test_generate_adds_its_prompts_as_the_engine_goes(reference, monkeypatch, scheduling_mode):
+    """generate() adds a step's worth of prompts, then the rest while the device runs (async: while a queued step's
+    event is pending; sync: when nothing waits); outputs are those of adding them all first, in prompt order."""
+    model = tiny_model("llama")
+    engine = make_engine(model, block_size=8, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=8)
+    added = _busy_launches(engine, monkeypatch)
+    known = []  # requests the engine holds at each forward
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: known.append(len(engine.requests)) or forward(*a, **k))
+    prompts = _prompts() * 3
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS * 3]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference * 3
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert known[0] == 3  # 5 + 17 tokens < 32 <= 5 + 17 + 33: the first step's worth, not the 18 prompts
+    assert max(known) > known[0]
+    if scheduling_mode:  # async: prompts came in while the (stand-in) device worked on queued steps
+        assert sum(added) > 0
+    else:
+        assert added == []  # a sync step processes its own tokens at once: there is no queued step to wait on
+    assert_engine_drained(engine)
+
+
+@pytest.mark.parametrize("bad_at", [1, 11])
+def test_generate_refuses_a_bad_prompt_added_late_and_keeps_serving(reference, monkeypatch, bad_at, scheduling_mode):
+    """A bad prompt found when its turn comes (the first step's worth, or while steps run) raises, the call's earlier
+    requests are aborted, no block leaks, and the engine serves the next call."""
+    model = tiny_model("llama")
+    engine = make_engine(model, block_size=8, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=8)
+    added = _busy_launches(engine, monkeypatch, polls=50)
+    forwards = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(1) or forward(*a, **k))
+    prompts = _prompts() * 3
+    prompts[bad_at] = [5, 6, 10_000]
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS * 3]
+    with pytest.raises(ValueError, match="token id 10000 is outside the vocabulary"):
+        engine.generate(prompts, params, use_tqdm=False)
+    if bad_at == 1:  # among the first step's worth: refused before any forward
+        assert forwards == []
+    elif scheduling_mode:  # found while the first step ran (two steps queued): raised right after that step
+        assert len(forwards) == 2 and added and 0 < added[0] < bad_at
+    assert_engine_drained(engine)
+    assert not engine.requests
+    outs = engine.generate(
+        _prompts(), [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS], use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert_engine_drained(engine)
