@@ -155,7 +155,6 @@ class ContinuousBatcher:
         self._aborts: collections.deque[str] = collections.deque()  # abort() from any thread lands here
         self._unreported: dict[str, Request] = {}  # finished outside a step (aborts): reported by the next step
         self._unclaimed: dict[str, Request] = {}  # step()-owned requests that finished inside generate/stream
-        self._feeder: _Feeder | None = None  # the prompts of the generate() call in progress not yet added
 
     def _start_runner(self, config: EngineConfig) -> None:
         """Warm-up forward and graph capture, at start-up (where compilation happens too)."""
@@ -349,8 +348,6 @@ class ContinuousBatcher:
                 )
         if prev is not None:  # the previous step: its tokens are needed by now
             self._inflight = None
-            if self._feeder is not None and prev.event is not None:  # generate()'s prompts, while the device works
-                self._feeder.add_while_busy(prev.event)
             self._process(prev, touched)
         if launched is not None:
             if launched.deferred:
@@ -527,29 +524,23 @@ class ContinuousBatcher:
             use_tqdm: show a progress bar of finished requests.
 
         If the call is interrupted (an exception, Ctrl-C), its requests are aborted and the engine stays usable.
-
-        The prompts are added as the engine goes (``_Feeder``): the first step's worth at once, the rest while the
-        device runs the steps already queued, so the device does not wait for the host to check and queue all of
-        them (400 prompts of ~365 tokens: ~12 ms, 4-6% of such a run on an H100). A bad prompt raises when its turn
-        comes, possibly after earlier prompts of the call started running; they are aborted then, as on an interrupt.
         """
         with self._enter():
             prompts = _as_prompt_list(prompts)
             params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one each")
-            feeder = _Feeder(self, zip(prompts, params_list, strict=True), len(prompts))
+            owner = object()
+            ids: list[str] = []
             try:
-                feeder.add_step()
-                self._feeder = feeder
-                self._wait_for(feeder.ids, use_tqdm, feeder)
+                for prompt, p in zip(prompts, params_list, strict=True):
+                    ids.append(self.add_request(prompt, p))
+                    self.requests[ids[-1]].owner = owner
+                self._wait_for(ids, use_tqdm)
             except BaseException:
-                for rid in feeder.ids:  # all or nothing: a bad prompt or an interrupt leaves none of the call's
+                for rid in ids:  # all or nothing: a bad prompt or an interrupt leaves none of this call's requests
                     self._forget(rid)
                 raise
-            finally:
-                self._feeder = None
-            ids = feeder.ids
             if not self.scheduler.has_unfinished():
                 self._drain()  # only discarded tokens are left in flight: leave the engine idle
             outputs = [request_output(self.requests[rid], self.tokenizer is not None) for rid in ids]
@@ -565,21 +556,12 @@ class ContinuousBatcher:
         self._unreported.pop(request_id, None)
         self._unclaimed.pop(request_id, None)
 
-    def _wait_for(self, ids: list[str], use_tqdm: bool, feeder: "_Feeder | None" = None) -> None:
+    def _wait_for(self, ids: list[str], use_tqdm: bool) -> None:
         pending = set(ids)
-        tracked = len(ids)  # ids[:tracked] are in pending or finished (a feeder appends to ids)
-        bar = _progress(feeder.total if feeder is not None else len(ids), use_tqdm)
+        bar = _progress(len(ids), use_tqdm)
         try:
-            while pending or (feeder is not None and feeder.items):
-                if feeder is not None and feeder.items and not self.scheduler.waiting:
-                    feeder.add_step()  # nothing left to admit: the next step's worth
-                pending.update(ids[tracked:])
-                tracked = len(ids)
+            while pending:
                 touched = self._run_step()
-                if feeder is not None and feeder.error is not None:  # a prompt added during the step was refused
-                    raise feeder.error
-                pending.update(ids[tracked:])
-                tracked = len(ids)
                 self._keep_unclaimed(touched)
                 for request in touched.values():
                     if request.is_finished and request.request_id in pending:
@@ -669,47 +651,6 @@ class _Held:
     def __exit__(self, *exc):
         self._lock.release()
         return False
-
-
-class _Feeder:
-    """The prompts of one ``generate()`` call, added to the engine as it goes.
-
-    ``add_step`` adds prompts until they hold a step's token budget (at least one prompt): what the next step can
-    take when nothing else waits. ``add_while_busy`` adds the next prompts one by one while the device has not
-    reached ``event`` (the end of the step whose tokens the engine is about to read back, with the next step
-    already queued behind it), so adding them costs the device nothing. A prompt refused there is kept in
-    ``error`` (the step in progress is not disturbed) and raised by ``generate()`` after the step.
-    """
-
-    def __init__(self, engine: "ContinuousBatcher", items, total: int):
-        self.engine = engine
-        self.items = collections.deque(items)  # (prompt, params) not yet added
-        self.total = total
-        self.owner = object()
-        self.ids: list[str] = []  # added, in prompt order
-        self.error: BaseException | None = None
-
-    def _add_next(self) -> int:
-        prompt, params = self.items[0]
-        request_id = self.engine.add_request(prompt, params)
-        self.items.popleft()
-        request = self.engine.requests[request_id]
-        request.owner = self.owner
-        self.ids.append(request_id)
-        return len(request.prompt_token_ids)
-
-    def add_step(self) -> None:
-        budget = self.engine.config.max_num_batched_tokens
-        tokens = 0
-        while self.items and tokens < budget:
-            tokens += self._add_next()
-
-    def add_while_busy(self, event) -> None:
-        try:
-            while self.items and self.error is None and not event.query():
-                self._add_next()
-        except Exception as e:
-            self.error = e
 
 
 @dataclass
