@@ -104,6 +104,8 @@
 #   argmax-ab  greedy sampling's argmax: kernels/argmax_rows.py on CUDA (tests with every launch checked), against
 #             torch.argmax in a CUDA graph (benchmarks/argmax_bench.py), then the prefix workload with
 #             kernels.TRITON_ARGMAX False True True False (module_ab.py)                                      (~4 min)
+#   feed-ab   generate() feeding its prompts as it goes (engine.FEED_PROMPTS): its tests on CUDA, the prefix workload
+#             False / True / True / False (module_ab.py), then traced with it on (the wait before the first forward) (~5 min)
 #   compile-ab  fewer kernels a layer without new code: the prefix workload with the decoder layers compiled (the
 #             default), the whole model compiled (--compile full: the residual add that ends a layer fuses with the
 #             next layer's norm) and the layers with inductor's combo kernels (LAYER_COMPILE_OPTIONS options
@@ -142,7 +144,7 @@ KNOWN_PARTS=(tests tests-cache tests-cache-fuzz tests-engine-fuzz tests-kernels 
     binding-ab eager-cells copy-ab profile profile-python trace kernels-step kernels-step-prefix fuse-ab fuse-ab-8b
     fused-write-ab prefix-cascade cascade-ab cascade-write-ab cascade-bytes-ab cascade-suffix-ab one-split-ab
     prefix-split-ab l2-prefetch prefill-map-ab cascade-merge-ab cascade-prefix-ab autotune-ab argmax-ab pdl-tests
-    compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
+    feed-ab compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
     stages-ab-8b table table-8b trace-prefix prefix-5 cap-ab-prefix cap-ab-short cap-ab-8b all)
 out=${1:-${OUT:-/tmp/hf_paged_out}}
 shift || true
@@ -489,6 +491,13 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 | tee -a "$out/$part.md"
             timeout 150 python3 benchmarks/argmax_bench.py 2>&1 | grep -v -i warn | tee -a "$out/$part.md"
             prefix_ab hf_paged.kernels.TRITON_ARGMAX False True True False
+            ;;
+        feed-ab)
+            HF_PAGED_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
+                -k fed_prompts 2>&1 | tail -3 | tee -a "$out/$part.md"
+            prefix_ab hf_paged.engine.engine.FEED_PROMPTS False True True False
+            PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py hf_paged.engine.engine.FEED_PROMPTS=True -- \
+                benchmarks/engine_trace.py --workload prefix 2>&1 | tail -16 | tee -a "$out/$part.md"
             ;;
         compile-ab)
             combo="{'options': {'combo_kernels': True}}"

@@ -329,3 +329,92 @@ def test_close_drains_and_the_engine_still_serves(reference):
     assert not engine.runner.use_cuda_graphs
     assert _drive(engine)[rid].outputs[0].token_ids == reference[0]
     assert_engine_drained(engine)
+
+
+class _BusyEvent:
+    """A step's device event, busy for ``polls`` more queries than the real one (None on the CPU: done at once)."""
+
+    def __init__(self, inner, polls: int):
+        self.inner, self.polls = inner, polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0 and (self.inner is None or self.inner.query())
+
+    def synchronize(self) -> None:
+        if self.inner is not None:
+            self.inner.synchronize()
+
+
+def _fed_engine(monkeypatch, feed: bool, polls: int = 3, **config):
+    """An engine whose generate() feeds its prompts (engine.FEED_PROMPTS) or adds them all first; its deferred steps
+    hold a _BusyEvent (the device busy a few polls); returns it and a record of each schedule: (request ids, new
+    tokens, computed tokens, requests the engine holds)."""
+    from hf_paged.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "FEED_PROMPTS", feed)
+    engine = make_engine(tiny_model("llama"), block_size=8, max_num_seqs=8, **config)
+    launch, schedule, record = engine._launch, engine.scheduler.schedule, []
+
+    def busy_launch(sched, logits):
+        launched = launch(sched, logits)
+        if launched.deferred:
+            launched.event = _BusyEvent(launched.event, polls)
+        return launched
+
+    def recorded():
+        out = schedule()
+        record.append((list(out.request_ids), list(out.num_new_tokens), list(out.num_computed), len(engine.requests)))
+        return out
+
+    monkeypatch.setattr(engine, "_launch", busy_launch)
+    monkeypatch.setattr(engine.scheduler, "schedule", recorded)
+    return engine, record
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(max_num_batched_tokens=256, num_blocks=64),
+        dict(max_num_batched_tokens=16, num_blocks=64),  # chunked prefill
+        dict(max_num_batched_tokens=32, num_blocks=14),  # tiny pool: preemption by recompute
+    ],
+    ids=["one-step", "chunked", "preempt"],
+)
+def test_fed_prompts_keep_the_schedule(reference, monkeypatch, config):
+    """generate() feeding its prompts as it goes schedules every step as with all prompts queued first, and returns
+    the same outputs in prompt order; the first step starts before all prompts are added."""
+    prompts = _prompts() * 3
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS * 3]
+    runs = {}
+    for feed in (False, True):
+        engine, record = _fed_engine(monkeypatch, feed, **config)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference * 3
+        assert [o.prompt_token_ids for o in outs] == prompts
+        assert_engine_drained(engine)
+        runs[feed] = record
+    assert [r[:3] for r in runs[True]] == [r[:3] for r in runs[False]]
+    assert runs[False][0][3] == len(prompts)
+    assert runs[True][0][3] < len(prompts)  # the first step did not wait for every prompt
+
+
+@pytest.mark.parametrize("bad_at", [0, 13])
+def test_fed_prompts_refuse_a_bad_prompt_and_keep_serving(reference, monkeypatch, bad_at, scheduling_mode):
+    """A bad prompt fed mid-call raises (the call's earlier requests are aborted), no block leaks, and the engine
+    serves the next call; with async scheduling it is found while the device runs the first steps."""
+    engine, record = _fed_engine(monkeypatch, True, polls=50, max_num_batched_tokens=32, num_blocks=64)
+    prompts = _prompts() * 3
+    prompts[bad_at] = [5, 6, 10_000]
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS * 3]
+    with pytest.raises(ValueError, match="token id 10000 is outside the vocabulary"):
+        engine.generate(prompts, params, use_tqdm=False)
+    if scheduling_mode:  # fed while the (stand-in) device ran step 1, step 2 queued: raised after step 2
+        assert len(record) == (1 if bad_at == 0 else 2)
+    assert_engine_drained(engine)
+    assert not engine.requests
+    outs = engine.generate(
+        _prompts(), [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS], use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert_engine_drained(engine)

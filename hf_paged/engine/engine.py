@@ -52,6 +52,17 @@ from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
 from hf_paged.model_info import ModelInfo
 from hf_paged.transfer import to_device
 
+# generate() feeds its prompts to the engine as it goes (``_Feeder``) instead of adding them all before the first step.
+# The scheduler pulls the next prompt whenever its queue runs dry while it could admit more, so each step admits what
+# it would have with every prompt queued (the schedule is the same); the other prompts are added while the device runs
+# the steps already queued (async scheduling on CUDA). Predicted: the prefix workload's 18.9 ms before its first
+# forward on an H100 (400 prompts of ~365 tokens checked and queued at ~29 µs each, twenty-fourth session call 3) down
+# to the ~60 prompts its first step admits, ~5% of that run. Off until measured on a card: a first form (add a step's
+# worth, then the rest while the device works) cut the wait to 0.6 ms but changed the schedule, 85 -> 137 steps on a
+# shared host, and was reverted. On, a bad prompt raises when its turn comes, after earlier prompts started running
+# (they are aborted then, as vLLM's LLM.generate aborts the requests it had added).
+FEED_PROMPTS = False
+
 __all__ = ["ContinuousBatcher", "EngineConfig", "EngineMetrics", "StreamDelta"]
 
 
@@ -155,6 +166,7 @@ class ContinuousBatcher:
         self._aborts: collections.deque[str] = collections.deque()  # abort() from any thread lands here
         self._unreported: dict[str, Request] = {}  # finished outside a step (aborts): reported by the next step
         self._unclaimed: dict[str, Request] = {}  # step()-owned requests that finished inside generate/stream
+        self._feeder: _Feeder | None = None  # FEED_PROMPTS: the generate() call's prompts not yet added
 
     def _start_runner(self, config: EngineConfig) -> None:
         """Warm-up forward and graph capture, at start-up (where compilation happens too)."""
@@ -348,6 +360,8 @@ class ContinuousBatcher:
                 )
         if prev is not None:  # the previous step: its tokens are needed by now
             self._inflight = None
+            if self._feeder is not None and prev.event is not None:  # generate()'s prompts, while the device works
+                self._feeder.add_while_busy(prev.event)
             self._process(prev, touched)
         if launched is not None:
             if launched.deferred:
@@ -530,17 +544,23 @@ class ContinuousBatcher:
             params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one each")
-            owner = object()
-            ids: list[str] = []
+            feeder = _Feeder(self, zip(prompts, params_list, strict=True), len(prompts))
+            ids = feeder.ids
             try:
-                for prompt, p in zip(prompts, params_list, strict=True):
-                    ids.append(self.add_request(prompt, p))
-                    self.requests[ids[-1]].owner = owner
-                self._wait_for(ids, use_tqdm)
+                if FEED_PROMPTS:
+                    self._feeder = self.scheduler.source = feeder
+                else:
+                    while feeder.items:
+                        feeder.pull()
+                        if feeder.error is not None:
+                            raise feeder.error
+                self._wait_for(ids, use_tqdm, feeder)
             except BaseException:
                 for rid in ids:  # all or nothing: a bad prompt or an interrupt leaves none of this call's requests
                     self._forget(rid)
                 raise
+            finally:
+                self._feeder = self.scheduler.source = None
             if not self.scheduler.has_unfinished():
                 self._drain()  # only discarded tokens are left in flight: leave the engine idle
             outputs = [request_output(self.requests[rid], self.tokenizer is not None) for rid in ids]
@@ -556,12 +576,18 @@ class ContinuousBatcher:
         self._unreported.pop(request_id, None)
         self._unclaimed.pop(request_id, None)
 
-    def _wait_for(self, ids: list[str], use_tqdm: bool) -> None:
+    def _wait_for(self, ids: list[str], use_tqdm: bool, feeder: "_Feeder | None" = None) -> None:
         pending = set(ids)
-        bar = _progress(len(ids), use_tqdm)
+        tracked = len(ids)  # ids[:tracked] are pending or finished; a feeder appends to ids
+        bar = _progress(feeder.total if feeder is not None else len(ids), use_tqdm)
         try:
-            while pending:
+            while pending or (feeder is not None and feeder.items):
                 touched = self._run_step()
+                if feeder is not None:
+                    if feeder.error is not None:  # a prompt fed during the step was refused
+                        raise feeder.error
+                    pending.update(ids[tracked:])
+                    tracked = len(ids)
                 self._keep_unclaimed(touched)
                 for request in touched.values():
                     if request.is_finished and request.request_id in pending:
@@ -651,6 +677,39 @@ class _Held:
     def __exit__(self, *exc):
         self._lock.release()
         return False
+
+
+class _Feeder:
+    """The prompts of one ``generate()`` call, added to the engine in order (see ``FEED_PROMPTS``).
+
+    ``pull`` adds the next one (the scheduler calls it when its queue is empty and it could admit more);
+    ``add_while_busy`` adds them one by one while the device has not reached ``event`` (the end of the step whose
+    tokens the engine is about to read back, the next step queued behind it). A refused prompt ends the feeding; its
+    error waits in ``error`` (the step in progress is not disturbed) and ``generate()`` raises it after the step.
+    """
+
+    def __init__(self, engine: "ContinuousBatcher", items, total: int):
+        self.engine = engine
+        self.items = collections.deque(items)  # (prompt, params) not yet added
+        self.total = total
+        self.owner = object()
+        self.ids: list[str] = []  # added, in prompt order
+        self.error: BaseException | None = None
+
+    def pull(self) -> None:
+        prompt, params = self.items.popleft()
+        try:
+            request_id = self.engine.add_request(prompt, params)
+        except Exception as e:
+            self.error = e
+            self.items.clear()
+            return
+        self.engine.requests[request_id].owner = self.owner
+        self.ids.append(request_id)
+
+    def add_while_busy(self, event) -> None:
+        while self.items and not event.query():
+            self.pull()
 
 
 @dataclass

@@ -102,6 +102,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._seqs: dict[int, tuple[Sequence, Request]] = {}  # every unfinished sequence by id
         self._swap_slots_to_release: list[Sequence] = []
+        # More requests to queue on demand (the engine's generate() with FEED_PROMPTS): ``source.items`` is truthy
+        # while some are left, ``source.pull()`` adds the next one (through ``add``, or refuses it and ends).
+        self.source = None
 
     # ---- queue ------------------------------------------------------------------------------------
 
@@ -113,7 +116,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.source is not None and self.source.items))
+
+    def _pull(self, budget: int) -> bool:
+        """Queue the source's next request when nothing waits and the step could take more; whether one waits."""
+        if not self.waiting and budget > 0 and self.source is not None and self.source.items:
+            self.source.pull()  # a refused one is not queued: the source ends
+        return bool(self.waiting)
 
     def get(self, seq_id: int) -> tuple[Sequence, Request]:
         """The sequence and request of ``seq_id`` (an unfinished sequence)."""
@@ -216,8 +225,8 @@ class Scheduler:
             if request.status is Status.RUNNING:  # not preempted in the meantime
                 budget = self._schedule_chunks(request, budget, step)
         # 3. admit waiting requests, first come first served (nothing is preempted from here on).
-        num_running_seqs = self._num_running_seqs() if self.waiting else 0
-        while self.waiting and budget > 0:
+        num_running_seqs = self._num_running_seqs() if self._pull(budget) else 0
+        while budget > 0 and (self.waiting or self._pull(budget)):
             request = self.waiting[0]
             width = _width(request)
             if num_running_seqs + width > self.max_num_seqs:
