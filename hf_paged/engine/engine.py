@@ -57,10 +57,11 @@ from hf_paged.transfer import to_device
 # it would have with every prompt queued (the schedule is the same); the other prompts are added while the device runs
 # the steps already queued (async scheduling on CUDA). Predicted: the prefix workload's 18.9 ms before its first
 # forward on an H100 (400 prompts of ~365 tokens checked and queued at ~29 µs each, twenty-fourth session call 3) down
-# to the ~60 prompts its first step admits, ~5% of that run. Off until measured on a card: a first form (add a step's
-# worth, then the rest while the device works) cut the wait to 0.6 ms but changed the schedule, 85 -> 137 steps on a
-# shared host, and was reverted. On, a bad prompt raises when its turn comes, after earlier prompts started running
-# (they are aborted then, as vLLM's LLM.generate aborts the requests it had added).
+# to ~7 ms (the ~60 prompts its first step admits; on the CPU 14-16 -> 5 ms), ~4% of that run. Off until measured on a
+# card: a first form (add a step's worth, then the rest while the device works) cut the wait to 0.6 ms but changed
+# the schedule, 85 -> 137 steps on a shared host, and was reverted. On, a bad prompt raises when its turn comes,
+# after earlier prompts started running (they are aborted then, as vLLM's LLM.generate aborts the requests it had
+# added).
 FEED_PROMPTS = False
 
 __all__ = ["ContinuousBatcher", "EngineConfig", "EngineMetrics", "StreamDelta"]
