@@ -381,9 +381,10 @@ def _fed_engine(monkeypatch, feed: bool, polls: int = 3, **config):
     ],
     ids=["one-step", "chunked", "preempt"],
 )
-def test_fed_prompts_keep_the_schedule(reference, monkeypatch, config):
+def test_fed_prompts_keep_the_schedule(reference, monkeypatch, config, scheduling_mode):
     """generate() feeding its prompts as it goes schedules every step as with all prompts queued first, and returns
-    the same outputs in prompt order; the first step starts before all prompts are added."""
+    the same outputs in prompt order; with async scheduling the first step starts before all prompts are added
+    (synchronous steps add them all first: nothing to overlap)."""
     prompts = _prompts() * 3
     params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS * 3]
     runs = {}
@@ -396,7 +397,7 @@ def test_fed_prompts_keep_the_schedule(reference, monkeypatch, config):
         runs[feed] = record
     assert [r[:3] for r in runs[True]] == [r[:3] for r in runs[False]]
     assert runs[False][0][3] == len(prompts)
-    assert runs[True][0][3] < len(prompts)  # the first step did not wait for every prompt
+    assert (runs[True][0][3] < len(prompts)) == scheduling_mode  # async: the first step did not wait for them all
 
 
 @pytest.mark.parametrize("bad_at", [0, 13])
@@ -411,6 +412,8 @@ def test_fed_prompts_refuse_a_bad_prompt_and_keep_serving(reference, monkeypatch
         engine.generate(prompts, params, use_tqdm=False)
     if scheduling_mode:  # fed while the (stand-in) device ran step 1, step 2 queued: raised after step 2
         assert len(record) == (1 if bad_at == 0 else 2)
+    else:  # synchronous steps: every prompt is checked before the first step
+        assert record == []
     assert_engine_drained(engine)
     assert not engine.requests
     outs = engine.generate(

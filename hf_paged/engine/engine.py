@@ -55,7 +55,8 @@ from hf_paged.transfer import to_device
 # generate() feeds its prompts to the engine as it goes (``_Feeder``) instead of adding them all before the first step.
 # The scheduler pulls the next prompt whenever its queue runs dry while it could admit more, so each step admits what
 # it would have with every prompt queued (the schedule is the same); the other prompts are added while the device runs
-# the steps already queued (async scheduling on CUDA). Predicted: the prefix workload's 18.9 ms before its first
+# the steps already queued (with async scheduling only: synchronous steps leave the host nothing to overlap, and a
+# bad prompt would be found later). Predicted: the prefix workload's 18.9 ms before its first
 # forward on an H100 (400 prompts of ~365 tokens checked and queued at ~29 µs each, twenty-fourth session call 3) down
 # to ~7 ms (the ~60 prompts its first step admits; on the CPU 14-16 -> 5 ms), ~4% of that run. Off until measured on a
 # card: a first form (add a step's worth, then the rest while the device works) cut the wait to 0.6 ms but changed
@@ -548,7 +549,7 @@ class ContinuousBatcher:
             feeder = _Feeder(self, zip(prompts, params_list, strict=True), len(prompts))
             ids = feeder.ids
             try:
-                if FEED_PROMPTS:
+                if FEED_PROMPTS and self.async_scheduling:  # synchronous steps would gain nothing: all first
                     self._feeder = self.scheduler.source = feeder
                 else:
                     while feeder.items:
