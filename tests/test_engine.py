@@ -421,3 +421,45 @@ def test_fed_prompts_refuse_a_bad_prompt_and_keep_serving(reference, monkeypatch
     )
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert_engine_drained(engine)
+
+
+def test_generate_freezes_the_heap_it_found_for_the_call(monkeypatch):
+    """generate() runs with the objects alive at its start frozen (a full collection then skips the engine's static
+    heap) and unfreezes them when it returns or raises; it leaves a freeze made by someone else alone, and an engine
+    dropped after its calls is still collected."""
+    import gc
+    import weakref
+
+    from hf_paged.engine import engine as engine_mod
+
+    engine = make_engine(tiny_model("llama"), block_size=8, num_blocks=64)
+    during = []
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: during.append(gc.get_freeze_count()) or schedule())
+    prompts, params = _prompts(), [SamplingParams(max_new_tokens=m, **GREEDY) for m in NEW_TOKENS]
+    assert gc.get_freeze_count() == 0
+    engine.generate(prompts, params, use_tqdm=False)
+    assert during and min(during) > 0 and gc.get_freeze_count() == 0
+    during.clear()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[5, 10_000]], params[:1], use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(engine_mod, "FREEZE_GC_IN_GENERATE", False)
+    engine.generate(prompts, params, use_tqdm=False)
+    assert during and max(during) == 0
+    monkeypatch.setattr(engine_mod, "FREEZE_GC_IN_GENERATE", True)
+    during.clear()
+    gc.freeze()  # someone else's freeze: kept as it is
+    try:
+        frozen = gc.get_freeze_count()
+        engine.generate(prompts, params, use_tqdm=False)
+        # not frozen again (no count above the caller's; objects freed meanwhile leave it), nor unfrozen after
+        assert during and all(0 < count <= frozen for count in during) and 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+    assert_engine_drained(engine)
+    ref = weakref.ref(engine)
+    monkeypatch.undo()  # the schedule wrapper holds the engine
+    engine = schedule = None
+    gc.collect()
+    assert ref() is None

@@ -23,6 +23,8 @@ serves concurrent callers owns it on its own thread and queues their requests).
 """
 
 import collections
+import contextlib
+import gc
 import itertools
 import numbers
 import threading
@@ -64,6 +66,28 @@ from hf_paged.transfer import to_device
 # after earlier prompts started running (they are aborted then, as vLLM's LLM.generate aborts the requests it had
 # added).
 FEED_PROMPTS = False
+
+# generate() runs with the objects alive when it starts frozen (gc.freeze; unfrozen when it returns), so that a
+# collection of Python's oldest generation during the call walks only the objects the call made, not the engine's
+# static heap (its block pool's blocks, the model, the captured graphs' Python side: ~410 000 objects for a tiny model
+# on the CPU, where one such collection took 190 ms inside a prefix run of 400 requests; on an H100 that run takes
+# ~0.29 s). vLLM freezes its heap once after start-up (vllm/utils/gc_utils.py); here the freeze lasts one call, so
+# engines a process drops are still collected. Skipped when something else froze objects (gc.get_freeze_count()).
+FREEZE_GC_IN_GENERATE = True
+
+
+@contextlib.contextmanager
+def _frozen_heap():
+    """The block's body with the objects alive at its start frozen (see FREEZE_GC_IN_GENERATE)."""
+    if not (FREEZE_GC_IN_GENERATE and gc.isenabled() and gc.get_freeze_count() == 0):
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
 
 __all__ = ["ContinuousBatcher", "EngineConfig", "EngineMetrics", "StreamDelta"]
 
@@ -541,7 +565,7 @@ class ContinuousBatcher:
 
         If the call is interrupted (an exception, Ctrl-C), its requests are aborted and the engine stays usable.
         """
-        with self._enter():
+        with self._enter(), _frozen_heap():
             prompts = _as_prompt_list(prompts)
             params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
             if len(params_list) != len(prompts):
