@@ -104,6 +104,9 @@
 #   argmax-ab  greedy sampling's argmax: kernels/argmax_rows.py on CUDA (tests with every launch checked), against
 #             torch.argmax in a CUDA graph (benchmarks/argmax_bench.py), then the prefix workload with
 #             kernels.TRITON_ARGMAX False True True False (module_ab.py)                                      (~4 min)
+#   gc-ab     generate() with the heap it found frozen (engine.FREEZE_GC_IN_GENERATE) off and on, the prefix workload
+#             with 7 repeats each, False / True / True / False: the spread of repeats (a collection of the oldest
+#             generation lands in some runs only)                                                             (~5 min)
 #   feed-ab   generate() feeding its prompts as it goes (engine.FEED_PROMPTS): its tests on CUDA, the prefix workload
 #             False / True / True / False (module_ab.py), then traced with it on (the wait before the first forward) (~5 min)
 #   compile-ab  fewer kernels a layer without new code: the prefix workload with the decoder layers compiled (the
@@ -144,7 +147,7 @@ KNOWN_PARTS=(tests tests-cache tests-cache-fuzz tests-engine-fuzz tests-kernels 
     binding-ab eager-cells copy-ab profile profile-python trace kernels-step kernels-step-prefix fuse-ab fuse-ab-8b
     fused-write-ab prefix-cascade cascade-ab cascade-write-ab cascade-bytes-ab cascade-suffix-ab one-split-ab
     prefix-split-ab l2-prefetch prefill-map-ab cascade-merge-ab cascade-prefix-ab autotune-ab argmax-ab pdl-tests
-    feed-ab compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
+    gc-ab feed-ab compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
     stages-ab-8b table table-8b trace-prefix prefix-5 cap-ab-prefix cap-ab-short cap-ab-8b all)
 out=${1:-${OUT:-/tmp/hf_paged_out}}
 shift || true
@@ -491,6 +494,14 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
                 | tee -a "$out/$part.md"
             timeout 150 python3 benchmarks/argmax_bench.py 2>&1 | grep -v -i warn | tee -a "$out/$part.md"
             prefix_ab hf_paged.kernels.TRITON_ARGMAX False True True False
+            ;;
+        gc-ab)
+            for value in False True True False; do
+                echo "FREEZE_GC_IN_GENERATE=$value"
+                PYTHONPATH=$PWD timeout 120 python3 benchmarks/module_ab.py \
+                    "hf_paged.engine.engine.FREEZE_GC_IN_GENERATE=$value" -- --workload prefix --systems hf_paged \
+                    --repeats 7 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            done
             ;;
         feed-ab)
             HF_PAGED_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
