@@ -276,12 +276,12 @@ grid_spread() {  # grid_spread NAME SHAPE:POINT...: one process a point, the poi
 }
 
 prefix_ab() {  # prefix_ab MODULE.SWITCH VALUE...: the prefix workload (one process each) with the switch at each value
-    local switch=$1 value
+    local switch=$1 value  # PREFIX_AB_REPEATS: timed runs a process (default 3)
     shift
     for value in "$@"; do
         echo "${switch##*.}=$value"
         PYTHONPATH=$PWD timeout 100 python3 benchmarks/module_ab.py "$switch=$value" -- --workload prefix \
-            --systems hf_paged --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
+            --systems hf_paged --repeats "${PREFIX_AB_REPEATS:-3}" 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
     done
 }
 
@@ -495,14 +495,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
             timeout 150 python3 benchmarks/argmax_bench.py 2>&1 | grep -v -i warn | tee -a "$out/$part.md"
             prefix_ab hf_paged.kernels.TRITON_ARGMAX False True True False
             ;;
-        gc-ab)
-            for value in False True True False; do
-                echo "FREEZE_GC_IN_GENERATE=$value"
-                PYTHONPATH=$PWD timeout 120 python3 benchmarks/module_ab.py \
-                    "hf_paged.engine.engine.FREEZE_GC_IN_GENERATE=$value" -- --workload prefix --systems hf_paged \
-                    --repeats 7 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
-            done
-            ;;
+        gc-ab) PREFIX_AB_REPEATS=7 prefix_ab hf_paged.engine.engine.FREEZE_GC_IN_GENERATE False True True False ;;
         feed-ab)
             HF_PAGED_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
                 -k fed_prompts 2>&1 | tail -3 | tee -a "$out/$part.md"
