@@ -671,12 +671,18 @@ if [ "${parts[0]}" = "--spread" ]; then
             }
         done
     done
-    echo "spread: ${#queues[@]} queues over $ngpu GPUs"
+    ncpu=$(nproc)
+    echo "spread: ${#queues[@]} queues over $ngpu GPUs, $((ncpu / ${#queues[@]})) cores each"
     pids=()
+    # Each queue also runs on its own share of the host's cores (as grid_spread does), so one queue's compile
+    # workers do not take the cores of another queue's host-bound run.
+    per=$((ncpu / ${#queues[@]}))
     for ((i = 0; i < ${#queues[@]}; i++)); do
         (
             IFS=+ read -ra queue <<<"${queues[$i]}"
             export CUDA_VISIBLE_DEVICES=$((i % ngpu))
+            ((per > 0)) && command -v taskset >/dev/null \
+                && taskset -cp "$((i * per))-$((i * per + per - 1))" $BASHPID >/dev/null
             for part in "${queue[@]}"; do run_part "$part"; done 2>&1 | sed -u "s/^/[gpu$CUDA_VISIBLE_DEVICES] /"
             exit $((PIPESTATUS[0] == 2 ? 2 : 0))  # 2: an unknown part (a grep finding no row is not a failure)
         ) &
