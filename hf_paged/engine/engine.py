@@ -72,14 +72,17 @@ FEED_PROMPTS = False
 # static heap (its block pool's blocks, the model, the captured graphs' Python side: ~410 000 objects for a tiny model
 # on the CPU, where one such collection took 190 ms inside a prefix run of 400 requests; on an H100 that run takes
 # ~0.29 s). vLLM freezes its heap once after start-up (vllm/utils/gc_utils.py); here the freeze lasts one call, so
-# engines a process drops are still collected. Skipped when something else froze objects (gc.get_freeze_count()).
+# engines a process drops are still collected. Python keeps a single permanent generation, so a freeze made before
+# the call (by the caller, or by a library: the GPU image's pytest runs start with 375 objects frozen) cannot be told
+# apart from the call's: it is folded into the call's freeze and undone with it. Skipping the call's freeze whenever
+# anything was frozen (the first form, 79559f4) left the engine's heap unfrozen on the card.
 FREEZE_GC_IN_GENERATE = True
 
 
 @contextlib.contextmanager
 def _frozen_heap():
     """The block's body with the objects alive at its start frozen (see FREEZE_GC_IN_GENERATE)."""
-    if not (FREEZE_GC_IN_GENERATE and gc.isenabled() and gc.get_freeze_count() == 0):
+    if not (FREEZE_GC_IN_GENERATE and gc.isenabled()):
         yield
         return
     gc.freeze()
