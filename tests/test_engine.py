@@ -425,8 +425,8 @@ def test_fed_prompts_refuse_a_bad_prompt_and_keep_serving(reference, monkeypatch
 
 def test_generate_freezes_the_heap_it_found_for_the_call(monkeypatch):
     """generate() runs with the objects alive at its start frozen (a full collection then skips the engine's static
-    heap) and unfreezes them when it returns or raises. A freeze made before the call (the GPU image's pytest starts
-    with a few hundred objects frozen) is folded into the call's and undone with it, never a reason to skip it; an
+    heap) and unfreezes them when it returns or raises. A freeze made before the call (the engine tests on the card
+    found 375 objects frozen) is folded into the call's and undone with it, never a reason to skip it; an
     engine dropped after its calls is still collected."""
     import gc
     import weakref

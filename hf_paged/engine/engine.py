@@ -73,9 +73,9 @@ FEED_PROMPTS = False
 # on the CPU, where one such collection took 190 ms inside a prefix run of 400 requests; on an H100 that run takes
 # ~0.29 s). vLLM freezes its heap once after start-up (vllm/utils/gc_utils.py); here the freeze lasts one call, so
 # engines a process drops are still collected. Python keeps a single permanent generation, so a freeze made before
-# the call (by the caller, or by a library: the GPU image's pytest runs start with 375 objects frozen) cannot be told
-# apart from the call's: it is folded into the call's freeze and undone with it. Skipping the call's freeze whenever
-# anything was frozen (the first form, 79559f4) left the engine's heap unfrozen on the card.
+# the call (by the caller or a library: the engine tests on the card found 375 objects frozen before a test's call)
+# cannot be told apart from the call's: it is folded into the call's freeze and undone with it. The first form
+# (79559f4) skipped the call's freeze whenever anything was frozen, and so never froze in those tests.
 FREEZE_GC_IN_GENERATE = True
 
 
