@@ -495,6 +495,10 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
             timeout 150 python3 benchmarks/argmax_bench.py 2>&1 | grep -v -i warn | tee -a "$out/$part.md"
             prefix_ab hf_paged.kernels.TRITON_ARGMAX False True True False
             ;;
+        tests-gc)  # the heap-freeze test on CUDA (the image's python starts with 375 objects frozen)
+            HF_PAGED_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
+                -k freezes 2>&1 | tail -3 | tee -a "$out/tests.txt"
+            ;;
         gc-ab) PREFIX_AB_REPEATS=7 prefix_ab hf_paged.engine.engine.FREEZE_GC_IN_GENERATE False True True False ;;
         feed-ab)
             HF_PAGED_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
