@@ -147,7 +147,7 @@ KNOWN_PARTS=(tests tests-cache tests-cache-fuzz tests-engine-fuzz tests-kernels 
     binding-ab eager-cells copy-ab profile profile-python trace kernels-step kernels-step-prefix fuse-ab fuse-ab-8b
     fused-write-ab prefix-cascade cascade-ab cascade-write-ab cascade-bytes-ab cascade-suffix-ab one-split-ab
     prefix-split-ab l2-prefetch prefill-map-ab cascade-merge-ab cascade-prefix-ab autotune-ab argmax-ab pdl-tests
-    gc-ab feed-ab compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
+    tests-gc gc-ab feed-ab compile-ab compile-ab-small compile-ab-8b mixed-ab-8b split-sweep-mid split-sweep-mid-ragged sweep prefill-sweep
     stages-ab-8b table table-8b trace-prefix prefix-5 cap-ab-prefix cap-ab-short cap-ab-8b all)
 out=${1:-${OUT:-/tmp/hf_paged_out}}
 shift || true
