@@ -58,13 +58,14 @@ from hf_paged.transfer import to_device
 # The scheduler pulls the next prompt whenever its queue runs dry while it could admit more, so each step admits what
 # it would have with every prompt queued (the schedule is the same); the other prompts are added while the device runs
 # the steps already queued (with async scheduling only: synchronous steps leave the host nothing to overlap, and a
-# bad prompt would be found later). Predicted: the prefix workload's 18.9 ms before its first
-# forward on an H100 (400 prompts of ~365 tokens checked and queued at ~29 µs each, twenty-fourth session call 3) down
-# to ~7 ms (the ~60 prompts its first step admits; on the CPU 14-16 -> 5 ms), ~4% of that run. Off until measured on a
-# card: a first form (add a step's worth, then the rest while the device works) cut the wait to 0.6 ms but changed
-# the schedule, 85 -> 137 steps on a shared host, and was reverted. On, a bad prompt raises when its turn comes,
-# after earlier prompts started running (they are aborted then, as vLLM's LLM.generate aborts the requests it had
-# added).
+# bad prompt would be found later). Predicted: the prefix workload's 18.9 ms before its first forward on an H100 (400
+# prompts of ~365 tokens checked and queued at ~29 µs each, twenty-fourth session call 3) down to ~7 ms (the ~60
+# prompts its first step admits; on the CPU 14-16 -> 5 ms), ~4% of that run. Measured on an H200 (twenty-fifth
+# session, benchmarks/RESULTS.md): 8.2 ms before the first forward, the same 85 steps, +1.5% end to end against an 11%
+# drift between processes of one code: not resolved, so off. A first form (add a step's worth, then the rest while
+# the device works) cut the wait to 0.6 ms but changed the schedule, 85 -> 137 steps on a shared host, and was
+# reverted. On, a bad prompt raises when its turn comes, after earlier prompts started running (they are aborted
+# then, as vLLM's LLM.generate aborts the requests it had added).
 FEED_PROMPTS = False
 
 # generate() runs with the objects alive when it starts frozen (gc.freeze; unfrozen when it returns), so that a
