@@ -37,7 +37,10 @@ def fake_path(tmp_path):
         '#!/bin/bash\nif [ "$1" = "-L" ]; then echo "GPU 0: stand-in"; echo "GPU 1: stand-in"; '
         'else echo "stand-in GPU, 80 GiB, 1"; fi\n'
     )
-    (bin_dir / "python3").write_text('#!/bin/bash\necho "| hf_paged | ran: $* | gpu ${CUDA_VISIBLE_DEVICES:-all} |"\n')
+    (bin_dir / "python3").write_text(
+        '#!/bin/bash\necho "| hf_paged | ran: $* | gpu ${CUDA_VISIBLE_DEVICES:-all} |'
+        " cpus $(awk '/^Cpus_allowed_list/ {print $2}' /proc/self/status) |\"\n"
+    )
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
@@ -88,6 +91,14 @@ def test_spread_runs_each_queue_on_its_own_gpu(fake_path, tmp_path):
     assert any("prefill_sweep.py" in line for line in on[1]) and not any("prefill_sweep" in line for line in on[0])
     assert all("gpu 0 " in line for line in on[0] if "ran:" in line)
     assert all("gpu 1 " in line for line in on[1] if "ran:" in line)
+    # each queue on its own half of the cores this test may use (one queue's compile must not take the other's)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2 and cpus == list(range(len(cpus))):
+        half = len(cpus) // 2
+        for gpu in (0, 1):
+            want = f"cpus {gpu * half}-{gpu * half + half - 1} " if half > 1 else f"cpus {gpu * half} "
+            ran = [line for line in on[gpu] if "ran:" in line]
+            assert ran and all(want in line for line in ran), (want, ran)
 
 
 @pytest.mark.parametrize("queue", ["grid-spread-modes-qwen", "kernels+tests", "no-such-part"])
