@@ -13,6 +13,7 @@
 and the smaller input errors found in the same run.
 """
 
+import gc
 import threading
 
 import numpy as np
@@ -120,6 +121,7 @@ def test_5_interrupt_in_detokenisation_leaves_the_engine_usable(model, async_sch
     with pytest.raises(exc, match="injected"):
         engine.generate(prompts, params, use_tqdm=False)
     assert_engine_drained(engine)  # the interrupted call's requests are aborted, their blocks free
+    assert gc.get_freeze_count() == 0  # the call's heap freeze (engine.FREEZE_GC_IN_GENERATE) is undone
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_alone(model, p, params)[0] for p in prompts]
     assert_engine_drained(engine)

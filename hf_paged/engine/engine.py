@@ -584,7 +584,7 @@ class ContinuousBatcher:
                         feeder.pull()
                         if feeder.error is not None:
                             raise feeder.error
-                self._wait_for(ids, use_tqdm, feeder)
+                self._wait_for(feeder, use_tqdm)
             except BaseException:
                 for rid in ids:  # all or nothing: a bad prompt or an interrupt leaves none of this call's requests
                     self._forget(rid)
@@ -606,18 +606,19 @@ class ContinuousBatcher:
         self._unreported.pop(request_id, None)
         self._unclaimed.pop(request_id, None)
 
-    def _wait_for(self, ids: list[str], use_tqdm: bool, feeder: "_Feeder | None" = None) -> None:
+    def _wait_for(self, feeder: "_Feeder", use_tqdm: bool) -> None:
+        """Step until every prompt of ``feeder`` is added and its request finished."""
+        ids = feeder.ids
         pending = set(ids)
-        tracked = len(ids)  # ids[:tracked] are pending or finished; a feeder appends to ids
-        bar = _progress(feeder.total if feeder is not None else len(ids), use_tqdm)
+        tracked = len(ids)  # ids[:tracked] are pending or finished; the feeder appends to ids as it adds
+        bar = _progress(feeder.total, use_tqdm)
         try:
-            while pending or (feeder is not None and feeder.items):
+            while pending or feeder.items:
                 touched = self._run_step()
-                if feeder is not None:
-                    if feeder.error is not None:  # a prompt fed during the step was refused
-                        raise feeder.error
-                    pending.update(ids[tracked:])
-                    tracked = len(ids)
+                if feeder.error is not None:  # a prompt fed during the step was refused
+                    raise feeder.error
+                pending.update(ids[tracked:])
+                tracked = len(ids)
                 self._keep_unclaimed(touched)
                 for request in touched.values():
                     if request.is_finished and request.request_id in pending:
