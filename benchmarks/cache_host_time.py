@@ -46,8 +46,8 @@ import transformers
 from hf_paged.kernels import launch as launch_module
 from transformers import DynamicCache
 
-import hf_paged.attention as paged_attention_module
-import hf_paged.cache as cache_module
+import hf_paged.core.attention as paged_attention_module
+import hf_paged.cache.paged_cache as cache_module
 from hf_paged import PagedCache
 
 

@@ -6,9 +6,9 @@ call (``--rounds`` rounds), so every system sees the same host, and reports each
 step times, its fastest step, and its median ratio to DynamicCache's step in the same round (paired). The switch
 is put back to its value afterwards. ``--device cpu``: a smoke run on the CPU references (no host-cost meaning).
 
-Example, the eager decode step's kept launch (hf_paged.attention.DECODE_BINDING)::
+Example, the eager decode step's kept launch (hf_paged.core.attention.DECODE_BINDING)::
 
-    python benchmarks/eager_ab.py --shape llama-8b --batch 64 --switch hf_paged.attention.DECODE_BINDING \\
+    python benchmarks/eager_ab.py --shape llama-8b --batch 64 --switch hf_paged.core.attention.DECODE_BINDING \\
         --values True False
 
 Steps are generate.py's (a logits processor's clock, once per new token); ``--new-tokens`` per call; ``--mode``

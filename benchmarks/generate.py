@@ -57,7 +57,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 import hf_paged
 from hf_paged import PagedCache
 from hf_paged.frontends.bench import SHAPES, build_model, emit_table
-from hf_paged.model_info import ModelInfo
+from hf_paged.core.model_info import ModelInfo
 
 POINTS = [(1, 512), (8, 1024), (32, 512), (64, 512)]
 MODES = {

@@ -28,8 +28,8 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_paged import PagedCache
-from hf_paged.attention import paged_attention_forward
-from hf_paged.context import reset_forward_context, set_forward_context
+from hf_paged.core.attention import paged_attention_forward
+from hf_paged.core.context import reset_forward_context, set_forward_context
 from hf_paged.frontends.bench import SHAPES, build_model
 
 

@@ -1,6 +1,6 @@
 """Run `hf-paged bench` with module-level switches set: A/B runs of one tree without editing it.
 
-    python benchmarks/module_ab.py hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=True -- --workload nano --repeats 3
+    python benchmarks/module_ab.py hf_paged.core.attention.ENGINE_FUSED_DECODE_WRITE=True -- --workload nano --repeats 3
     python benchmarks/module_ab.py "hf_paged.kernels.decode.LONG_SETTINGS=(64, 3, 4)" \\
         "hf_paged.kernels.decode.LONG_SETTINGS_BY_DEVICE={}" -- --workload nano --systems hf_paged
 

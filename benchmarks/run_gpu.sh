@@ -363,7 +363,7 @@ run_part() {  # run_part PART: one part, its figures under $out
             for flag in False True False True; do
                 echo "ENGINE_FUSED_DECODE_WRITE=$flag"
                 PYTHONPATH=$PWD timeout 140 python3 benchmarks/module_ab.py \
-                    "hf_paged.attention.ENGINE_FUSED_DECODE_WRITE=$flag" -- --workload nano --systems hf_paged \
+                    "hf_paged.core.attention.ENGINE_FUSED_DECODE_WRITE=$flag" -- --workload nano --systems hf_paged \
                     --repeats 3 2>&1 | grep "^| hf_paged" | tee -a "$out/$part.md"
             done
             ;;
@@ -388,7 +388,7 @@ run_part() {  # run_part PART: one part, its figures under $out
                     | tee -a "$out/trace.md"
             done
             ;;
-        cascade-write-ab) prefix_ab hf_paged.attention.CASCADE_FUSED_DECODE_WRITE False True False True ;;
+        cascade-write-ab) prefix_ab hf_paged.core.attention.CASCADE_FUSED_DECODE_WRITE False True False True ;;
         cascade-bytes-ab)
             prefix_ab hf_paged.engine.model_runner.CASCADE_MIN_SAVED_BYTES 16777216 67108864 67108864 16777216
             for bytes in 16777216 67108864; do
@@ -626,7 +626,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
         binding-ab)
             for shape in llama-8b qwen3-0.6b; do
                 timeout 200 python3 benchmarks/eager_ab.py --shape "$shape" --batch 64 --rounds 10 \
-                    --switch hf_paged.attention.DECODE_BINDING --values True False 2>&1 | grep -v Warn | tail -7 \
+                    --switch hf_paged.core.attention.DECODE_BINDING --values True False 2>&1 | grep -v Warn | tail -7 \
                     | tee -a "$out/binding-ab.md"
             done
             ;;
@@ -643,7 +643,7 @@ print(min(rows, key=lambda r: float(r[4].split()[0]))[1].split('(')[0].strip().r
         copy-ab)
             for cell in ${COPY_AB_CELLS:-llama-8b:1 qwen3-0.6b:32}; do
                 timeout 150 python3 benchmarks/eager_ab.py --shape "${cell%%:*}" --batch "${cell#*:}" --mode beams4 \
-                    --rounds 10 --switch hf_paged.kv_pool.ONE_COPY_LAUNCH --values True False 2>&1 | grep -v Warn \
+                    --rounds 10 --switch hf_paged.core.kv_pool.ONE_COPY_LAUNCH --values True False 2>&1 | grep -v Warn \
                     | tail -7 | tee -a "$out/copy-ab.md"
             done
             ;;

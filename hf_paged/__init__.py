@@ -1,6 +1,6 @@
 """hf_paged: PagedAttention for Hugging Face transformers.
 
-Public API (imported lazily, so ``import hf_paged.block_pool`` loads neither torch nor transformers):
+Public API (imported lazily, so ``import hf_paged.core.block_pool`` loads neither torch nor transformers):
 
 - ``PagedCache``: a transformers ``Cache`` whose KV lives in the blocks of a preallocated pool;
 - ``ContinuousBatcher`` / ``SamplingParams``: a continuous-batching engine over any HF causal LM;
@@ -22,14 +22,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "PagedCache": "hf_paged.cache",
     "ContinuousBatcher": "hf_paged.engine.engine",
-    "AsyncEngine": "hf_paged.engine.async_engine",
-    "DataParallelEngine": "hf_paged.engine.data_parallel",
+    "AsyncEngine": "hf_paged.serving.async_engine",
+    "DataParallelEngine": "hf_paged.serving.data_parallel",
     "EngineConfig": "hf_paged.engine.config",
     "SamplingParams": "hf_paged.engine.params",
     "RequestOutput": "hf_paged.engine.request",
-    "BlockPool": "hf_paged.block_pool",
-    "register": "hf_paged.attention",
-    "paged_attention_forward": "hf_paged.attention",
+    "BlockPool": "hf_paged.core.block_pool",
+    "register": "hf_paged.core.attention",
+    "paged_attention_forward": "hf_paged.core.attention",
 }
 
 __all__ = sorted(_LAZY)
@@ -42,7 +42,7 @@ def __getattr__(name: str):
 
 
 def _register() -> None:
-    from hf_paged.attention import register
+    from hf_paged.core.attention import register
 
     register()
 

@@ -43,7 +43,7 @@ def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) ->
     spare programs, 0 making programs loop over a step's chunks. Returns ``record_prefill_launches``'s list."""
     from hf_paged.kernels import prefill
 
-    from hf_paged import attention as attention_module
+    from hf_paged.core import attention as attention_module
 
     if spare_slots is not None:
         monkeypatch.setattr(prefill, "SCAN_SPARE_SLOTS", spare_slots)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hf_paged.block_pool import BlockPool
+from hf_paged.core.block_pool import BlockPool
 from hf_paged.engine.beam_search import BeamState
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.distributed import RankSync
@@ -51,8 +51,8 @@ from hf_paged.engine.request import Request, RequestOutput
 from hf_paged.engine.request import Sequence as Seq
 from hf_paged.engine.sampler import RowPlan, Sampler, plan_rows
 from hf_paged.engine.scheduler import Scheduler, SchedulerOutput
-from hf_paged.model_info import ModelInfo
-from hf_paged.transfer import to_device
+from hf_paged.core.model_info import ModelInfo
+from hf_paged.core.transfer import to_device
 
 # generate() feeds its prompts to the engine as it goes (``_Feeder``) instead of adding them all before the first step.
 # The scheduler pulls the next prompt whenever its queue runs dry while it could admit more, so each step admits what
@@ -131,7 +131,7 @@ class ContinuousBatcher:
         info = ModelInfo.from_model(model)
         self.config = config = config.resolved(info.devices[0])  # max_num_seqs by the card
         if getattr(model.config, "_attn_implementation", None) != "paged":
-            import hf_paged.attention  # noqa: F401  (registers "paged")
+            import hf_paged.core.attention  # noqa: F401  (registers "paged")
 
             model.set_attn_implementation("paged")
         self.memory_profile: MemoryProfile | None = None  # how the pool was sized, when profiled

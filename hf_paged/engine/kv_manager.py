@@ -9,7 +9,7 @@ calls a mutating method of ``BlockPool`` (tests check it).
 Pure Python (no torch), like the pool under it.
 """
 
-from hf_paged.block_pool import AllocationResult, BlockPool
+from hf_paged.core.block_pool import AllocationResult, BlockPool
 from hf_paged.engine.request import Sequence
 
 BlockUpdate = tuple[int, int, list[int] | None]  # (seq_id, first table index, block ids); None = freed

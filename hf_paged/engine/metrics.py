@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from hf_paged.block_pool import PoolStats
+from hf_paged.core.block_pool import PoolStats
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Step, in order:
   1. block movements the scheduler asked for: swap out, swap in, copy-on-write copies; the block-table
-     diffs go into the runner's persistent tables (hf_paged.planner.BlockTables);
-  2. plan (CPU, vectorised: hf_paged.planner.plan_chunks): the flat batch ``input_ids [1, T]`` /
+     diffs go into the runner's persistent tables (hf_paged.core.planner.BlockTables);
+  2. plan (CPU, vectorised: hf_paged.core.planner.plan_chunks): the flat batch ``input_ids [1, T]`` /
      ``position_ids [1, T]`` of every scheduled chunk (decode tokens first, then prefill chunks), each
      token's slot, the block tables, the lengths, and the indices of the positions that sample;
   3. run: the model's forward with ``use_cache=False`` inside ``forward_context``: the "paged"
@@ -39,7 +39,7 @@ Before compiling, the runner merges the model's sibling projections (q/k/v, gate
 (hf_paged.engine.fuse; ``fuse_projections``, on CUDA by default): a small model's decode step is mostly ~5 µs
 kernels, three fewer a layer. The logits come back in the model's dtype: greedy rows take their argmax directly.
 
-Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.transfer),
+Nothing here waits for the device: inputs go up through pinned staging copies (hf_paged.core.transfer),
 and an input token that the previous step sampled but the host has not seen yet (a ``PLACEHOLDER``, async
 scheduling) is copied into the input ids on the device from that step's sampled-token tensor.
 """
@@ -49,12 +49,12 @@ import gc
 import numpy as np
 import torch
 
-from hf_paged.context import ForwardContext, forward_context
+from hf_paged.core.context import ForwardContext, forward_context
 from hf_paged.engine.fuse import fuse_projections as fuse_projections_in_place
 from hf_paged.engine.scheduler import SchedulerOutput
-from hf_paged.kv_pool import KVPool
-from hf_paged.planner import BlockTables, ForwardPlan, plan_chunks, shared_prefix_blocks, to_context
-from hf_paged.transfer import to_device
+from hf_paged.core.kv_pool import KVPool
+from hf_paged.core.planner import BlockTables, ForwardPlan, plan_chunks, shared_prefix_blocks, to_context
+from hf_paged.core.transfer import to_device
 
 
 def _keep_on_own_device(model: torch.nn.Module, key: str) -> None:

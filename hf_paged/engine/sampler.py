@@ -16,7 +16,7 @@ import torch
 
 from hf_paged.engine.params import SamplingParams
 from hf_paged.kernels import argmax
-from hf_paged.transfer import to_device
+from hf_paged.core.transfer import to_device
 
 _NEG_INF = float("-inf")
 

@@ -9,7 +9,7 @@ writes one SSE event (JSON) per delta. In one Python process that work limits wh
 own connections; the engine runs in processes of its own (the ``--data-parallel`` replicas, or the one engine
 process of ``--engine-process on``), and every API server talks to every engine process directly::
 
-    launcher (run(): sockets, supervision)  --pipe 0-->  engine process r (hf_paged.engine.replica), r < M
+    launcher (run(): sockets, supervision)  --pipe 0-->  engine process r (hf_paged.serving.replica), r < M
     API server f (uvicorn, f < N)           --pipe f+1-> engine process r: add, abort, stats, detach
     engine process r                        --pipe f+1-> API server f: one "step" message per step, with the
                                                          deltas of f's requests there (none if it has none)
@@ -50,7 +50,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from hf_paged.engine.data_parallel import DataParallelEngine, FrontHandoff
+from hf_paged.serving.data_parallel import DataParallelEngine, FrontHandoff
 from hf_paged.frontends.serve_metrics import FrontObservations
 
 __all__ = ["bind", "run"]

@@ -340,7 +340,7 @@ def _num_blocks(model, prompts: list[_Prompt], params, args: argparse.Namespace)
 
     On the CPU a pool of half the free RAM would take tens of seconds to zero, for a few prompts.
     """
-    from hf_paged.model_info import ModelInfo
+    from hf_paged.core.model_info import ModelInfo
 
     if args.num_blocks is not None:
         return args.num_blocks
@@ -469,7 +469,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise
         raise UsageError(f"`{PROG} serve` needs the serve extra ({err.name} is missing): "
                          "pip install 'hf_paged[serve]'") from None  # fmt: skip
-    from hf_paged.engine.async_engine import AsyncEngine
+    from hf_paged.serving.async_engine import AsyncEngine
 
     if args.api_server_count > 1:
         return _serve_api_servers(args, serve)
@@ -541,7 +541,7 @@ def _tensor_parallel_engine(args: argparse.Namespace):
     other ranks mirror it (``follow``) and return None once it has shut down."""
     import torch.distributed as dist
 
-    from hf_paged.engine.async_engine import AsyncEngine, follow
+    from hf_paged.serving.async_engine import AsyncEngine, follow
 
     if args.data_parallel > 1:
         raise UsageError(f"--data-parallel {args.data_parallel} does not combine with tensor parallelism (torchrun, "
@@ -575,7 +575,7 @@ def _data_parallel_engine(args: argparse.Namespace, num_fronts: int = 0):
 
     import torch
 
-    from hf_paged.engine.data_parallel import DataParallelEngine
+    from hf_paged.serving.data_parallel import DataParallelEngine
     from hf_paged.frontends import models
 
     n = args.data_parallel

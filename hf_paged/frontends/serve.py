@@ -48,8 +48,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from hf_paged.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from hf_paged.engine.data_parallel import DataParallelEngine
+from hf_paged.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hf_paged.serving.data_parallel import DataParallelEngine
 from hf_paged.engine.request import RequestOutput
 from hf_paged.frontends.openai_api import (
     APIError,

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from hf_paged.engine.async_engine import ServingStats
+from hf_paged.serving.async_engine import ServingStats
 from hf_paged.engine.request import RequestOutput
 
 # Buckets as vLLM's: time to first token, time per output token, end-to-end latency (seconds).
