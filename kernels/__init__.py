@@ -20,12 +20,10 @@ from .launch import on_device
 from .reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, write_kv_ref
 
 __all__ = [
-    "argmax",
     "write_kv",
     "copy_blocks",
     "copy_blocks_layers",
     "layer_offsets",
-    "skinny_linear",
     "paged_attention",
     "paged_decode",
     "write_kv_ref",
@@ -35,11 +33,6 @@ __all__ = [
 ]
 
 _triton_modules: SimpleNamespace | None = None
-# ``argmax`` on CUDA: the Triton kernels of kernels/argmax_rows.py (True) or torch.argmax (False). Measured on an H200
-# (twenty-third session, benchmarks/RESULTS.md): the kernel is 1.9-8.8x faster in a CUDA graph (26-46 µs -> 3-24 at
-# 1-256 rows of Llama-3.1-8B's vocabulary) with equal answers, but the prefix workload showed no gain end to end
-# (-1.4%, inside the runs' spread; ~1% was predicted). Off until an A/B resolves a gain; run_gpu.sh part argmax-ab.
-TRITON_ARGMAX = False
 
 
 def _triton() -> SimpleNamespace:
@@ -48,29 +41,10 @@ def _triton() -> SimpleNamespace:
     decoding pays per layer."""
     global _triton_modules
     if _triton_modules is None:
-        from . import argmax_rows, cache_ops, decode, prefill
+        from . import cache_ops, decode, prefill
 
-        _triton_modules = SimpleNamespace(argmax_rows=argmax_rows, cache_ops=cache_ops, decode=decode, prefill=prefill)
+        _triton_modules = SimpleNamespace(cache_ops=cache_ops, decode=decode, prefill=prefill)
     return _triton_modules
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:  # x: [num_rows, vocab] -> [num_rows], int64
-    """``torch.argmax(x, dim=-1)`` of a 2-D float tensor (greedy sampling): on CUDA with ``TRITON_ARGMAX``, two
-    Triton launches that spread each row over many programs (kernels/argmax_rows.py); otherwise torch's own (the
-    reference)."""
-    if x.is_cuda and TRITON_ARGMAX and _triton_argmax_takes(x) and not torch.compiler.is_compiling():
-        with on_device(x):
-            return _triton().argmax_rows.argmax_rows_triton(x)
-    return x.argmax(dim=-1)
-
-
-def _triton_argmax_takes(x: torch.Tensor) -> bool:
-    return (
-        x.dim() == 2
-        and 0 < x.shape[1] < 2**31 - 1
-        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and (x.stride(1) == 1 or x.shape[1] == 1)
-    )
 
 
 def write_kv(
@@ -140,23 +114,6 @@ def copy_blocks_layers(
     else:
         for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
             copy_blocks_ref(k_cache, v_cache, src, dst)
-
-
-def skinny_linear(
-    x: torch.Tensor,  # [M, K], M <= kernels.skinny.MAX_ROWS
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N]
-    """``F.linear`` for few rows: on CUDA the weight-streaming kernel of kernels/skinny.py (a custom op under
-    torch.compile), elsewhere ``F.linear`` itself (its reference)."""
-    if x.is_cuda:
-        if torch.compiler.is_compiling():
-            return torch.ops.hf_paged.skinny_linear(x, weight, bias)
-        from .skinny import skinny_linear_triton
-
-        with on_device(x):
-            return skinny_linear_triton(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def paged_attention(

@@ -61,21 +61,3 @@ def _paged_decode_fake(
     query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, sliding_window, soft_cap, prefix_len=None
 ):
     return torch.empty_like(query)
-
-
-@torch.library.custom_op("hf_paged::skinny_linear", mutates_args=())
-def skinny_linear_op(
-    x: torch.Tensor,  # [M, K], M <= kernels.skinny.MAX_ROWS
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [M, N]
-    """``skinny_linear_triton`` as an op (see kernels/skinny.py)."""
-    from .skinny import skinny_linear_triton
-
-    with _on_device(x):
-        return skinny_linear_triton(x, weight, bias)
-
-
-@skinny_linear_op.register_fake
-def _skinny_linear_fake(x, weight, bias):
-    return x.new_empty((x.shape[0], weight.shape[0]))

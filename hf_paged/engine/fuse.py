@@ -15,10 +15,6 @@ engine merges the user's modules in place, without touching the model's code:
   the result is always that module's projection). The cached input and output are dropped once every part of
   the group has read them.
 
-With ``SKINNY_MAX_ROWS`` > 0 (off by default; an experiment for issue 13), a projection of at most that many rows
-(a small decode step's) runs the weight-streaming kernel of kernels/skinny.py instead of cuBLAS, and ``o_proj`` and
-``down_proj`` become parts of a group of one so that they take it too.
-
 ``unfuse_projections`` puts the original modules back (their parameters stay views of the fused storage).
 Under torch.compile the parts trace like any module (the cache is Python state that dynamo tracks); the engine
 fuses before compiling its layers.
@@ -30,18 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_paged.kernels import skinny_linear
-
 # Sibling modules that read one input, by name (Llama, Qwen2/3, Mistral, Gemma, Phi-3-style layouts, ...).
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-# The other projections of a layer: wrapped as groups of one when SKINNY_MAX_ROWS is on.
-SINGLES = ("o_proj", "down_proj")
-# Projections of at most this many rows take kernels.skinny_linear (kernels/skinny.py) instead of F.linear; 0: off.
-# Off: benchmarks/skinny_gemm.py (H200, nineteenth session) has cuBLAS faster at q/k/v and gate/up at every row count
-# and the kernel ahead only at Qwen3-0.6B's down_proj (<= 64 rows, ~1 µs a layer) and o_proj at one row; a
-# Qwen3-0.6B layer's four GEMMs at 32 rows take ~25 µs either way. Read when the engine fuses (before its layers
-# compile) and when a layer is traced: set it before building the engine.
-SKINNY_MAX_ROWS = 0
 
 
 @dataclass(eq=False)
@@ -77,7 +63,7 @@ class FusedPart(nn.Module):
         if moved:  # the model was moved or cast since (.to(), .half()): its parameters have new storage
             return F.linear(x, self.weight, self.bias)
         if group.input is not x:
-            group.input, group.output = x, _project(x, group.weight, group.bias)
+            group.input, group.output = x, F.linear(x, group.weight, group.bias)
             group.pending = group.num_parts
         out = group.output.narrow(-1, self.start, self.out_features)
         group.pending -= 1
@@ -87,16 +73,6 @@ class FusedPart(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fused"
-
-
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: at <= SKINNY_MAX_ROWS rows through kernels.skinny_linear (on CUDA; its CPU
-    path is F.linear)."""
-    if SKINNY_MAX_ROWS:  # off by default: nothing computed, no shape guard under compile
-        rows = x.numel() // x.shape[-1]
-        if 0 < rows <= SKINNY_MAX_ROWS:
-            return skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
 
 
 def _fusable(modules: list) -> bool:
@@ -138,14 +114,6 @@ def fuse_projections(model: nn.Module) -> list[_Group]:
                 setattr(parent, name, FusedPart(m, group, start))
                 group.originals.append((parent, name, m))
                 start += m.out_features
-            groups.append(group)
-        for name in SINGLES if SKINNY_MAX_ROWS else ():
-            module = getattr(parent, name, None)
-            if module is None or not _fusable([module]):
-                continue
-            group = _Group(module.weight, module.bias, 1)  # its own weight: nothing to concatenate
-            setattr(parent, name, FusedPart(module, group, 0))
-            group.originals.append((parent, name, module))
             groups.append(group)
     return groups
 

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from hf_paged.engine.params import SamplingParams
-from hf_paged.kernels import argmax
 from hf_paged.core.transfer import to_device
 
 _NEG_INF = float("-inf")
@@ -122,9 +121,7 @@ class Sampler:
        presence over output tokens;
     3. ``min_tokens``: rows with fewer output tokens than their ``min_tokens`` get -inf on the EOS ids and
        their ``stop_token_ids``;
-    4. greedy rows (temperature 0 or top-k 1) take the argmax of the penalised logits (``hf_paged.kernels.argmax``:
-       torch.argmax, or with ``kernels.TRITON_ARGMAX`` two launches that spread a row over the SMs; ATen's
-       reduction took 36-53 µs a step on an H100);
+    4. greedy rows (temperature 0 or top-k 1) take the argmax of the penalised logits;
     5. the other rows: temperature, top-k, top-p, min-p, then sample by the exponential race
        ``argmax(probs / q)`` with ``q ~ Exponential(1)`` (a Gumbel-max in disguise: no cumsum, no search).
        A row with a generator draws its ``q`` from it, so its token depends only on its own logits,
@@ -182,7 +179,7 @@ class Sampler:
 
         sample_rows = plan.sample_rows
         if len(sample_rows) < len(params):
-            token_ids = argmax(logits)  # torch.argmax's answer, ties and NaN included (see kernels.argmax)
+            token_ids = logits.argmax(dim=-1)
         if sample_rows:
             all_sampled = len(sample_rows) == len(params)
             # Indexing copies, so greedy rows keep their logits; when every row samples, work in place.
@@ -354,4 +351,4 @@ def _sample(
     # Exponential draws of exactly 0 were possible on some CUDA builds (pytorch#48841); 0/0 would be NaN,
     # which argmax picks. Clamping to the smallest normal float changes nothing else.
     q.clamp_(min=torch.finfo(torch.float32).tiny)
-    return argmax(probs.div_(q))
+    return probs.div_(q).argmax(dim=-1)

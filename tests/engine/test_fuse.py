@@ -57,64 +57,6 @@ def test_fused_model_equals_the_original_and_keeps_its_weights(family):
     torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
 
 
-def test_skinny_switch_routes_few_rows_through_the_kernel_and_wraps_the_single_projections(monkeypatch):
-    """SKINNY_MAX_ROWS > 0: o_proj and down_proj become groups of one, and every projection of at most that many
-    rows goes through kernels.skinny_linear (here the Triton kernel itself, interpreted on the CPU, as CUDA takes
-    it), with the original model's logits; more rows keep F.linear; unfusing restores every module."""
-    import os
-
-    import hf_paged.engine.fuse as fuse_module
-
-    if os.environ.get("TRITON_INTERPRET") != "1" and DEVICE != "cuda":
-        pytest.skip("the Triton kernel runs interpreted (TRITON_INTERPRET=1, as .ci/run sets) or on CUDA")
-    from hf_paged.kernels.skinny import skinny_linear_triton
-
-    rows_seen = []
-
-    def kernel(x, weight, bias=None):
-        rows_seen.append(x.shape[0])
-        return skinny_linear_triton(x, weight, bias, block_n=16, block_k=32)
-
-    monkeypatch.setattr(fuse_module, "SKINNY_MAX_ROWS", 8)
-    monkeypatch.setattr(fuse_module, "skinny_linear", kernel)
-    model = tiny_model("qwen3", attn="eager", device=DEVICE)
-    few = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    many = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    before = {name: _logits(model, ids) for name, ids in (("few", few), ("many", many))}
-    groups = fuse_projections(model)
-    layers = model.model.layers
-    assert len(groups) == 4 * len(layers)  # q/k/v, gate/up, o_proj, down_proj
-    assert isinstance(layers[0].self_attn.o_proj, FusedPart) and isinstance(layers[0].mlp.down_proj, FusedPart)
-    torch.testing.assert_close(_logits(model, few), before["few"], rtol=1e-4, atol=1e-4)
-    assert rows_seen == [6] * 4 * len(layers)  # every projection of the 6-row forward
-    torch.testing.assert_close(_logits(model, many), before["many"], rtol=1e-5, atol=1e-5)
-    assert len(rows_seen) == 4 * len(layers)  # 22 rows: F.linear
-    unfuse_projections(groups)
-    assert type(layers[0].self_attn.o_proj) is nn.Linear and type(layers[0].mlp.down_proj) is nn.Linear
-
-
-@pytest.mark.skipif(
-    DEVICE != "cuda",
-    reason="the skinny kernel in a running engine (CUDA graphs, compiled layers): runs on the device machine, "
-    "HF_PAGED_TEST_DEVICE=cuda (benchmarks/run_gpu.sh tests-engine)",
-)
-def test_engine_with_the_skinny_kernel_equals_without(monkeypatch):
-    """The engine (compiled layers, CUDA graphs) with SKINNY_MAX_ROWS=64: its decode steps' projections take the
-    kernel; fp32 (an IEEE dot in the kernel) gives the same tokens as cuBLAS."""
-    import hf_paged.engine.fuse as fuse_module
-
-    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 33)]
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    outputs = {}
-    for max_rows in (0, 64):
-        monkeypatch.setattr(fuse_module, "SKINNY_MAX_ROWS", max_rows)
-        model = tiny_model("qwen3", device=DEVICE)
-        engine = ContinuousBatcher(model, config=EngineConfig(num_blocks=24, block_size=8))
-        outputs[max_rows] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        assert_engine_drained(engine)
-    assert outputs[64] == outputs[0]
-
-
 def test_a_part_called_with_another_input_computes_its_own_projection():
     lin = [nn.Linear(8, n, bias=True) for n in (4, 6, 2)]
     parent = nn.Module()

@@ -3,7 +3,7 @@
 The CPU tests run the kernels under ``TRITON_INTERPRET=1``, which executes their Python and never compiles them: a
 construct the GPU compiler rejects, or launch settings whose pipeline stages need more shared memory than a card has,
 would first show on the GPU. This script drives the host wrappers (``paged_decode_triton``, ``paged_prefill_triton``,
-``write_kv_triton``, ``copy_blocks_triton``, ``copy_blocks_layers_triton``, ``skinny_linear_triton``) over the argument
+``write_kv_triton``, ``copy_blocks_triton``, ``copy_blocks_layers_triton``) over the argument
 combinations the engine and PagedCache use, with CPU tensors and every ``Launcher`` replaced by a recorder (nothing
 runs), then compiles each distinct launch through Triton's whole NVIDIA pipeline (IR, LLVM, PTX, ptxas) for sm_90
 (H100/H200) and sm_80 (A100), and checks its shared memory against the card's limit. The programmatic-dependent-launch
@@ -23,7 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from hf_paged.kernels import cache_ops, decode, launch, prefill, skinny  # noqa: E402
+from hf_paged.kernels import cache_ops, decode, launch, prefill  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -98,11 +98,6 @@ def record_launches() -> list[tuple]:
         k2, v2 = cache(64, 16, kv_heads, head_dim, dtype), cache(64, 16, kv_heads, head_dim, dtype)
         offsets = cache_ops.layer_offsets([k, k2], [v, v2])
         cache_ops.copy_blocks_layers_triton(*offsets, k, torch.tensor([0, 1]), torch.tensor([5, 6]))
-        # The few-rows linear layer (kernels/skinny.py) at a Qwen3-0.6B projection's width, with and without split-K.
-        if full:
-            x, weight = torch.randn(32, 1024, generator=gen).to(dtype), torch.randn(256, 1024, generator=gen).to(dtype)
-            for split_k in (1, 4):
-                skinny.skinny_linear_triton(x, weight, split_k=split_k)
     return list(seen.values())
 
 
@@ -175,14 +170,8 @@ def _memory_cases() -> dict:
     tensors and int arguments divisible by 16 specializes it: (kernel, signature, constexprs by name)."""
     copy_sig = {"k_layers_ptr": "*i64", "v_layers_ptr": "*i64", "cache_ptr": "*bf16", "src_ptr": "*i64",
                 "dst_ptr": "*i64", "stride_cache_block": "i32"}  # fmt: skip
-    skinny_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
-                  "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
-                  "K_PER_SPLIT": "i32"}  # fmt: skip
-    skinny_consts = {"HAS_BIAS": False, "SPLIT_K": 1, "DOT_PRECISION": "tf32", "BLOCK_M": 32, "BLOCK_N": 32,
-                     "BLOCK_K": 128}  # fmt: skip
     return {
         "copy_blocks_layers": (cache_ops._copy_blocks_layers_kernel, copy_sig, {"BLOCK_NUMEL": 16384, "TILE": 4096}),
-        "skinny_linear": (skinny._skinny_linear_kernel, skinny_sig, skinny_consts),
     }
 
 

@@ -51,8 +51,6 @@ def test_every_launch_compiles_for_nvidia_gpus():
         "_write_kv_kernel",
         "_copy_blocks_kernel",
         "_copy_blocks_layers_kernel",
-        "_skinny_linear_kernel",
-        "_sum_splits_kernel",
         "MERGE_PREFIX': True",
         "LAUNCH_DEPENDENTS': True",
         "LAUNCH_DEPENDENTS': 2",
@@ -82,15 +80,3 @@ def test_all_layers_copy_moves_16_bytes_an_access():
     accesses = _memory_ops("copy_blocks_layers")
     assert "ld.global.v4.b32" in accesses and "st.global.v4.b32" in accesses, accesses
     assert ".b16" not in accesses, accesses
-
-
-@pytest.mark.skipif(
-    not _nvidia_backend(),
-    reason="this Triton has no NVIDIA backend (ptxas); runs wherever it has one, as in CI (Linux x86-64)",
-)
-def test_skinny_linear_streams_its_tiles_with_16_byte_async_copies():
-    """kernels/skinny.py at an aligned launch: x and weight tiles arrive by 16-byte ``cp.async`` (pipelined through
-    shared memory), never 2 bytes at a time (what a K split not known to be a multiple of 16 compiled to)."""
-    accesses = _memory_ops("skinny_linear")
-    assert "cp.async.cg.shared.global" in accesses, accesses
-    assert "ld.global.b16" not in accesses, accesses
