@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher, cdiv, next_power_of_2
+from .launch import Launcher, SignatureCache, cdiv, next_power_of_2
 
-__all__ = ["write_kv_triton", "copy_blocks_triton", "copy_blocks_layers_triton", "layer_offsets"]
+__all__ = ["write_kv_triton", "copy_blocks_triton", "copy_blocks_layers_triton", "layer_offsets", "WRITE_KV_LAUNCHES"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements one program moves. A K/V row (num_kv_heads * head_dim) or a block longer than this is
@@ -76,7 +76,7 @@ def _write_kv_kernel(
 
 
 # Positional launches (kernels/launch.py): arguments in the kernel's parameter order.
-_WRITE_KV = Launcher(_write_kv_kernel)
+WRITE_KV = Launcher(_write_kv_kernel)
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -131,21 +131,18 @@ def write_kv_triton(
         v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
         slot_mapping.shape, slot_mapping.dtype, slot_mapping.device,
     )  # fmt: skip
-    launch = _WRITE_KV_LAUNCHES.get(signature)
+    launch = WRITE_KV_LAUNCHES.get(signature)
     if launch is None:
         launch = _write_kv_launch(key, value, k_cache, v_cache, slot_mapping)  # raises on a bad signature
-        if len(_WRITE_KV_LAUNCHES) >= _MAX_SIGNATURES:  # e.g. prefills of many lengths: start over, rarely
-            _WRITE_KV_LAUNCHES.clear()
-        _WRITE_KV_LAUNCHES[signature] = launch
+        WRITE_KV_LAUNCHES.put(signature, launch)
     if not launch:  # no tokens
         return
     grid, sizes, num_warps = launch
-    _WRITE_KV(grid, key, value, k_cache, v_cache, slot_mapping, *sizes, num_warps=num_warps, num_stages=3)
+    WRITE_KV(grid, key, value, k_cache, v_cache, slot_mapping, *sizes, num_warps=num_warps, num_stages=3)
 
 
 # write_kv_triton's checked signatures -> (grid, strides and sizes of the launch, num_warps), or () for no tokens.
-_WRITE_KV_LAUNCHES: dict[tuple, tuple] = {}
-_MAX_SIGNATURES = 256
+WRITE_KV_LAUNCHES = SignatureCache(max_size=256)
 
 
 def _write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tuple:
@@ -222,7 +219,7 @@ def _copy_blocks_kernel(
                      stride_cache_block, BLOCK_NUMEL, TILE)  # fmt: skip
 
 
-_COPY_BLOCKS = Launcher(_copy_blocks_kernel)
+COPY_BLOCKS = Launcher(_copy_blocks_kernel)
 
 
 def copy_blocks_triton(
@@ -255,7 +252,7 @@ def copy_blocks_triton(
 
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
     grid = (src.numel(), cdiv(block_numel, tile))
-    _COPY_BLOCKS(grid, k_cache, v_cache, src, dst, k_cache.stride(0), block_numel, tile, num_warps=4, num_stages=3)
+    COPY_BLOCKS(grid, k_cache, v_cache, src, dst, k_cache.stride(0), block_numel, tile, num_warps=4, num_stages=3)
 
 
 def _check_copy(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> int:
@@ -294,14 +291,14 @@ def _copy_blocks_layers_kernel(
     layer = tl.program_id(2)
     # Each layer's caches as element offsets from cache_ptr, multiples of 16 (layer_offsets checks it): the
     # compiler then vectorises the block's loads and stores. (A pointer cast from an integer address is taken as
-    # unaligned, whatever multiple_of says: the copy ran 2 bytes at a time, slower than a launch a layer.)
+    # unaligned, whatever multiple_of says: the copy would run 2 bytes at a time, slower than a launch a layer.)
     k_base = cache_ptr + tl.multiple_of(tl.load(k_layers_ptr + layer), 16)
     v_base = cache_ptr + tl.multiple_of(tl.load(v_layers_ptr + layer), 16)
     _copy_block_tile(k_base, v_base, src_ptr, dst_ptr, tl.program_id(0), tl.program_id(1), stride_cache_block,
                      BLOCK_NUMEL, TILE)  # fmt: skip
 
 
-_COPY_BLOCKS_LAYERS = Launcher(_copy_blocks_layers_kernel)
+COPY_BLOCKS_LAYERS = Launcher(_copy_blocks_layers_kernel)
 
 
 def layer_offsets(
@@ -377,6 +374,6 @@ def copy_blocks_layers_triton(
     dst = dst.to(cache.device, non_blocking=True)
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
     grid = (src.numel(), cdiv(block_numel, tile), k_offsets.numel())
-    _COPY_BLOCKS_LAYERS(
+    COPY_BLOCKS_LAYERS(
         grid, k_offsets, v_offsets, cache, src, dst, cache.stride(0), block_numel, tile, num_warps=4, num_stages=3
     )

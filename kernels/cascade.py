@@ -1,7 +1,7 @@
 """Shared-prefix ("cascade") decode attention: keys every sequence shares are read once per KV head.
 
 When the decode rows of a step share their leading physical KV blocks (a common system prompt with prefix
-caching, or the ``n`` samples of one prompt), the plain split-K decode kernel (kernels/decode.py) streams those
+caching, or the ``n`` samples of one prompt), the plain split-K decode kernel (kernels/split_decode.py) streams those
 blocks once per sequence. Here the attention of each row is cut at ``prefix_len`` (FlashInfer's cascade
 attention, vLLM v1's cascade for decode):
 
@@ -18,7 +18,7 @@ rows instead of once per row. Row s sees the keys ``[0, min(prefix_len, seq_len[
 lies in the prefix works, and a padding row (``seq_len == 0``) sees nothing. Each split writes a partial
 (normalized acc, log-sum-exp in the log2 domain) into the partial slots after the decode kernel's own splits,
 and the decode kernel's merge combines them all; or, when the decode kernel runs one split, into the first slots,
-before the decode kernel, which folds them into its own softmax (kernels/decode.py). ``prefix_len`` is a device
+before the decode kernel, which folds them into its own softmax (kernels/split_decode.py). ``prefix_len`` is a device
 int32 scalar (shape [1]): a CUDA graph captured once serves every prefix length, and with ``prefix_len == 0`` every
 program returns at once and no prefix partial is read (the result is exactly the plain decode).
 
@@ -29,9 +29,9 @@ Bytes model (KV bytes read per decode step; Qwen3-0.6B: 28 layers, 8 KV heads, h
 costs 8 * 128 * 2 B * 2 (K and V) = 4 KiB per layer). The bench's "prefix" workload: ~200 decode rows sharing a
 341-token prompt prefix, of which 336 tokens fill 21 blocks of 16 (the prefix cache shares full blocks only), and
 each row's own ~15-125 keys (5 prefix tokens in its first own block, 10-40 unique prompt tokens, 20-80 outputs):
-- before: every row streams the 336 shared keys: 200 * 336 * 4 KiB = 275 MB per layer, plus ~49 MB of own keys
+- plain decode: every row streams the 336 shared keys: 200 * 336 * 4 KiB = 275 MB per layer, plus ~49 MB of own keys
   (200 rows * ~60 keys): 324 MB per layer, 9.1 GB per step, 2.7 ms at the H100's ~3.35 TB/s.
-- after: the prefix is streamed once per KV head per ``BLOCK_M``-row tile: 1.4 MB per layer from HBM (the
+- cascade: the prefix is streamed once per KV head per ``BLOCK_M``-row tile: 1.4 MB per layer from HBM (the
   ``cdiv(200 * 2, 64) = 7`` row tiles of a head reread it, mostly from L2), plus the partials: each row and query
   head writes and reads one fp32 [head_dim] partial per prefix split and one for its own keys (2 prefix splits
   run: 200 * 16 heads * 512 B * 2 * 3 = 9.8 MB per layer), plus the same ~49 MB of own keys: ~60 MB per layer,
@@ -45,17 +45,14 @@ rows, and launch overheads are not in this model).
 import triton
 import triton.language as tl
 
-from .launch import cdiv, next_power_of_2
+from .launch import Launcher, cdiv, next_power_of_2
 
-__all__ = ["choose_num_prefix_splits", "block_m_for"]
+__all__ = ["PREFIX", "choose_num_prefix_splits", "block_m_for"]
 
 MAX_NUM_PREFIX_SPLITS = 16
-# Each prefix split adds one partial per row and query head (16 KiB written and read per row per layer at
-# Qwen3-0.6B's 16 heads x head_dim 128), so a split should cover enough keys to be worth its partials. Measured on
-# the H100 (twenty-first session, `run_gpu.sh OUT prefix-split-ab`; the whole cascade call, 336-token prefix, µs):
-# 256 / 128 / 64 keys gave 33.5 / 36.7 / 49.1 at 224 rows and 22.2 / 20.4 / 18.8 at 32 rows, and the prefix workload
-# lost 10% with 64 (48 540 / 48 743 vs 43 441 / 43 819 tok/s, alternating): at large batches the extra partials cost
-# more than the shorter chains of loads save. Kept at 256 (the engine takes shared-prefix steps from ~48 rows).
+# Each prefix split adds one partial per row and query head, so a split covers at least this many keys: 256 is the
+# fastest at large batches on the H100 (benchmarks/tools/decode_sweep.py --prefix-len 336); the engine takes
+# shared-prefix steps from ~48 rows.
 MIN_KEYS_PER_PREFIX_SPLIT = 256
 # Programs to aim for per SM, as the decode kernel does.
 PROGRAMS_PER_SM = 4
@@ -239,3 +236,7 @@ def _shared_prefix_kernel(
     )
     tl.store(pa_ptrs, acc, mask=(m_mask & has_keys)[:, None] & d_mask[None, :])
     tl.store(pl_ptrs, lse, mask=m_mask)
+
+
+# Positional launch (kernels/launch.py): arguments in the kernel's parameter order.
+PREFIX = Launcher(_shared_prefix_kernel)

@@ -3,7 +3,7 @@
 Why. ``kernel[grid](**kwargs)`` binds and specializes every argument in Python and C, builds the cache key and
 looks the compiled kernel up before it launches: 25 µs of host time per call on the H100 host of the device tool
 (Triton 3.6), against 7 µs for the launch itself (``CompiledKernel.run``). An eager decode step calls two or three
-kernels per layer, so PagedCache under ``model.generate`` (no CUDA graph) was bound by that host time.
+kernels per layer, so PagedCache under ``model.generate`` (no CUDA graph) would be bound by that host time.
 
 How. ``Launcher(jit_fn)`` keeps the ``CompiledKernel`` that Triton chose for a call under a key computed by a
 function generated for the kernel's signature (as Triton generates its binder): for each argument the facts
@@ -29,7 +29,18 @@ import os
 
 import torch
 
-__all__ = ["BoundLaunch", "Launcher", "cdiv", "direct_launch_enabled", "next_power_of_2", "on_device"]
+__all__ = [
+    "BoundLaunch",
+    "Launcher",
+    "SignatureCache",
+    "active_hook",
+    "cdiv",
+    "direct_launch_enabled",
+    "kernel_params",
+    "make_key_fn",
+    "next_power_of_2",
+    "on_device",
+]
 
 
 def _version_ok() -> bool:
@@ -51,12 +62,12 @@ def direct_launch_enabled() -> bool:
     )
 
 
-def _make_key_fn(jit_fn, args: tuple):
+def make_key_fn(jit_fn, args: tuple):
     """The specialization key of the kernel's positional arguments, as generated code (one expression per
     argument, no call per argument): the argument kinds are those of ``args``, the launcher's first call (each
     launcher passes the same kind at each position on every call)."""
     names, items = [], []
-    for param, value in zip(_params(jit_fn), args, strict=True):
+    for param, value in zip(kernel_params(jit_fn), args, strict=True):
         name = f"a{param.num}"
         names.append(name)
         if param.is_constexpr or type(value) is bool or value is None:
@@ -74,7 +85,7 @@ def _make_key_fn(jit_fn, args: tuple):
     return scope["key"]
 
 
-def _params(jit_fn) -> list:
+def kernel_params(jit_fn) -> list:
     """The kernel's parameters (name, constexpr, do_not_specialize); under TRITON_INTERPRET=1 the decorator returns
     an InterpretedFunction, which keeps the function and the decorator's arguments to build them from."""
     if hasattr(jit_fn, "params"):
@@ -130,7 +141,7 @@ class Launcher:
             self.jit_fn[grid](*args, **options)
             return
         if self._key_fn is None:
-            self._key_fn = _make_key_fn(self.jit_fn, args)
+            self._key_fn = make_key_fn(self.jit_fn, args)
         device = torch.cuda.current_device()
         key = (device, num_warps, num_stages, launch_pdl, self._key_fn(*args))
         kernel = self._cache.get(key)
@@ -146,7 +157,7 @@ class Launcher:
                     "HF_PAGED_DIRECT_LAUNCH=0 and report this"
                 )
         stream = self._stream(device)
-        enter, leave = _active(self._hooks.launch_enter_hook), _active(self._hooks.launch_exit_hook)
+        enter, leave = active_hook(self._hooks.launch_enter_hook), active_hook(self._hooks.launch_exit_hook)
         grid0 = grid[0]
         grid1 = grid[1] if len(grid) > 1 else 1
         grid2 = grid[2] if len(grid) > 2 else 1
@@ -160,7 +171,7 @@ class Launcher:
         profiler, sends the bound launches through this launcher again, which calls it.)
 
         The caller's contract (checked by the caller, cheaply, before each ``BoundLaunch.launch``): the new
-        arguments have the facts the key records (``_make_key_fn``: a tensor's dtype and 16-byte alignment), and
+        arguments have the facts the key records (``make_key_fn``: a tensor's dtype and 16-byte alignment), and
         the kept arguments still describe them (strides, sizes)."""
         if self._enabled is None:
             self._setup()
@@ -202,14 +213,14 @@ class BoundLaunch:
                     "HF_PAGED_DIRECT_LAUNCH=0 and report this"
                 )
         hooks = self._launcher._hooks
-        if _active(hooks.launch_enter_hook) is not None or _active(hooks.launch_exit_hook) is not None:
+        if active_hook(hooks.launch_enter_hook) is not None or active_hook(hooks.launch_exit_hook) is not None:
             self._launcher(self._grid, *args, **self._options)  # a profiler's hooks: the launcher calls them
             return
         g0, g1, g2 = self._grid
         self._kernel.run(g0, g1, g2, self._stream, self._function, self._metadata, None, None, None, *args)
 
 
-def _active(hook):
+def active_hook(hook):
     """A Triton launch hook, or None when there is none to call. From Triton 3.5 the knobs hold a ``HookChain`` that
     is never None, even with no hook in it: passing it makes every launch build ``kernel.launch_metadata`` (a
     dict and a LazyDict) for nobody."""
@@ -218,8 +229,39 @@ def _active(hook):
     return hook
 
 
-# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are ConstexprFunctions in Triton 3.x: 7 µs a
-# call from Python, paid several times per launch before these.
+class SignatureCache:
+    """What a launcher computes once per argument signature (shapes, strides, dtypes, devices of checked arguments)
+    and reuses on every later call with it: eager decoding calls each launcher once per layer per step with one
+    signature, so the checks and launch settings are paid once. Holds at most ``max_size`` entries and starts over
+    when full (rare: e.g. prefills of many lengths), so its memory stays bounded."""
+
+    def __init__(self, max_size: int = 256):
+        if max_size < 1:
+            raise ValueError(f"max_size must be >= 1, got {max_size}")
+        self.max_size = max_size
+        self._entries: dict = {}
+        self.get = self._entries.get  # the hot path: one dict lookup, no Python frame
+
+    def put(self, signature: tuple, value) -> None:
+        if len(self._entries) >= self.max_size:
+            self._entries.clear()
+        self._entries[signature] = value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def values(self) -> list:
+        return list(self._entries.values())
+
+    def __iter__(self):
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# Host-side integer helpers: triton.cdiv / triton.next_power_of_2 are ConstexprFunctions in Triton 3.x, 7 µs a call
+# from Python.
 def cdiv(a: int, b: int) -> int:
     """Ceil of a / b for ints, b > 0."""
     return -(-a // b)

@@ -25,6 +25,9 @@ scale is positive, else the exact update of the masked tiles (the fused one need
 K/V are read through the block table, except that with ``key=/value=`` a fresh prompt (no cached
 context) reads them from the contiguous new-token tensors instead.
 
+One kernel and its launcher: the module is over 500 lines because the kernel is (three key ranges, two grid forms,
+the contiguous-K/V path), and its launcher's checks belong beside it.
+
 Grid: ``(programs, num_kv_heads)`` over one flat axis of tile slots for the whole batch (as vLLM's unified
 attention), in one of two forms chosen from the shapes alone (never the lengths), so that a CUDA graph captured with
 padded shapes (zero-length padding sequences, padding tokens of no sequence, and in a mixed step the decode rows,
@@ -43,9 +46,9 @@ The bound grid, for batches of at most ``spare`` sequences (a few long prompts) 
 sequences (the scan's registers): ``programs = num_tokens * GROUP // BLOCK_M + num_seqs``, one slot a program, no
 loop: sequence s's first slot is ``(cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP // BLOCK_M + s`` (at least
 ``cdiv(q_len * GROUP, BLOCK_M)`` slots each, since floor(a + b) - floor(a) >= ceil(b) - 1), found by binary search over
-``cu_seqlens_q``; a spare slot exits at once. Measured (twenty-first session, an 8B mixed step of 224 decode rows and
-a 128-token prompt on an H100): there this grid's ~270 x 8 programs, nearly all spare, took 27 µs a layer for ~0.1
-GFLOP of attention; the map, 10 µs (twenty-second session).
+``cu_seqlens_q``; a spare slot exits at once. Why both: a mixed step of many decode rows and one prompt gives the
+bound grid a program per sequence, nearly all spare (an 8B mixed step on an H100: 27 µs a layer, against 10 µs
+through the map), while a few long prompts run faster through the bound grid's leaner code (fewer registers, no loop).
 """
 
 import os
@@ -64,11 +67,8 @@ MAX_HEAD_DIM = 256
 # a [next_power_of_2(num_seqs)] scan of cu_seqlens_q in registers. Larger batches take the binary-search grid.
 SCAN_MAX_SEQS = 1024
 # Programs of the exact-map grid beyond the token tiles, for the slots that rounding up each sequence's tiles adds:
-# max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT), at most num_seqs. A batch with more sequences that
-# carry tokens loops (a program takes a second slot). Measured on an H100 (twenty-second session, RESULTS.md): 16
-# spare slots alone took an 8B mixed step's prefill kernel (224 decode rows + a 128-token prompt) from 994 to 324 µs,
-# but ran the prefix workload slower (its first 2048-token step holds 58 prefix-hit chunks of ~30 tokens, 64 slots
-# over 48 programs: two ~360-key tiles in a row); one spare slot per 32 tokens gives that step 96 programs.
+# max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT), at most num_seqs (more sequences loop). 16 spare
+# slots serve a mixed step of one prompt; one per 32 tokens keeps a step of many short prefix-hit chunks from looping.
 SCAN_SPARE_SLOTS = 16
 SCAN_TOKENS_PER_SPARE_SLOT = 32
 _LOG2E = 1.4426950408889634
@@ -339,11 +339,10 @@ def _paged_prefill_kernel(
                 HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV,
             )  # fmt: skip
     else:
-        # The bound grid, one slot a program, no loop (the code measured before the map, kept for batches of few
-        # sequences, which it serves as well). seq_idx: the last sequence whose first slot first_slot(s) =
-        # (cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP // BLOCK_M + s is <= slot. Offsets count from cu_seqlens_q[0],
-        # which may be > 0 (rows before it belong to no sequence): first_slot(0) = 0 <= slot then holds for every
-        # program, the search's invariant.
+        # The bound grid, one slot a program, no loop (batches of few sequences). seq_idx: the last sequence whose
+        # first slot first_slot(s) = (cu_seqlens_q[s] - cu_seqlens_q[0]) * GROUP // BLOCK_M + s is <= slot. Offsets
+        # count from cu_seqlens_q[0], which may be > 0 (rows before it belong to no sequence): first_slot(0) = 0 <=
+        # slot then holds for every program, the search's invariant.
         slot = num_programs - 1 - tl.program_id(0)
         cu_first = tl.load(cu_seqlens_q_ptr)
         seq_lo = 0
@@ -488,24 +487,15 @@ def _attend_slot(
 
 
 # Positional launch (kernels/launch.py): arguments in the kernel's parameter order.
-_PREFILL = Launcher(_paged_prefill_kernel)
+PREFILL = Launcher(_paged_prefill_kernel)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) forcing the tiles of 2-byte dtypes at head_dim in (64, 128],
-# keyed by contig_kv (fresh prompts' K/V from the new-token tensors) or not; None = _default_tiles' choice. A module
-# switch for benchmarks/prefill_sweep.py and module_ab.py: the defaults spill registers on sm_90 (ptxas -v on Triton
-# 3.6: 604 and 220 bytes a thread), 128 x 32 tiles over 8 warps do not (RESULTS.md, fourteenth session), yet ran
-# slower at 4 x 1024 tokens on an H200 (fifteenth session). There short fresh prompts (32 x 128) took 62.4 µs with
-# the contig_kv default and 51.1 with the paged-read tiles on the same path: a length rule, not made yet.
-PREFILL_TILES: dict[bool, tuple[int, int, int, int, bool]] | None = None
-
-
-def _default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) -> tuple[int, int, int, int, bool]:
+def default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) -> tuple[int, int, int, int, bool]:
     """Default (BLOCK_M, BLOCK_N, num_warps, num_stages, k_row_major) for Hopper (H100/H200).
 
     With ``contig_kv`` (fresh prompts read their K/V from the contiguous key/value tensors) 2-byte dtypes
     with head_dim in (64, 128] use 128 x 64 tiles, 8 warps, 3 stages, K^T loads: 130 µs vs 150 µs for the
-    paged-read default on the same shape (a variant x tile sweep on an H200, benchmarks/RESULTS.md, 2026-11-26).
+    paged-read default on the same shape (4 x 1024 tokens on an H200, benchmarks/tools/prefill_sweep.py).
 
     Heuristic: 2-byte dtypes with head_dim <= 64 use the flash-attention tiles 128 x 64; head_dim in
     (64, 128] uses 128 x 32 tiles, 4 warps, 4 stages and key-major K loads, the fastest of that sweep
@@ -522,8 +512,6 @@ def _default_tiles(dtype: torch.dtype, block_d: int, contig_kv: bool = False) ->
     if block_d <= 64:
         return 128, 64, 4, 3, False
     if block_d <= 128:
-        if PREFILL_TILES is not None and contig_kv in PREFILL_TILES:
-            return PREFILL_TILES[contig_kv]
         return (128, 64, 8, 3, False) if contig_kv else (128, 32, 4, 4, True)
     return 64, 32, 8, 2, False
 
@@ -544,6 +532,10 @@ def paged_prefill_triton(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
+    tiles: tuple[int, int, int, int, bool] | None = None,
+    spare_slots: int = SCAN_SPARE_SLOTS,
+    tokens_per_spare_slot: int = SCAN_TOKENS_PER_SPARE_SLOT,
+    scan_max_seqs: int = SCAN_MAX_SEQS,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its paged context (flash attention).
 
@@ -552,11 +544,11 @@ def paged_prefill_triton(
     Fresh prompts (q_len == seq_len), chunked prefill / prefix hits (q_len < seq_len) and single
     tokens mix freely in one batch. No host sync: the grid comes from the tensor shapes.
 
-    Tile sizes follow a per-dtype/head_dim heuristic (``_default_tiles``); ``BLOCK_M`` shrinks to the
+    Tile sizes follow a per-dtype/head_dim heuristic (``default_tiles``); ``BLOCK_M`` shrinks to the
     next power of two >= 16 of ``max_query_len * num_heads // num_kv_heads`` for short queries. The rows
     of a program are (token, query head) pairs of one KV head, so a GQA group shares each K/V tile load.
     The unmasked interior tiles take the fused softmax update (no -inf guard, the scale folded into one
-    FMA per score; 2% faster on the H200 benchmark shape, RESULTS.md), which needs ``scale > 0``; with
+    FMA per score; 2% faster on the H200 benchmark shape), which needs ``scale > 0``; with
     ``scale <= 0`` they take the exact update of the masked tiles.
 
     Args:
@@ -578,6 +570,11 @@ def paged_prefill_triton(
             ``query`` (the tensors write_kv stored), last dim contiguous. When given, a fresh prompt
             (seq_len == q_len) reads its K/V from these contiguous rows instead of through the block
             table; other sequences still read the cache. Both or neither.
+        tiles: For tests and benchmarks/tools/prefill_sweep.py: force (BLOCK_M, BLOCK_N, num_warps, num_stages,
+            k_row_major); None takes ``default_tiles``. BLOCK_M still shrinks for short queries.
+        spare_slots, tokens_per_spare_slot, scan_max_seqs: For tests: the grid's tuning (SCAN_SPARE_SLOTS,
+            SCAN_TOKENS_PER_SPARE_SLOT, SCAN_MAX_SEQS; see "Grid" in the module docstring). Any values give the
+            same result; they pick the grid's form and size only.
 
     Returns:
         out: [num_tokens, num_heads, head_dim].
@@ -661,7 +658,9 @@ def paged_prefill_triton(
 
     group = num_heads // num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
-    default_m, tile_n, num_warps, num_stages, k_row_major = _default_tiles(query.dtype, block_d, key is not None)
+    if tiles is None:
+        tiles = default_tiles(query.dtype, block_d, key is not None)
+    default_m, tile_n, num_warps, num_stages, k_row_major = tiles
     # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
     tile_m = min(default_m, max(16, next_power_of_2(max_query_len * group)))
     has_window = sliding_window is not None and sliding_window > 0
@@ -677,17 +676,15 @@ def paged_prefill_triton(
     # The exact tile map (SEQS_PAD > 0) needs at most cdiv(tokens * group, tile_m) + (sequences with tokens) slots;
     # a grid with fewer programs loops, so the grid is capped at `spare` sequences' slack: padding and decode rows,
     # empty sequences in a captured mixed step, take no program each. A batch of at most `spare` sequences (a few
-    # long prompts) takes the bound grid, about as many programs, and its leaner code: through the map, 4 x 1024 fresh
-    # tokens ran 139 / 169 µs (new K/V / block table) on an H100 against 130 / 150 in earlier sessions, and ptxas
-    # gives the map's form 255 registers instead of 222 and 80-120 bytes of stack instead of 16 (RESULTS.md, 22nd
-    # session; benchmarks/ptxas_check.py). Past SCAN_MAX_SEQS sequences the bound grid spares the scan's registers.
-    spare = min(num_seqs, max(SCAN_SPARE_SLOTS, num_tokens // SCAN_TOKENS_PER_SPARE_SLOT))
-    seqs_pad = next_power_of_2(num_seqs) if spare < num_seqs <= SCAN_MAX_SEQS else 0
+    # long prompts) takes the bound grid, about as many programs, and its leaner code (fewer registers and no stack:
+    # benchmarks/tools/ptxas_check.py). Past scan_max_seqs sequences the bound grid spares the scan's registers.
+    spare = min(num_seqs, max(spare_slots, num_tokens // tokens_per_spare_slot))
+    seqs_pad = next_power_of_2(num_seqs) if spare < num_seqs <= scan_max_seqs else 0
     if seqs_pad:
         grid = (cdiv(num_tokens * group, tile_m) + spare, num_kv_heads)
     else:
         grid = (num_tokens * group // tile_m + num_seqs, num_kv_heads)
-    _PREFILL(
+    PREFILL(
         grid,
         query, k_cache, v_cache, key, value, block_tables, seq_lens, cu_seqlens_q, out,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),

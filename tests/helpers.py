@@ -27,27 +27,26 @@ def record_prefill_launches(monkeypatch) -> list[tuple[tuple, int]]:
     from hf_paged.kernels import prefill
 
     launches = []
-    launch = prefill._PREFILL
+    launch = prefill.PREFILL
 
     def recording(grid, *args, **kwargs):
         launches.append((grid, args[-1]))
         return launch(grid, *args, **kwargs)
 
-    monkeypatch.setattr(prefill, "_PREFILL", recording)
+    monkeypatch.setattr(prefill, "PREFILL", recording)
     return launches
 
 
 def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) -> list[tuple[tuple, int]]:
     """Send the engine's prefill and mixed-step attention (``max_query_len != 1``) to the Triton prefill kernel
     (interpreted on the CPU), decode calls as before. ``spare_slots`` (with it, none per token): the tile map's
-    spare programs, 0 making programs loop over a step's chunks. Returns ``record_prefill_launches``'s list."""
+    spare programs (``paged_prefill_triton``'s grid tuning), 0 making programs loop over a step's chunks. Returns
+    ``record_prefill_launches``'s list."""
     from hf_paged.kernels import prefill
 
     from hf_paged.core import attention as attention_module
 
-    if spare_slots is not None:
-        monkeypatch.setattr(prefill, "SCAN_SPARE_SLOTS", spare_slots)
-        monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 1 << 20)
+    grid = {} if spare_slots is None else {"spare_slots": spare_slots, "tokens_per_spare_slot": 1 << 20}
     launches = record_prefill_launches(monkeypatch)
     original = attention_module.paged_attention
 
@@ -75,7 +74,7 @@ def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) ->
         return prefill.paged_prefill_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                                             max_query_len=max_query_len, max_seq_len=max_seq_len,
                                             sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key,
-                                            value=value)  # fmt: skip
+                                            value=value, **grid)  # fmt: skip
 
     monkeypatch.setattr(attention_module, "paged_attention", attention)
     return launches

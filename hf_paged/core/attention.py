@@ -5,11 +5,10 @@
   set, see hf_paged.core.context) ``key``/``value`` are the layer's block pools, already updated by the cache
   (in an eager PagedCache decode step the cache leaves the layer's new K/V in ``ctx.pending_kv`` and the
   decode kernel writes them: one launch a layer; on CUDA the step's first layer keeps that launch,
-  ``kernels.decode.DecodeBinding``, and the later layers of the same kind repeat it with their own tensors,
-  ``DECODE_BINDING``). In the engine (``ctx.kv_caches``: no Cache object) the function
-  writes the layer's new K/V itself with ``write_kv`` before the attention (or, with ``ENGINE_FUSED_DECODE_WRITE``,
-  in a decode step, inside the decode kernel; in a shared-prefix decode step too with
-  ``CASCADE_FUSED_DECODE_WRITE``). It packs the real query tokens to
+  ``kernels.decode.DecodeBinding``, and the later layers of the same kind repeat it with their own tensors).
+  In the engine (``ctx.kv_caches``: no Cache object) the function writes the layer's new K/V itself: in a decode
+  step (shared-prefix ones included) inside the decode kernel, otherwise with ``write_kv`` before the attention.
+  It packs the real query tokens to
   ``[num_tokens, num_heads, head_dim]`` and calls ``paged_attention`` over the block tables. K/V are never
   gathered. Outside a paged forward (e.g. the model is used with a DynamicCache, or without cache) it falls back
   to torch SDPA on the given K/V.
@@ -32,23 +31,8 @@ ATTN_NAME = "paged"
 # split streams at least this many keys (one split up to 2048 keys: no merge launch, no partial buffers); at batch
 # 1 x 2048 one split of 8 KV heads reads 8 MB in tens of µs, against ~1 ms of host time a layer.
 EAGER_MIN_KEYS_PER_SPLIT = 2048
-# An eager PagedCache decode step on CUDA keeps its first layer's decode launch and repeats it for the other layers
-# (kernels.decode.DecodeBinding: no argument checks, split choice or launch key a layer). False: every layer takes
-# paged_attention (for A/Bs).
-DECODE_BINDING = True
 # The forward kwarg that carries a planned decode step's static ForwardContext (set by PagedCache's decoder hook).
 PLANNED_CONTEXT_KWARG = "hf_paged_planned_context"
-# The engine's decode steps (every row one new token, no shared-prefix decode): the decode kernel writes each row's
-# new K/V at its slot and attends to it from registers, instead of a write_kv launch before it (one launch a layer
-# fewer; the kernel and its fused write are PagedCache's eager decode path). The engine's CUDA tests pass with it on
-# an H100, where nano ran 0.3% faster with it (benchmarks/RESULTS.md, twelfth session: run_gpu.sh parts tests and
-# fused-write-ab). A module switch, so that one tree runs both sides (benchmarks/module_ab.py).
-ENGINE_FUSED_DECODE_WRITE = True
-# The same in the engine's shared-prefix (cascade) decode steps: the decode kernel with both the prefix and the fused
-# write (each row's new token lies above the shared blocks). The engine's CUDA tests pass with it on an H100, where
-# the prefix workload ran 0.4% faster with it (RESULTS.md, thirteenth session: run_gpu.sh parts tests and
-# cascade-write-ab).
-CASCADE_FUSED_DECODE_WRITE = True
 
 
 def paged_attention_forward(
@@ -165,7 +149,7 @@ def _context_attention(
             out = binding[1].launch(q, key, value, new_key, new_value)
             if out is not None:
                 return out.view(batch_size, 1, num_heads, head_dim), None
-        bind = [] if binding is None and ctx.prefix_len is None and DECODE_BINDING else None
+        bind = [] if binding is None and ctx.prefix_len is None else None
         out = paged_attention(
             q, key, value, ctx.block_tables, ctx.seq_lens,
             ctx.cu_seqlens_q, scaling, max_query_len=1, max_seq_len=ctx.max_seq_len,
@@ -189,13 +173,9 @@ def _context_attention(
         num_kv_heads = key.shape[1]
         new_key = key.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         new_value = value.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
-        if (
-            ENGINE_FUSED_DECODE_WRITE
-            and ctx.max_query_len == 1
-            and ctx.decode_seq_lens is None
-            and ctx.token_idx is None
-            and (prefix_len is None or CASCADE_FUSED_DECODE_WRITE)
-        ):
+        if ctx.max_query_len == 1 and ctx.decode_seq_lens is None and ctx.token_idx is None:
+            # A decode step (shared-prefix ones too: each row's new token lies above the shared blocks): the decode
+            # kernel writes each row's new K/V and attends to it from registers, one launch a layer fewer.
             fused_write = ctx.slot_mapping  # token i is row i's new token (padding: slot -1, length 0)
         else:
             write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping)

@@ -10,9 +10,9 @@ runs), then compiles each distinct launch through Triton's whole NVIDIA pipeline
 variants (SM90 only, chosen on a CUDA device) are compiled for sm_90 too.
 
 Run without ``TRITON_INTERPRET`` (the interpreter replaces the kernels' helper functions):
-``python tests/gpu_compile.py [--shard I/N]`` prints one line a compile and exits 1 on any failure (``--memory-ops
-CASE``: one kernel's global-memory instructions);
-tests/test_gpu_compile.py runs it in one subprocess a core.
+``python tests/kernels/gpu_compile.py [--shard I/N]`` prints one line a compile and exits 1 on any failure
+(``--memory-ops CASE``: one kernel's global-memory instructions);
+tests/kernels/test_gpu_compile.py runs it in one subprocess a core.
 """
 
 import os
@@ -73,13 +73,9 @@ def record_launches() -> list[tuple]:
                                            slot_mapping=slots, **common)  # fmt: skip
                 decode.paged_decode_triton(q, k, v, tables, seq_lens, scale, sliding_window=64, soft_cap=30.0,
                                            **common)  # fmt: skip
-                for merge_in_split in (True, False):
-                    decode.CASCADE_MERGE_IN_SPLIT = merge_in_split
-                    decode._PLANS.clear()
-                    decode.paged_decode_triton(q, k, v, tables, seq_lens, scale, prefix_len=prefix,
-                                               max_prefix_len=max_seq_len, new_key=new_k, new_value=new_k,
-                                               slot_mapping=slots, **common)  # fmt: skip
-                decode.CASCADE_MERGE_IN_SPLIT = True
+                decode.paged_decode_triton(q, k, v, tables, seq_lens, scale, prefix_len=prefix,
+                                           max_prefix_len=max_seq_len, new_key=new_k, new_value=new_k,
+                                           slot_mapping=slots, **common)  # fmt: skip
         # Prefill: fresh prompts (K/V from the new-token tensors) and chunks over the cache; window and cap.
         num_tokens = 40
         qp = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
@@ -146,32 +142,30 @@ def _pdl_variants(launches: list[tuple]) -> list[tuple]:
     out = []
     for jit_fn, args, num_warps, num_stages, _ in launches:
         values = {p.name: a for p, a in zip(jit_fn.params, args, strict=True)}
-        # A one-split shared-prefix call (MERGE_PREFIX): the prefix kernel first, the split kernel as its dependent.
+        # A one-split shared-prefix call (HAS_PREFIX and WRITE_OUT): the prefix kernel first, the split kernel as its
+        # dependent.
         cascade_flag = {"_shared_prefix_kernel": "LAUNCH_DEPENDENTS", "_paged_decode_kernel": "WAIT_PREFIX"}
         flag = cascade_flag.get(jit_fn.__name__)
-        if flag == "LAUNCH_DEPENDENTS" or (flag and values["MERGE_PREFIX"]):
+        if flag == "LAUNCH_DEPENDENTS" or (flag and values["HAS_PREFIX"] and values["WRITE_OUT"]):
             patched = [True if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
             out.append((jit_fn, tuple(patched), num_warps, num_stages, flag == "WAIT_PREFIX"))
-        # paged_decode_triton uses PDL for several splits without a prefix: the split kernel's flag (1: trigger at
-        # once, 2: after its partial is written, for large split grids), the merge's.
-        for flag, one_split, value in (
-            ("LAUNCH_DEPENDENTS", "WRITE_OUT", 1),
-            ("LAUNCH_DEPENDENTS", "WRITE_OUT", 2),
-            ("WAIT_PRIMARY", "ONE_SPLIT", True),
-        ):  # fmt: skip
-            if flag in values and "HAS_PREFIX" in values and not values["HAS_PREFIX"] and not values[one_split]:
-                patched = [value if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
+        # paged_decode_triton uses PDL for several splits without a prefix: the split kernel triggers the merge
+        # (LAUNCH_DEPENDENTS), the merge waits for it (WAIT_PRIMARY).
+        for flag in ("LAUNCH_DEPENDENTS", "WAIT_PRIMARY"):
+            several_splits = not values.get("WRITE_OUT", False)  # the merge has no WRITE_OUT: it runs for several
+            if flag in values and "HAS_PREFIX" in values and not values["HAS_PREFIX"] and several_splits:
+                patched = [True if p.name == flag else a for p, a in zip(jit_fn.params, args, strict=True)]
                 out.append((jit_fn, tuple(patched), num_warps, num_stages, flag == "WAIT_PRIMARY"))
     return out
 
 
 def _memory_cases() -> dict:
-    """Kernels whose global-memory accesses tests/test_gpu_compile.py checks, each as a launch with 16-byte aligned
-    tensors and int arguments divisible by 16 specializes it: (kernel, signature, constexprs by name)."""
+    """Kernels whose global-memory accesses tests/kernels/test_gpu_compile.py checks, each as a launch with 16-byte
+    aligned tensors and int arguments divisible by 16 specializes it: (kernel, signature, constexprs by name)."""
     copy_sig = {"k_layers_ptr": "*i64", "v_layers_ptr": "*i64", "cache_ptr": "*bf16", "src_ptr": "*i64",
                 "dst_ptr": "*i64", "stride_cache_block": "i32"}  # fmt: skip
     return {
-        "copy_blocks_layers": (cache_ops._copy_blocks_layers_kernel, copy_sig, {"BLOCK_NUMEL": 16384, "TILE": 4096}),
+        "copy_blocks_layers": (cache_ops.COPY_BLOCKS_LAYERS.jit_fn, copy_sig, {"BLOCK_NUMEL": 16384, "TILE": 4096}),
     }
 
 

@@ -10,7 +10,7 @@ Cache slots nothing may read are NaN, and ``out`` starts as NaN.
 import pytest
 import torch
 from helpers import needs_triton
-from hf_paged.kernels import cascade, decode, launch, paged_attention, paged_decode
+from hf_paged.kernels import cascade, decode, decode_plan, launch, paged_attention, paged_decode, split_decode
 from hf_paged.kernels.decode import paged_decode_triton
 from hf_paged.kernels.reference import paged_attention_ref, paged_decode_ref
 
@@ -139,13 +139,10 @@ def test_long_prefix_over_several_prefix_splits(num_prefix_splits, num_splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("merge_in_split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_split_with_and_without_the_merge_launch(monkeypatch, dtype, merge_in_split):
-    """One split with a prefix: either the prefix kernel first and the split kernel folding its partials in
-    (CASCADE_MERGE_IN_SPLIT, the default) or split, prefix and merge kernels; both equal plain attention, with rows
-    inside the prefix, a padding row and several prefix splits."""
-    monkeypatch.setattr(decode, "CASCADE_MERGE_IN_SPLIT", merge_in_split)
+def test_one_split_folds_the_prefix_partials(dtype):
+    """One split with a prefix: the prefix kernel first, then the split kernel folding its partials in (no merge);
+    equal to plain attention, with rows inside the prefix, a padding row and several prefix splits."""
     out = _check(SEQ_LENS, 3, 48, 8, 2, 32, 16, dtype, num_splits=1, num_prefix_splits=3)
     assert torch.equal(out[4], torch.zeros_like(out[4]))  # the padding row
 
@@ -202,27 +199,21 @@ def test_one_launch_serves_every_prefix_length():
 
 
 @needs_triton
-@pytest.mark.parametrize("prefix_settings", [None, (32, 8)], ids=["prefix-64x4", "prefix-32x8"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_suffix_settings_at_head_dim_128(block_size, num_splits, prefix_settings, monkeypatch):
+def test_suffix_settings_at_head_dim_128(block_size, num_splits):
     """At head_dim 128 a shared-prefix call's split kernel takes its own settings (CASCADE_SUFFIX_SETTINGS: 16-key
-    tiles, one block-table entry a tile at block size 16, a lookup per key at 8) and the prefix kernel its own
-    (CASCADE_PREFIX_SETTINGS: the default 64-key tiles over 4 warps, or the switch's 32-key tiles, a lookup per key
-    at block size 16 too), and the result still equals plain attention."""
-    assert decode.CASCADE_SUFFIX_SETTINGS is not None
-    monkeypatch.setattr(decode, "CASCADE_PREFIX_SETTINGS", prefix_settings)
-    decode._PLANS.clear()
+    tiles, one block-table entry a tile at block size 16, a lookup per key at 8) and the prefix kernel 64-key tiles
+    over 4 warps, and the result still equals plain attention."""
+    decode.PLANS.clear()
     seq_lens = [70, 49, 48, 0, 64]
     _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=num_splits)
-    (plan,) = decode._PLANS.values()
-    decode._PLANS.clear()
-    # several-split shared-prefix calls, then one-split ones (CASCADE_ONE_SPLIT_SETTINGS, else the same)
-    cascade, one_split = plan.variants["cascade"], plan.variants["cascade_one_split"]
-    assert cascade[2:4] == decode.CASCADE_SUFFIX_SETTINGS[1:3] and cascade[0][9] == decode.CASCADE_SUFFIX_SETTINGS[0]
-    block_n, stages, warps, *packed = decode.CASCADE_ONE_SPLIT_SETTINGS or decode.CASCADE_SUFFIX_SETTINGS
-    assert one_split[0][9] == block_n and one_split[2:] == (stages, warps, min(packed[0] if packed else 1, 2))
-    assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (prefix_settings or (64, 4))
+    (plan,) = decode.PLANS.values()
+    decode.PLANS.clear()
+    suffix = plan.variants["cascade"]  # (constexpr args, MIN_TILES_PER_SPLIT, num_stages, num_warps)
+    block_n, stages, warps = decode_plan.CASCADE_SUFFIX_SETTINGS
+    assert suffix[2:4] == (stages, warps) and suffix[0][9] == block_n  # BLOCK_N
+    assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (64, 4)
 
 
 @needs_triton
@@ -283,155 +274,36 @@ def test_fused_kv_write_with_a_shared_prefix(dtype, num_splits, head_dim):
     torch.testing.assert_close(k_in, k_cache.nan_to_num(0.0), atol=0, rtol=0)
 
 
-def _fused_call(query, k_cache, v_cache, block_tables, seq_lens, scale, **kwargs):
-    """paged_decode_triton with the fused K/V write: each live row's last key is taken out of the cache (its slot
-    becomes NaN) and passed as new_key/new_value; returns (out, k_cache and v_cache after the call, the caches as
-    they were)."""
-    num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
-    lens = seq_lens.tolist()
-    slots = [-1 if n == 0 else int(block_tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-             for s, n in enumerate(lens)]  # fmt: skip
-    slot_t = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
-    live = slot_t >= 0
-    flat = lambda cache: cache.view(-1, num_kv_heads, head_dim)  # noqa: E731  [num_slots, Hkv, D]
-    new_key = torch.zeros(len(lens), num_kv_heads, head_dim, dtype=k_cache.dtype, device=DEVICE)
-    new_value = torch.zeros_like(new_key)
-    new_key[live], new_value[live] = flat(k_cache)[slot_t[live]], flat(v_cache)[slot_t[live]]
-    k_in, v_in = k_cache.clone(), v_cache.clone()
-    flat(k_in)[slot_t[live]] = float("nan")
-    flat(v_in)[slot_t[live]] = float("nan")
-    out = paged_decode_triton(query, k_in, v_in, block_tables, seq_lens, scale, new_key=new_key, new_value=new_value,
-                              slot_mapping=slot_t, **kwargs)  # fmt: skip
-    return out, k_in, v_in
-
-
 @needs_triton
-@pytest.mark.parametrize("fused", [False, True], ids=["cache-only", "fused-write"])
-@pytest.mark.parametrize("block_size, num_splits", [(16, 1), (8, 2)])
-@pytest.mark.parametrize(
-    "num_heads, num_kv_heads, heads", [(8, 4, 4), (12, 4, 2), (4, 4, 8)], ids=["group2-pack4", "group3-pack2", "mha"]
-)
-def test_packed_kv_heads_in_the_suffix_kernel(
-    num_heads, num_kv_heads, heads, block_size, num_splits, fused, monkeypatch
-):
-    """A setting's fourth entry (here CASCADE_SUFFIX_SETTINGS', for every split count): a split-kernel program
-    packs that many KV heads (at most num_kv_heads: 8 over 4 heads packs 4), its query tile all their query heads,
-    each K/V tile BLOCK_N keys x those heads, one contiguous run of a block, and each query row keeps only its own
-    head's columns. Group 3 pads 6 query rows to 16; block size 8 takes a table lookup per column; the fused write
-    stores every packed head's new K/V once. Equal to plain attention, the new K/V written and nothing else
-    touched."""
-    monkeypatch.setattr(decode, "CASCADE_SUFFIX_SETTINGS", (16, 2, 2, heads))
-    monkeypatch.setattr(decode, "CASCADE_ONE_SPLIT_SETTINGS", None)  # one split too
-    decode._PLANS.clear()
-    seq_lens = [70, 49, 0, 64, 57]
-    query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
-        seq_lens, 48 // block_size, num_heads, num_kv_heads, 128, block_size, torch.bfloat16
-    )
-    scale = 128**-0.5
-    expected = _plain_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
-    kwargs = dict(max_seq_len=max(seq_lens), num_splits=num_splits, prefix_len=_prefix(48))
-    if fused:
-        out, k_in, v_in = _fused_call(query, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
-        torch.testing.assert_close(k_in, k_cache, atol=0, rtol=0, equal_nan=True)
-        torch.testing.assert_close(v_in, v_cache, atol=0, rtol=0, equal_nan=True)
-    else:
-        out = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens_t, scale, **kwargs)
-    (plan,) = decode._PLANS.values()
-    decode._PLANS.clear()
-    assert plan.variants["cascade_one_split"][4] == plan.variants["cascade"][4] == min(heads, num_kv_heads)
-    atol, rtol = TOLERANCES[torch.bfloat16]
-    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
-    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the padding row
-
-
-@needs_triton
-@pytest.mark.parametrize("window, soft_cap", [(None, 30.0), (20, None)], ids=["soft-cap", "window"])
-def test_packed_kv_heads_in_plain_decode(window, soft_cap, monkeypatch):
-    """A fourth entry in LONG_SETTINGS packs KV heads in plain decode too (no prefix): soft capping, and a sliding
-    window whose lower bound falls inside a tile."""
-    monkeypatch.setattr(decode, "LONG_SETTINGS", (16, 2, 2, 2))
-    decode._PLANS.clear()
-    seq_lens = [70, 49, 0, 33]
-    query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
-        seq_lens, 0, 8, 4, 128, 16, torch.float32, seed=3
-    )
-    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    block_tables = block_tables.clamp(min=0)
-    scale = 128**-0.5
-    # max_seq_len past SHORT_SPLIT_KEYS: the long settings
-    out = paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens_t, scale, max_seq_len=1024,
-                              num_splits=1, sliding_window=window, soft_cap=soft_cap)  # fmt: skip
-    (plan,) = decode._PLANS.values()
-    decode._PLANS.clear()
-    assert plan.variants["long"][4] == 2
-    expected = paged_decode_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale, window, soft_cap)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-
-
-@needs_triton
-@pytest.mark.parametrize("num_sms, packed", [(4, True), (16, False)])
-def test_one_split_settings_pack_heads_only_over_enough_rows(num_sms, packed, monkeypatch):
-    """ONE_SPLIT_SETTINGS (plain calls of one split) pack KV heads only when the rows still give every SM a program
-    (5 rows x 4 KV heads / 2 packed = 10 programs: packed over 4 SMs, not over 16); the fused write with it."""
-    monkeypatch.setattr(decode, "ONE_SPLIT_SETTINGS", (16, 2, 2, 2))
-    monkeypatch.setattr(decode, "DEFAULT_NUM_SMS", num_sms)  # the SM count off CUDA
-    monkeypatch.setattr(decode, "_num_sms", lambda device_index: num_sms)  # and on CUDA
-    decode._PLANS.clear()
-    grids = []
-    launcher = decode._DECODE
-
-    def recording(grid, *args, **kwargs):
-        grids.append(grid)
-        return launcher(grid, *args, **kwargs)
-
-    monkeypatch.setattr(decode, "_DECODE", recording)
-    seq_lens = [70, 49, 0, 33, 16]
-    query, k_cache, v_cache, block_tables, seq_lens_t = _shared_inputs(
-        seq_lens, 0, 8, 4, 128, 16, torch.bfloat16, seed=5
-    )
-    scale = 128**-0.5
-    expected = _plain_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
-    out, k_in, v_in = _fused_call(query, k_cache, v_cache, block_tables, seq_lens_t, scale, max_seq_len=40960,
-                                  num_splits=1)  # fmt: skip
-    decode._PLANS.clear()
-    assert grids == [(5, 2 if packed else 4, 1)]
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(k_in, k_cache, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(v_in, v_cache, atol=0, rtol=0, equal_nan=True)
-
-
-@needs_triton
-@pytest.mark.parametrize("cascade_pdl, num_splits", [(True, 1), (False, 1), (True, 3)])
-def test_prefix_then_split_kernel_launch_with_pdl(cascade_pdl, num_splits, monkeypatch):
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefix_then_split_kernel_launch_with_pdl(num_splits, monkeypatch):
     """Where PDL is supported (SM90+: forced here on the host), a one-split shared-prefix call launches the prefix
     kernel with LAUNCH_DEPENDENTS and the split kernel with launch_pdl and WAIT_PREFIX (it waits before folding the
-    partials in); never one without the other, not with CASCADE_PDL off, and not with several splits (the merge reads
-    the partials after both)."""
-    monkeypatch.setattr(decode, "CASCADE_PDL", cascade_pdl)
-    decode._PLANS.clear()
+    partials in); never one without the other, and not with several splits (the merge reads the partials after
+    both)."""
+    decode.PLANS.clear()
     args = _shared_inputs(SEQ_LENS, 3, 8, 2, 32, 16, torch.float32)
     kwargs = dict(max_seq_len=max(SEQ_LENS), num_splits=num_splits, prefix_len=_prefix(48))
     paged_decode_triton(*args, 32**-0.5, **kwargs)  # makes the plan
-    (plan,) = decode._PLANS.values()
+    (plan,) = decode.PLANS.values()
     plan.pdl_ok = True
     launches = []
 
     def recorder(name, launcher):
         def record(grid, *launch_args, launch_pdl=False, **launch_kwargs):
-            names = [p.name for p in launch._params(launcher.jit_fn)]
+            names = [p.name for p in launch.kernel_params(launcher.jit_fn)]
             launches.append((name, launch_args[names.index("LAUNCH_DEPENDENTS" if name == "prefix" else "WAIT_PREFIX")]
                              if name != "merge" else None, launch_pdl))  # fmt: skip
 
         return record
 
-    monkeypatch.setattr(decode, "_PREFIX", recorder("prefix", decode._PREFIX))
-    monkeypatch.setattr(decode, "_DECODE", recorder("split", decode._DECODE))
-    monkeypatch.setattr(decode, "_MERGE", recorder("merge", decode._MERGE))
+    monkeypatch.setattr(cascade, "PREFIX", recorder("prefix", cascade.PREFIX))
+    monkeypatch.setattr(split_decode, "SPLIT", recorder("split", split_decode.SPLIT))
+    monkeypatch.setattr(split_decode, "MERGE", recorder("merge", split_decode.MERGE))
     paged_decode_triton(*args, 32**-0.5, **kwargs)
-    decode._PLANS.clear()
+    decode.PLANS.clear()
     if num_splits == 1:
-        pdl = cascade_pdl
-        assert launches == [("prefix", pdl, False), ("split", pdl, pdl)]
+        assert launches == [("prefix", True, False), ("split", True, True)]
     else:  # split kernel, prefix kernel, merge: no PDL between them (the prefix kernel sits between)
         assert launches == [("split", False, False), ("prefix", False, False), ("merge", None, False)]
 
@@ -522,20 +394,3 @@ def test_custom_op_with_prefix_traces_whole():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     plain = torch.ops.hf_paged.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, 0.25, 64, 0, 0.0)
     torch.testing.assert_close(plain, expected, atol=1e-5, rtol=1e-5)  # callers that pass no prefix
-
-
-@needs_triton
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_the_prefix_split_rule_is_one_switch(num_splits, monkeypatch):
-    """kernels.cascade.MIN_KEYS_PER_PREFIX_SPLIT sets both the host's split count and the kernels' split rule (the
-    prefix kernel's and the split kernel's fold of its partials), read when a plan is made; results stay exact."""
-    monkeypatch.setattr(cascade, "MIN_KEYS_PER_PREFIX_SPLIT", 16)
-    decode._PLANS.clear()
-    try:
-        # 96 shared keys: one key tile a split (several splits) instead of one split.
-        _check([100, 120, 97], 6, 96, 4, 2, 32, 16, torch.float32, num_splits)
-        plans = list(decode._PLANS.values())
-        assert plans and all(p.prefix_split_rule[1] == max(1, 16 // p.prefix_split_rule[0]) == 1 for p in plans)
-        assert cascade.choose_num_prefix_splits(96, num_row_tiles=1, num_kv_heads=2, num_sms=132) == 6
-    finally:
-        decode._PLANS.clear()

@@ -80,6 +80,7 @@ def _check(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     seed: int = 0,
+    tile_settings: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     query, k_cache, v_cache, block_tables, seq_lens_t = _make_inputs(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
@@ -89,7 +90,7 @@ def _check(
     result = paged_decode_triton(
         query, k_cache, v_cache, block_tables, seq_lens_t, scale,
         max_seq_len=max(seq_lens), sliding_window=sliding_window, soft_cap=soft_cap, out=out,
-        num_splits=num_splits,
+        num_splits=num_splits, tile_settings=tile_settings,
     )  # fmt: skip
     assert result is out
     cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
@@ -228,64 +229,44 @@ def test_long_and_short_contexts_share_a_split_grid(num_splits):
 
 def _record_decode_launches(monkeypatch) -> list:
     """(BLOCK_N, num_stages, num_warps) of every split-kernel launch from now on, appended to the returned list."""
-    from hf_paged.kernels import decode
+    from hf_paged.kernels import split_decode
 
     launches = []
-    launch = decode._DECODE
+    launch = split_decode.SPLIT
+    block_n_position = launch.jit_fn.arg_names.index("BLOCK_N")
 
     def recording(grid, *args, **options):
-        block_n = args[decode._paged_decode_kernel.arg_names.index("BLOCK_N")]
-        launches.append((block_n, options["num_stages"], options["num_warps"]))
+        launches.append((args[block_n_position], options["num_stages"], options["num_warps"]))
         return launch(grid, *args, **options)
 
-    monkeypatch.setattr(decode, "_DECODE", recording)
+    monkeypatch.setattr(split_decode, "SPLIT", recording)
     return launches
 
 
 @needs_triton
 @pytest.mark.parametrize("num_splits, long", [(1, True), (2, True), (3, False)])
 def test_short_and_long_split_settings(num_splits, long, monkeypatch):
-    """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take the card's
-    long-split settings (64-key tiles, 3 stages, 4 warps by default), three splits of at most 256 keys 32-key tiles
-    over 3 stages; both give the reference's result."""
-    from hf_paged.kernels import decode
+    """At head_dim 128 the launch settings follow the keys per split: 700 keys in one or two splits take the
+    long-split settings (64-key tiles, 3 stages, 4 warps), three splits of at most 256 keys 32-key tiles over 3
+    stages; both give the reference's result."""
+    from hf_paged.kernels import decode_plan
 
     launches = _record_decode_launches(monkeypatch)
     _check([1, 17, 300, 700], 4, 2, 128, 16, torch.float32, num_splits=num_splits)
-    device = torch.device(DEVICE)
-    expected = decode.long_split_settings(device) if long else (decode.SHORT_BLOCK_N, decode.SHORT_NUM_STAGES, 4)
+    expected = decode_plan.LONG_SETTINGS if long else decode_plan.SHORT_SETTINGS
     assert launches == [expected]
-    if device.type == "cpu":
-        assert expected == ((64, 3, 4) if long else (32, 3, 4))
+    assert expected == ((64, 3, 4) if long else (32, 3, 4))
 
 
 @needs_triton
 @pytest.mark.parametrize("settings", [(32, 3, 2), (16, 2, 1), (128, 2, 8)])
-def test_other_long_split_settings_give_the_reference(settings, monkeypatch):
-    """A card's own long-split settings (LONG_SETTINGS_BY_DEVICE, from benchmarks/decode_sweep.py) change only the
-    launch: tiles smaller and larger than a block, other stage and warp counts, with and without splits."""
-    from hf_paged.kernels import decode
-
-    monkeypatch.setattr(decode, "LONG_SETTINGS", settings)
-    monkeypatch.setattr(decode, "LONG_SETTINGS_BY_DEVICE", {})
-    monkeypatch.setattr(decode, "_PLANS", {})
+def test_forced_tile_settings_give_the_reference(settings, monkeypatch):
+    """``tile_settings`` (what benchmarks/tools/decode_sweep.py times) changes only the launch: tiles smaller and
+    larger than a block, other stage and warp counts, with and without splits."""
     launches = _record_decode_launches(monkeypatch)
     for num_splits in (1, 2):
-        _check([1, 17, 300, 700], 4, 2, 128, 16, torch.bfloat16, num_splits=num_splits)
+        _check([1, 17, 300, 700], 4, 2, 128, 16, torch.bfloat16, num_splits=num_splits, tile_settings=settings)
     assert launches == [settings, settings]
-
-
-def test_long_split_settings_follow_the_card_name(monkeypatch):
-    """LONG_SETTINGS_BY_DEVICE's entry whose key is in the card's name; LONG_SETTINGS on other cards and the CPU."""
-    from hf_paged.kernels import decode
-
-    assert decode.LONG_SETTINGS == (64, 3, 4)
-    monkeypatch.setattr(decode, "LONG_SETTINGS_BY_DEVICE", {"H200": (32, 3, 2)})
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    assert decode.long_split_settings(torch.device("cuda", 0)) == (32, 3, 2)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert decode.long_split_settings(torch.device("cuda", 0)) == decode.LONG_SETTINGS
-    assert decode.long_split_settings(torch.device("cpu")) == decode.LONG_SETTINGS
 
 
 @needs_triton
@@ -298,7 +279,8 @@ def test_empty_batch():
 @pytest.mark.gpu
 @pytest.mark.skipif(
     DEVICE != "cuda",
-    reason="needs a CUDA device (runs on the device machine): a pool of more than 2^31 elements (4.3 GB)",
+    reason="needs a CUDA device: a pool of more than 2^31 elements (4.3 GB) (runs on the device machine: "
+    "benchmarks/run_gpu.sh tests-kernels)",
 )
 def test_large_pool_index_overflow():
     """Blocks whose element offset exceeds 2^31 must be addressed with int64 math."""
@@ -484,7 +466,7 @@ def test_min_keys_per_split():
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs CUDA: a DecodeBinding keeps a direct Triton launch (kernels/launch.py), which the CPU interpreter "
-    "of CI does not make (device machine: run_gpu.sh tests)",
+    "of CI does not make (device machine: benchmarks/run_gpu.sh tests-kernels)",
 )
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_bound_decode_launch_repeats_the_call_for_other_layers(fused):
@@ -540,7 +522,7 @@ def test_a_bound_decode_launch_repeats_the_call_for_other_layers(fused):
 
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="needs CUDA: a CUDA graph's private memory pool (device machine: run_gpu.sh tests-kernels)",
+    reason="needs CUDA: a CUDA graph's private memory pool (device machine: benchmarks/run_gpu.sh tests-kernels)",
 )
 def test_a_one_split_call_keeps_nothing_in_a_cuda_graph_pool():
     """A one-split call passes placeholder partials it never reads. Made inside a graph capture (or a torch.compile
@@ -576,84 +558,69 @@ def test_a_one_split_call_keeps_nothing_in_a_cuda_graph_pool():
 
 
 @needs_triton
-@pytest.mark.parametrize("late_trigger", [True, False])
-def test_the_split_merge_launches_with_pdl_for_small_and_large_split_grids(late_trigger, monkeypatch):
-    """Where PDL is supported (SM90+: forced here on the host), a several-split call without a prefix launches the
-    merge with launch_pdl and WAIT_PRIMARY. A split grid within one round of resident programs (PROGRAMS_PER_SM an
-    SM) triggers the merge at once (LAUNCH_DEPENDENTS 1); a larger one triggers it as each program has written its
-    partial (2), or, with PDL_LATE_TRIGGER off, launches the merge without PDL (0). One split: no merge, no PDL."""
-    from hf_paged.kernels import decode, launch
+def test_the_split_merge_launches_with_pdl_for_small_split_grids(monkeypatch):
+    """Where PDL is supported (SM90+: forced here on the host), a several-split call without a prefix whose split
+    grid fits one round of resident programs (PROGRAMS_PER_SM an SM) launches the merge with launch_pdl and
+    WAIT_PRIMARY, and the split kernel triggers it at once (LAUNCH_DEPENDENTS); a larger grid launches both without
+    PDL (the merge's waiting programs would hold SM slots the split grid needs). One split: no merge, no PDL."""
+    from hf_paged.kernels import decode, launch, split_decode
 
-    monkeypatch.setattr(decode, "PDL_LATE_TRIGGER", late_trigger)
     seq_lens = [150, 90, 30]  # 3 rows x 2 KV heads
     args = tuple(_make_inputs(seq_lens, 4, 2, 32, 16, torch.float32))
     launches = []
 
     def recorder(name, launcher):
         def record(grid, *launch_args, launch_pdl=False, **launch_kwargs):
-            names = [p.name for p in launch._params(launcher.jit_fn)]
+            names = [p.name for p in launch.kernel_params(launcher.jit_fn)]
             flag = "LAUNCH_DEPENDENTS" if name == "split" else "WAIT_PRIMARY"
             launches.append((name, launch_args[names.index(flag)], launch_pdl))
 
         return record
 
     for num_splits, num_sms, expected in (
-        (3, 132, [("split", 1, False), ("merge", True, True)]),  # 18 programs <= 4 x 132
-        (
-            3,
-            4,
-            [("split", 2, False), ("merge", True, True)]
-            if late_trigger
-            else [("split", 0, False), ("merge", False, False)],
-        ),  # 18 programs > 4 x 4  # fmt: skip
-        (1, 4, [("split", 0, False)]),
+        (3, 132, [("split", True, False), ("merge", True, True)]),  # 18 programs <= 4 x 132
+        (3, 4, [("split", False, False), ("merge", False, False)]),  # 18 programs > 4 x 4
+        (1, 4, [("split", False, False)]),
     ):
-        decode._PLANS.clear()
+        decode.PLANS.clear()
         paged_decode_triton(*args, 32**-0.5, max_seq_len=150, num_splits=num_splits)  # makes the plan
-        (plan,) = decode._PLANS.values()
+        (plan,) = decode.PLANS.values()
         plan.pdl_ok, plan.num_sms = True, num_sms
         launches.clear()
         with monkeypatch.context() as patch:
-            patch.setattr(decode, "_DECODE", recorder("split", decode._DECODE))
-            patch.setattr(decode, "_MERGE", recorder("merge", decode._MERGE))
+            patch.setattr(split_decode, "SPLIT", recorder("split", split_decode.SPLIT))
+            patch.setattr(split_decode, "MERGE", recorder("merge", split_decode.MERGE))
             paged_decode_triton(*args, 32**-0.5, max_seq_len=150, num_splits=num_splits)
         assert launches == expected, (num_splits, num_sms)
-    decode._PLANS.clear()
+    decode.PLANS.clear()
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-    reason="needs an SM90+ CUDA device: programmatic dependent launch (device machine: run_gpu.sh tests-kernels)",
+    reason="needs an SM90+ CUDA device: programmatic dependent launch (runs on the device machine: "
+    "benchmarks/run_gpu.sh tests-kernels)",
 )
-def test_the_merge_reads_every_partial_under_each_pdl_trigger():
-    """The merge waits for the whole split grid whichever way it was triggered: on a card, a split grid of several
-    rounds (late trigger), one round (trigger at once) and no PDL give the same output bit for bit, eager and
-    replayed in a CUDA graph, and match the reference."""
-    from hf_paged.kernels import decode
-
+def test_the_merge_reads_every_partial_with_and_without_pdl():
+    """The merge waits for the whole split grid: on a card, a split grid of one round (merge launched with PDL) and
+    of several rounds (no PDL) give the same rows bit for bit, eager and replayed in a CUDA graph, and match the
+    reference."""
     seq_lens = [int(n) for n in torch.randint(1, 2048, (96,), generator=torch.Generator().manual_seed(3))]
     query, k_cache, v_cache, tables, lens = _make_inputs(seq_lens, 32, 8, 128, 16, torch.bfloat16)
     cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     ref = paged_attention_ref(query, k_cache, v_cache, tables, lens, cu_seqlens_q, 128**-0.5)
-    saved = decode.USE_PDL, decode.PDL_LATE_TRIGGER
     outs = {}
-    try:
-        for batch in (96, 4):  # 96 x 8 x 4 splits: several rounds (late trigger); 4 x 8 x 4: one round
-            for name, use_pdl in (("pdl", True), ("none", False)):
-                decode.USE_PDL, decode.PDL_LATE_TRIGGER = use_pdl, True
-                q, t, n = query[:batch], tables[:batch], lens[:batch]
-                eager = paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4)
-                out = torch.empty_like(q)
-                paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4, out=out)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4, out=out)
-                out.zero_()
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out, eager), (batch, name)
-                outs[batch, name] = eager
-            assert torch.equal(outs[batch, "pdl"], outs[batch, "none"]), batch
-            torch.testing.assert_close(outs[batch, "pdl"].float(), ref[:batch].float(), atol=2e-2, rtol=2e-2)
-    finally:
-        decode.USE_PDL, decode.PDL_LATE_TRIGGER = saved
+    for batch in (96, 4):  # 96 x 8 x 4 splits: several rounds (no PDL); 4 x 8 x 4: one round (PDL)
+        q, t, n = query[:batch], tables[:batch], lens[:batch]
+        eager = paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4)
+        out = torch.empty_like(q)
+        paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4, out=out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged_decode_triton(q, k_cache, v_cache, t, n, 128**-0.5, max_seq_len=2048, num_splits=4, out=out)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), batch
+        outs[batch] = eager
+        torch.testing.assert_close(eager.float(), ref[:batch].float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(outs[4], outs[96][:4])  # each row's splits are the same: only the launch differs

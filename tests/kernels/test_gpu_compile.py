@@ -1,6 +1,6 @@
 """Every kernel launch of the library compiles for sm_90 and sm_80 within the cards' shared memory
-(tests/gpu_compile.py), without a GPU: the CPU tests' interpreter never compiles the kernels, so a GPU-only compile
-error or an over-large pipeline would otherwise first show on the device."""
+(tests/kernels/gpu_compile.py), without a GPU: the CPU tests' interpreter never compiles the kernels, so a GPU-only
+compile error or an over-large pipeline would otherwise first show on the device."""
 
 import os
 import subprocess
@@ -51,9 +51,9 @@ def test_every_launch_compiles_for_nvidia_gpus():
         "_write_kv_kernel",
         "_copy_blocks_kernel",
         "_copy_blocks_layers_kernel",
-        "MERGE_PREFIX': True",
+        "WAIT_PREFIX': True",
         "LAUNCH_DEPENDENTS': True",
-        "LAUNCH_DEPENDENTS': 2",
+        "WAIT_PRIMARY': True",
     ):
         assert kernel in names, f"no compile of {kernel}"
     assert any(line.startswith("ok   sm_80") for line in compiled) and any("sm_90" in line for line in compiled)

@@ -7,11 +7,14 @@ specialized int's value); the CUDA tests check that a direct launch runs the ker
 import pytest
 import torch
 import triton
-from hf_paged.kernels import launch
-from hf_paged.kernels.cache_ops import _write_kv_kernel, write_kv_triton
-from hf_paged.kernels.decode import _paged_decode_kernel, paged_decode_triton
+from hf_paged.kernels import cache_ops, launch, split_decode
+from hf_paged.kernels.cache_ops import write_kv_triton
+from hf_paged.kernels.decode import paged_decode_triton
 
 from tests.helpers import needs_cuda
+
+_write_kv_kernel = cache_ops.WRITE_KV.jit_fn
+_paged_decode_kernel = split_decode.SPLIT.jit_fn
 
 
 def _write_kv_args(key, value, k_cache, slots):
@@ -31,7 +34,7 @@ def test_key_separates_what_triton_specializes():
     key = torch.zeros(5, 2, 8)
     slots = torch.zeros(5, dtype=torch.int64)
     args = _write_kv_args(key, key, cache, slots)
-    key_fn = launch._make_key_fn(_write_kv_kernel, args)
+    key_fn = launch.make_key_fn(_write_kv_kernel, args)
     base = key_fn(*args)
     assert key_fn(*_write_kv_args(key.clone(), key.clone(), cache.clone(), slots.clone())) == base  # other storage
     assert key_fn(*_write_kv_args(key.half(), key.half(), cache, slots)) != base  # dtype
@@ -54,9 +57,9 @@ def test_key_of_unspecialized_ints_keeps_only_their_class():
         return (q, kc, kc, tables, lens, lens, q, acc, lse, q, q, lens, *q.stride(), *kc.stride(), *kc.stride(),
                 stride_bts, 1, *q.stride(), *acc.stride(), *lse.stride(), *(0,) * 6, num_splits, num_prefix_splits,
                 0.5, 0.0, 0.0, 0, 2, 16, 8, 16, 4, 64, False, False, False, False, False, 1, False, False, False,
-                False, 64, 4, 1, False)  # fmt: skip
+                64, 4, False)  # fmt: skip
 
-    key_fn = launch._make_key_fn(_paged_decode_kernel, args(5, 3))
+    key_fn = launch.make_key_fn(_paged_decode_kernel, args(5, 3))
     assert key_fn(*args(5, 3)) == key_fn(*args(7, 40))  # num_splits and stride_bts are do_not_specialize
     assert key_fn(*args(5, 3, 2)) == key_fn(*args(5, 3, 16))  # so is num_prefix_splits
     assert key_fn(*args(1, 3)) != key_fn(*args(7, 3))  # == 1 may matter to Triton: kept apart
@@ -65,7 +68,7 @@ def test_key_of_unspecialized_ints_keeps_only_their_class():
 
 def test_unsupported_argument_is_a_clear_error():
     with pytest.raises(TypeError, match="stride_key_t"):
-        launch._make_key_fn(_write_kv_kernel, (torch.zeros(1),) * 5 + ("x",) + (0,) * 13)
+        launch.make_key_fn(_write_kv_kernel, (torch.zeros(1),) * 5 + ("x",) + (0,) * 13)
 
 
 def test_interpreter_and_opt_out_disable_direct_launch(monkeypatch):
@@ -83,7 +86,7 @@ def test_direct_launch_equals_standard_launch(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         launcher = launch.Launcher(_paged_decode_kernel)
-        monkeypatch.setattr("hf_paged.kernels.decode._DECODE", launcher)
+        monkeypatch.setattr(split_decode, "SPLIT", launcher)
         q = torch.randn(3, 8, 64, device="cuda", dtype=dtype, generator=gen)
         kc = torch.randn(40, 16, 2, 64, device="cuda", dtype=dtype, generator=gen)
         vc = torch.randn_like(kc)
@@ -96,7 +99,7 @@ def test_direct_launch_equals_standard_launch(monkeypatch):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         monkeypatch.setenv("HF_PAGED_DIRECT_LAUNCH", "0")  # read at a launcher's first call
         standard = launch.Launcher(_paged_decode_kernel)
-        monkeypatch.setattr("hf_paged.kernels.decode._DECODE", standard)
+        monkeypatch.setattr(split_decode, "SPLIT", standard)
         expected = paged_decode_triton(q, kc, vc, tables, lens, 0.125, max_seq_len=160, num_splits=4)
         assert standard._enabled is False
         torch.testing.assert_close(again[1], expected, rtol=0, atol=0)
@@ -107,7 +110,7 @@ def test_direct_launch_equals_standard_launch(monkeypatch):
 def test_check_mode_catches_a_wrong_cached_kernel(monkeypatch):
     monkeypatch.setenv("HF_PAGED_CHECK_LAUNCH", "1")
     launcher = launch.Launcher(_write_kv_kernel)
-    monkeypatch.setattr("hf_paged.kernels.cache_ops._WRITE_KV", launcher)
+    monkeypatch.setattr(cache_ops, "WRITE_KV", launcher)
     kc = torch.zeros(4, 16, 2, 64, device="cuda")
     key = torch.randn(3, 2, 64, device="cuda")
     slots = torch.tensor([0, 5, 17], device="cuda")
@@ -124,21 +127,21 @@ def test_check_mode_catches_a_wrong_cached_kernel(monkeypatch):
 def test_an_empty_triton_hook_chain_counts_as_no_hook():
     """Triton >= 3.5 keeps launch hooks in a HookChain that is never None; an empty one must not make each direct
     launch build launch metadata for nobody, and a hook a profiler adds must still be called."""
-    from hf_paged.kernels.launch import _active
+    from hf_paged.kernels.launch import active_hook
 
     def hook(metadata):
         return None
 
-    assert _active(None) is None
-    assert _active(hook) is hook  # Triton before 3.5: a plain callable or None
+    assert active_hook(None) is None
+    assert active_hook(hook) is hook  # Triton before 3.5: a plain callable or None
     try:
         from triton.knobs import HookChain
     except ImportError:
         return
     chain = HookChain()
-    assert _active(chain) is None
+    assert active_hook(chain) is None
     if hasattr(chain, "add"):
         chain.add(hook)
     else:
         chain.calls.append(hook)
-    assert _active(chain) is chain
+    assert active_hook(chain) is chain

@@ -7,7 +7,6 @@ unchanged on CUDA. Poisoning:
 - ``out`` starts as NaN, and rows past ``cu_seqlens_q[-1]`` must stay NaN.
 """
 
-import contextlib
 import os
 
 import pytest
@@ -71,21 +70,15 @@ def _make_case(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra
     return query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
 
 
-@contextlib.contextmanager
-def _tiles(block_m=None, block_n=None):
-    """Force BLOCK_M / BLOCK_N (None: the default) by patching the tile heuristic of the launcher.
-
-    Small tiles give many row tiles and all three key ranges on the short sequences the interpreter can afford.
-    """
-    default_tiles = prefill._default_tiles
-
-    def tiles(*args):
-        tile_m, tile_n, num_warps, num_stages, k_row_major = default_tiles(*args)
-        return block_m or tile_m, block_n or tile_n, num_warps, num_stages, k_row_major
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prefill, "_default_tiles", tiles)
-        yield
+def _tiles(dtype, head_dim, contig_kv=False, block_m=None, block_n=None):
+    """``tiles=`` forcing BLOCK_M / BLOCK_N (None: the default's), the rest as ``default_tiles``; None when neither
+    is forced. Small tiles give many row tiles and all three key ranges on the short sequences the interpreter can
+    afford."""
+    if block_m is None and block_n is None:
+        return None
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    tile_m, tile_n, num_warps, num_stages, k_row_major = prefill.default_tiles(dtype, block_d, contig_kv)
+    return block_m or tile_m, block_n or tile_n, num_warps, num_stages, k_row_major
 
 
 def _check(
@@ -106,6 +99,8 @@ def _check(
     extra=3,
     max_query_len=None,  # host hints; default: the batch's own
     max_seq_len=None,
+    tiles=None,  # forced tiles (else block_m / block_n over the default's)
+    **grid,  # the launcher's grid tuning for tests: spare_slots, tokens_per_spare_slot, scan_max_seqs
 ):
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(
         seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_tokens=extra
@@ -126,12 +121,12 @@ def _check(
     if contig_kv:
         key, value, k_cache, v_cache = _contiguous_new_kv(seqs, k_cache, v_cache, block_tables, query.shape[0])
     out = torch.full(query.shape, float("nan"), dtype=dtype, device=DEVICE)
-    with _tiles(block_m, block_n):
-        result = paged_prefill_triton(
-            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-            max_query_len=max_query_len or max(q for q, _ in seqs), max_seq_len=max_seq_len or max(n for _, n in seqs),
-            sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key, value=value,
-        )  # fmt: skip
+    result = paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+        max_query_len=max_query_len or max(q for q, _ in seqs), max_seq_len=max_seq_len or max(n for _, n in seqs),
+        sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key, value=value,
+        tiles=tiles or _tiles(dtype, head_dim, contig_kv, block_m, block_n), **grid,
+    )  # fmt: skip
     assert result is out
     num_tokens = out.shape[0] - extra
     atol, rtol = TOLERANCES[dtype]
@@ -204,14 +199,11 @@ def test_key_major_tiles(dtype, block_size):
 
 
 @pytest.mark.parametrize("contig_kv", [False, True])
-def test_forced_tiles(monkeypatch, contig_kv):
-    """PREFILL_TILES (benchmarks/prefill_sweep.py's switch) replaces the head_dim-128 tiles of 2-byte dtypes, key-major
-    K loads or not, and the result still equals the reference."""
-    for setting in ((32, 32, 8, 3, False), (32, 16, 8, 2, True)):
-        monkeypatch.setattr(prefill, "PREFILL_TILES", {contig_kv: setting})
-        assert prefill._default_tiles(torch.bfloat16, 128, contig_kv) == setting
-        assert prefill._default_tiles(torch.bfloat16, 128, not contig_kv) != setting  # the other path keeps its own
-        _check(MIXED, head_dim=128, dtype=torch.bfloat16, contig_kv=contig_kv)
+@pytest.mark.parametrize("setting", [(32, 32, 8, 3, False), (32, 16, 8, 2, True)], ids=["kt-loads", "key-major"])
+def test_forced_tiles(contig_kv, setting):
+    """``tiles=`` (what benchmarks/tools/prefill_sweep.py times) replaces the head_dim-128 tiles of 2-byte dtypes,
+    key-major K loads or not, and the result still equals the reference."""
+    _check(MIXED, head_dim=128, dtype=torch.bfloat16, contig_kv=contig_kv, tiles=setting)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -273,11 +265,10 @@ def test_leading_empty_sequences(block_m):
     expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEVICE)
     out[:num_decode] = 7.0  # "written by the decode kernel"
-    with _tiles(block_m):
-        paged_prefill_triton(
-            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.clamp(min=num_decode), scale,
-            max_query_len=2048, max_seq_len=4096, out=out,
-        )  # fmt: skip
+    paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.clamp(min=num_decode), scale,
+        max_query_len=2048, max_seq_len=4096, out=out, tiles=_tiles(torch.float16, 64, block_m=block_m),
+    )  # fmt: skip
     num_tokens = int(cu_seqlens_q[-1])
     assert (out[:num_decode] == 7.0).all()
     torch.testing.assert_close(out[num_decode:num_tokens], expected[num_decode:num_tokens], atol=2e-3, rtol=2e-3)
@@ -286,12 +277,10 @@ def test_leading_empty_sequences(block_m):
 
 @pytest.mark.parametrize("scan_max_seqs, spare_slots", [(0, 16), (1024, 0), (1024, 3)])
 @pytest.mark.parametrize("block_m", [16, None])
-def test_tile_maps_and_looping_programs(monkeypatch, scan_max_seqs, spare_slots, block_m):
-    # The same padded mixed batch through each grid: the binary-search bound (SCAN_MAX_SEQS below the batch), and
+def test_tile_maps_and_looping_programs(scan_max_seqs, spare_slots, block_m):
+    # The same padded mixed batch through each grid: the binary-search bound (scan_max_seqs below the batch), and
     # the exact tile map with fewer programs than slots, so that programs loop (no spare slack at all: each
     # sequence's rounding takes a second pass), with leading empty sequences as a mixed step has them.
-    monkeypatch.setattr(prefill, "SCAN_MAX_SEQS", scan_max_seqs)
-    monkeypatch.setattr(prefill, "SCAN_SPARE_SLOTS", spare_slots)
     gen = torch.Generator().manual_seed(11)
     seqs = [(0, 3 + i) for i in range(6)]  # leading empty sequences (decode rows taken by the decode kernel)
     for _ in range(23):
@@ -299,28 +288,27 @@ def test_tile_maps_and_looping_programs(monkeypatch, scan_max_seqs, spare_slots,
         seqs.append((q_len, q_len + torch.randint(0, 30, (1,), generator=gen).item()))
     seqs += [(0, 0)] * 7
     _check(seqs, num_heads=6, num_kv_heads=2, block_size=8, block_m=block_m, extra=5, max_query_len=512,
-           max_seq_len=2048)  # fmt: skip
+           max_seq_len=2048, scan_max_seqs=scan_max_seqs, spare_slots=spare_slots)  # fmt: skip
 
 
 @pytest.mark.parametrize("num_chunks, chunk_len", [(1, 24), (12, 30)])
 def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, num_chunks, chunk_len):
     # A mixed graph step: 200 decode rows (made empty sequences: the decode kernel took them), prompt chunks, padding
     # to 256 sequences. The exact-map grid is the token tiles plus the spare slots of SCAN_SPARE_SLOTS or one per
-    # SCAN_TOKENS_PER_SPARE_SLOT tokens, however many empty sequences the batch holds (RESULTS.md, 22nd session:
-    # each took a program per KV head before).
+    # tokens_per_spare_slot tokens, however many empty sequences the batch holds (the bound grid takes a program per
+    # sequence and KV head).
     grids = record_prefill_launches(monkeypatch)
-    monkeypatch.setattr(prefill, "SCAN_TOKENS_PER_SPARE_SLOT", 16)
     num_decode, num_pad = 200, 256 - 200 - num_chunks
     seqs = [(1, 4)] * num_decode + [(chunk_len, chunk_len + 9)] * num_chunks + [(0, 0)] * num_pad
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q = _make_case(seqs, 4, 2, 64, 16, torch.float16)
     scale = 64**-0.5
     expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
     out = torch.zeros_like(query)
-    with _tiles(16):
-        paged_prefill_triton(
-            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.clamp(min=num_decode), scale,
-            max_query_len=chunk_len, max_seq_len=chunk_len + 9, out=out,
-        )  # fmt: skip
+    paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.clamp(min=num_decode), scale,
+        max_query_len=chunk_len, max_seq_len=chunk_len + 9, out=out, tiles=_tiles(torch.float16, 64, block_m=16),
+        tokens_per_spare_slot=16,
+    )  # fmt: skip
     torch.testing.assert_close(out[num_decode:], expected[num_decode:], atol=2e-3, rtol=2e-3)
     num_tokens, group = query.shape[0], 2
     spare = max(prefill.SCAN_SPARE_SLOTS, num_tokens // 16)
@@ -329,8 +317,8 @@ def test_exact_tile_map_grid_takes_no_program_per_empty_sequence(monkeypatch, nu
 
 
 def test_few_long_prompts_take_the_bound_grid(monkeypatch):
-    # At most `spare` sequences (a few long prompts): the bound grid, a program a slot, no loop (the code measured
-    # before the map; the loop ran 4 x 1024 fresh tokens 6-13% slower on an H100, RESULTS.md, 22nd session).
+    # At most `spare` sequences (a few long prompts): the bound grid, a program a slot, no loop (the map's loop
+    # runs such batches slower).
     grids = record_prefill_launches(monkeypatch)
     seqs = [(40, 40), (23, 50), (9, 9)]
     _check(seqs, num_heads=4, num_kv_heads=2, block_m=16, extra=2)
@@ -376,11 +364,10 @@ def test_large_block_ids_use_int64_offsets(block_size, block_n):
     cu_seqlens_q = torch.tensor([0, 30, 40], dtype=torch.int32, device=DEVICE)
     query = torch.randn(40, 2, head_dim, device=DEVICE).to(dtype)
 
-    with _tiles(block_n=block_n):
-        out = paged_prefill_triton(
-            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125,
-            max_query_len=30, max_seq_len=int(seq_lens.max()),
-        )  # fmt: skip
+    out = paged_prefill_triton(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125,
+        max_query_len=30, max_seq_len=int(seq_lens.max()), tiles=_tiles(dtype, head_dim, block_n=block_n),
+    )  # fmt: skip
     expected = paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
     del k_cache, v_cache

@@ -1,4 +1,4 @@
-"""benchmarks/ptxas_check.py on the CPU: the prefill kernel compiled for sm_90 and read back through ptxas -v."""
+"""benchmarks/tools/ptxas_check.py on the CPU: the prefill kernel compiled for sm_90 and read back through ptxas -v."""
 
 import importlib.util
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "ptxas_check.py"
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "tools" / "ptxas_check.py"
 
 
 def _ptxas_available() -> bool:

@@ -217,7 +217,7 @@ def test_write_kv_checks_every_new_signature():
     key = torch.randn(4, 2, 64, dtype=torch.float16, device=DEVICE)
     slots = torch.arange(4, device=DEVICE)
     write_kv_triton(key, key, k_cache, v_cache, slots)  # checked and remembered
-    assert any(sig[0] == key.shape and sig[8] == k_cache.shape for sig in cache_ops._WRITE_KV_LAUNCHES)
+    assert any(sig[0] == key.shape and sig[8] == k_cache.shape for sig in cache_ops.WRITE_KV_LAUNCHES)
     with pytest.raises(ValueError, match=r"key must be \[num_tokens, num_kv_heads=2, head_dim=64\]"):
         write_kv_triton(key[..., :32], key[..., :32], k_cache, v_cache, slots)  # shape
     with pytest.raises(ValueError, match=r"v_cache strides .* must equal k_cache strides"):  # strides
@@ -241,11 +241,24 @@ def test_write_kv_checks_every_new_signature():
     _assert_same(v_cache, expected_v)
 
 
-def test_write_kv_signature_memory_is_bounded(monkeypatch):
+def test_signature_cache_is_bounded():
+    """The per-signature launch cache (write_kv's, the decode plans) starts over when full: memory stays bounded."""
+    from hf_paged.kernels.launch import SignatureCache
+
+    cache = SignatureCache(max_size=2)
+    for i in range(5):
+        cache.put((i,), i)
+        assert len(cache) <= 2
+    assert cache.get((4,)) == 4 and cache.get((0,)) is None
+    with pytest.raises(ValueError, match=r"max_size must be >= 1, got 0"):
+        SignatureCache(max_size=0)
+
+
+def test_write_kv_across_many_signatures():
+    """Calls of several signatures, one with no tokens, interleaved: each writes as the reference, and the cache of
+    checked signatures holds them within its bound."""
     from hf_paged.kernels import cache_ops
 
-    monkeypatch.setattr(cache_ops, "_WRITE_KV_LAUNCHES", {})
-    monkeypatch.setattr(cache_ops, "_MAX_SIGNATURES", 2)
     k_cache, v_cache = _poisoned_cache(4, 8, 2, 64, torch.float32)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     for num_tokens in (1, 2, 3, 0, 1):  # five calls, four signatures
@@ -253,7 +266,7 @@ def test_write_kv_signature_memory_is_bounded(monkeypatch):
         slots = torch.arange(num_tokens, device=DEVICE) + 8 * num_tokens
         write_kv_triton(key, key * 2, k_cache, v_cache, slots)
         write_kv_ref(key, key * 2, expected_k, expected_v, slots)
-        assert len(cache_ops._WRITE_KV_LAUNCHES) <= 2
+        assert 1 <= len(cache_ops.WRITE_KV_LAUNCHES) <= cache_ops.WRITE_KV_LAUNCHES.max_size
     _assert_same(k_cache, expected_k)
     _assert_same(v_cache, expected_v)
 
