@@ -68,8 +68,7 @@ class ForwardContext:
     pending_kv: tuple | None = None
     # (kind, kernels.decode.DecodeBinding): the decode launch of this step's first paged layer, which the layers of
     # the same kind (scale, window, cap, fused write) repeat with their own tensors (an eager PagedCache decode step
-    # on CUDA). None until the first layer; False when that layer's launch could not be kept (several splits, a
-    # shared prefix, direct launches off): no layer tries again.
+    # on CUDA). None until the first layer; False when that layer's launch could not be kept: no layer tries again.
     decode_binding: tuple | bool | None = None
     _per_device: dict = field(default_factory=dict, repr=False)
 

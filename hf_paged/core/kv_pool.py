@@ -9,12 +9,8 @@ import os
 
 import torch
 
-from hf_paged.kernels import copy_blocks, copy_blocks_layers, layer_offsets
 from hf_paged.core.transfer import to_device
-
-# Copy-on-write: one launch for all the layers of a CUDA device (kernels.copy_blocks_layers). False: one launch a
-# layer, as before (for A/Bs: benchmarks/eager_ab.py --switch hf_paged.core.kv_pool.ONE_COPY_LAUNCH).
-ONE_COPY_LAUNCH = True
+from hf_paged.kernels import copy_blocks_layers, layer_offsets
 
 
 class KVPool:
@@ -100,11 +96,7 @@ class KVPool:
         for device, k_caches, v_caches, offsets in self._copy_groups:
             # pinned, non-blocking: the step does not wait for the GPU here
             src_t, dst_t = to_device(src, torch.int64, device), to_device(dst, torch.int64, device)
-            if ONE_COPY_LAUNCH:
-                copy_blocks_layers(k_caches, v_caches, src_t, dst_t, offsets)
-            else:
-                for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
-                    copy_blocks(k_cache, v_cache, src_t, dst_t)
+            copy_blocks_layers(k_caches, v_caches, src_t, dst_t, offsets)
 
     def _layer_groups(self) -> list[tuple[torch.device, list[torch.Tensor], list[torch.Tensor], tuple | None]]:
         """The layers' caches by device (accelerate's device_map may spread them): (device, k caches, v caches, their

@@ -17,11 +17,10 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
-from hf_paged.core import block_pool
 from hf_paged.core.block_pool import HASH_SEED, BlockPool, hash_block_tokens
+from hf_paged.core.prefix_hash import ROOT_PARENT_HASH as ROOT
 
 BS = 8  # block size of the scenario tests
-ROOT = block_pool._ROOT_PARENT_HASH
 
 
 def toks(start: int, num: int) -> list[int]:
@@ -44,7 +43,7 @@ def slot(block_table: list[int], position: int, block_size: int) -> int:
 
 def snapshot(pool: BlockPool) -> tuple:
     """Everything observable, to assert that a failed call changed nothing."""
-    seqs = {s: (pool.get_block_table(s), pool.num_tokens(s), list(pool._seqs[s].block_hashes)) for s in pool._seqs}
+    seqs = {s: (pool.get_block_table(s), pool.num_tokens(s), pool.get_block_hashes(s)) for s in pool.get_seq_ids()}
     blocks = [(pool.ref_count(b), pool.get_block_hash(b)) for b in range(pool.num_blocks)]
     return pool.get_free_block_ids(), seqs, blocks, pool.stats
 
@@ -319,9 +318,8 @@ def test_cached_block_loses_hash_when_reallocated():
     pool.check_invariants()
 
 
-def test_hash_collision_is_a_miss(monkeypatch):
-    monkeypatch.setattr(block_pool, "hash_block_tokens", lambda parent_hash, token_ids, extra_key=None: 42)
-    pool = BlockPool(8, BS)
+def test_hash_collision_is_a_miss():
+    pool = BlockPool(8, BS, hash_fn=lambda parent_hash, token_ids, extra_key=None: 42)  # every block collides
     pool.allocate("a", toks(0, BS + 1))  # b0# (hash 42), b1
     pool.free("a")
     other = toks(100, BS + 1)  # same hash, different tokens
@@ -382,7 +380,7 @@ def test_lookups_reusing_the_last_prompts_chain_equal_fresh_ones():
     """A lookup reuses the token tuples and chain hashes of the blocks its prompt shares with the last lookup's
     (same extra key): every result equals that of a pool that hashes every prompt from scratch."""
     rng = random.Random(3)
-    pools = BlockPool(64, BS), BlockPool(64, BS)  # the second forgets the last chain before every call
+    pools = BlockPool(64, BS), BlockPool(64, BS)  # the second gets tuples: only a list reuses the last chain
     system = [rng.randrange(100) for _ in range(3 * BS + 5)]
     live = []
     for i in range(120):
@@ -399,18 +397,15 @@ def test_lookups_reusing_the_last_prompts_chain_equal_fresh_ones():
         extra_key = rng.choice([None, None, None, "lora-a"])
         results = []
         for fresh, pool in enumerate(pools):
-            if fresh:
-                pool._last_chain = None
-            ids = list(prompt)
+            ids = tuple(prompt) if fresh else list(prompt)
             results.append((pool.num_cached_prefix_tokens(ids, extra_key), pool.allocate(i, ids, extra_key)))
-            ids[: len(ids) // 2] = [99] * (len(ids) // 2)  # the caller's list changes after the call: no effect
+            if not fresh:
+                ids[: len(ids) // 2] = [99] * (len(ids) // 2)  # the caller's list changes after the call: no effect
         assert results[0] == results[1]
         if results[0][1] is not None:
             live.append(i)
-            assert (
-                pools[0]._seqs[i].block_hashes
-                == chain_hashes(prompt, BS, extra_key)[: len(pools[0]._seqs[i].block_hashes)]
-            )
+            recorded = pools[0].get_block_hashes(i)
+            assert recorded == chain_hashes(prompt, BS, extra_key)[: len(recorded)]
         if len(live) > 4 or results[0][1] is None:
             victim = live.pop(rng.randrange(len(live)))
             for pool in pools:
@@ -591,7 +586,7 @@ def test_truncate_releases_tail_and_unindexes_the_cut_block():
     assert pool.get_block_table("a") == [0, 1] and pool.num_tokens("a") == BS + 4
     assert pool.get_block_hash(1) is None  # its slots 4.. will be overwritten: out of the index
     assert pool.get_block_hash(2) == chain_hashes(tokens, BS)[2]  # released whole: stays cached
-    assert pool._seqs["a"].block_hashes == chain_hashes(tokens, BS)[:1]
+    assert pool.get_block_hashes("a") == chain_hashes(tokens, BS)[:1]
     # head->b3->b4..b7->b2#->tail: b3 had no hash (head), b2# keeps its K/V for a later hit (tail)
     assert pool.get_free_block_ids() == [3, 4, 5, 6, 7, 2]
     assert pool.stats.num_used_slots == BS + 4
@@ -898,7 +893,7 @@ class PoolMachine(RuleBasedStateMachine):
                 content = self.device[slot_idx // self.bs][slot_idx % self.bs]
                 assert content == (self.extra[seq_id], tuple(tokens[: pos + 1])), (seq_id, pos)
             hashes = chain_hashes(tokens, self.bs, self.extra[seq_id])
-            recorded = self.pool._seqs[seq_id].block_hashes
+            recorded = self.pool.get_block_hashes(seq_id)
             assert recorded == hashes[: len(recorded)], seq_id
             for block_idx, block_id in enumerate(table):
                 block_hash = self.pool.get_block_hash(block_id)
@@ -924,12 +919,16 @@ test_pool_state_machine = PoolMachine.TestCase
 
 
 def test_imports_without_torch():
+    """The pool and every module it imports (its parts) load and run with torch blocked."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import hf_paged.core.block_pool as bp\n"
         "pool = bp.BlockPool(4); tokens = list(range(20)); pool.allocate(0, tokens)\n"
         "pool.append(0, 13); pool.cache_blocks(0, tokens + list(range(13)), 33); pool.check_invariants()\n"
         "assert 'transformers' not in sys.modules\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('hf_paged.core.'))))\n"
     )
     repo_root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", code], cwd=repo_root, check=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo_root, check=True, capture_output=True, text=True)
+    parts = "block block_allocator block_pool free_list pool_args pool_stats prefix_hash prefix_index".split()
+    assert {f"hf_paged.core.{name}" for name in parts} <= set(out.stdout.split())

@@ -8,8 +8,8 @@ from helpers import assert_engine_drained, needs_cuda
 from models import tiny_model
 
 from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
-from hf_paged.engine.memory import DeviceBudget, kv_bytes_per_device
 from hf_paged.core.model_info import CPU_DEFAULT_POOL_BYTES, ModelInfo
+from hf_paged.engine.memory import DeviceBudget, kv_bytes_per_device
 
 GIB = 2**30
 
@@ -40,7 +40,7 @@ def test_utilization_is_checked(value):
         EngineConfig(gpu_memory_utilization=value)
 
 
-def test_cpu_default_pool_unchanged():
+def test_cpu_default_pool_is_capped():
     """On the CPU no profiling: half of the free RAM, capped at CPU_DEFAULT_POOL_BYTES."""
     engine = ContinuousBatcher(tiny_model("llama"), block_size=8)
     assert engine.memory_profile is None

@@ -15,7 +15,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Lower layers first (docs/architecture.md); a module may import its own layer and those below.
 LAYERS = [
     ("hf_paged.kernels",),
-    ("hf_paged.core.block_pool", "hf_paged.core.prefix_hash", "hf_paged.core.transfer"),
+    (
+        "hf_paged.core.block",
+        "hf_paged.core.block_allocator",
+        "hf_paged.core.block_pool",
+        "hf_paged.core.free_list",
+        "hf_paged.core.pool_args",
+        "hf_paged.core.pool_stats",
+        "hf_paged.core.prefix_hash",
+        "hf_paged.core.prefix_index",
+        "hf_paged.core.transfer",
+    ),  # fmt: skip
     ("hf_paged.core",),
     ("hf_paged.cache",),
     ("hf_paged.engine",),

@@ -46,8 +46,8 @@ def test_regular_install_imports_kernels_as_a_subpackage(regular_install):
 
 
 def test_regular_install_has_every_module_and_the_console_script(regular_install):
-    """setuptools' `packages` is an explicit list: a subpackage missing from it (as hf_paged.engine once was) is
-    silently left out of a regular install, while the editable install the tests run on still finds it."""
+    """setuptools' `packages` is an explicit list: a subpackage missing from it is silently left out of a regular
+    install, while the editable install the tests run on still finds it."""
     expected = {f"hf_paged/{p.relative_to(ROOT / 'hf_paged')}" for p in (ROOT / "hf_paged").rglob("*.py")}
     expected |= {f"hf_paged/kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*.py")}
     installed = {str(p.relative_to(regular_install)) for p in (regular_install / "hf_paged").rglob("*.py")}
