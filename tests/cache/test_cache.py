@@ -311,15 +311,26 @@ def test_decode_steps_reuse_the_device_block_tables():
     assert_cache_released(cache)
 
 
-def test_sinks_are_found_as_parameter_or_attribute():
-    from hf_paged.core.attention import _has_sinks
-
-    module = torch.nn.Module()
-    assert not _has_sinks(module)
-    module.sinks = None
-    assert not _has_sinks(module)
-    module.sinks = torch.nn.Parameter(torch.zeros(4))
-    assert _has_sinks(module)
+@pytest.mark.parametrize("sinks", ["parameter", "attribute", "none"])
+def test_paged_attention_refuses_attention_sinks(sinks):
+    """Sink logits (gpt-oss) are refused by name whether the attention module holds them as a parameter or as a plain
+    attribute; ``sinks = None`` is no sink, and generate runs."""
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+    if sinks == "parameter":
+        attention.sinks = torch.nn.Parameter(torch.zeros(model.config.num_attention_heads))
+    elif sinks == "attribute":
+        attention.sinks = torch.zeros(model.config.num_attention_heads)
+    else:
+        attention.sinks = None
+    cache = PagedCache(model, num_blocks=16, block_size=8)
+    if sinks == "none":
+        assert torch.equal(
+            _generate(model, cache, max_new_tokens=3), _generate(model, _dynamic(model), max_new_tokens=3)
+        )
+        return
+    with pytest.raises(ValueError, match=r"does not support attention sinks \(LlamaAttention.sinks\)"):
+        _generate(model, cache, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda("the fused decode kernel"))])
@@ -331,13 +342,13 @@ def test_decode_steps_write_kv_in_the_attention_call(monkeypatch, device):
     row reaches. Tokens equal DynamicCache's, with left padding and across block boundaries."""
     from hf_paged.kernels.decode import DecodeBinding
 
+    import hf_paged.cache.kv_update as kv_update_module
     import hf_paged.core.attention as attention_module
-    import hf_paged.cache.paged_cache as cache_module
 
     model = tiny_model("llama").to(device)
     num_layers = model.config.num_hidden_layers
     calls = {"write_kv": 0, "fused": 0, "plain": 0, "cpu_write": 0, "cpu_decode": 0, "bound": 0}
-    write_kv, paged_attention = cache_module.write_kv, attention_module.paged_attention
+    write_kv, paged_attention = kv_update_module.write_kv, attention_module.paged_attention
     attention_write_kv, paged_decode = attention_module.write_kv, attention_module.paged_decode
 
     def counting(name, function):
@@ -356,7 +367,7 @@ def test_decode_steps_write_kv_in_the_attention_call(monkeypatch, device):
         assert args[3].shape[1] == -(-args[6] // 8)  # the block table cut to the longest row's blocks
         return paged_decode(*args, **kwargs)
 
-    monkeypatch.setattr(cache_module, "write_kv", counting("write_kv", write_kv))
+    monkeypatch.setattr(kv_update_module, "write_kv", counting("write_kv", write_kv))
     monkeypatch.setattr(attention_module, "write_kv", counting("cpu_write", attention_write_kv))
     monkeypatch.setattr(attention_module, "paged_attention", counting_attention)
     monkeypatch.setattr(attention_module, "paged_decode", counting_decode)
@@ -418,23 +429,15 @@ def test_a_deferred_kv_write_no_attention_takes_is_still_written():
 @pytest.mark.gpu
 @needs_cuda("the kept decode launch (DecodeBinding) of eager decode steps")
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-def test_kept_decode_launches_on_cuda_give_the_full_paths_tokens(monkeypatch, family):
-    """An eager decode step's layers after the first repeat its kept launch (attention.DECODE_BINDING): the tokens
-    equal those of every layer taking paged_attention, for Gemma2's sliding-window layers between global ones too (a
-    layer of another kind takes the full path), and DynamicCache + sdpa's (fp32; Gemma2's soft-capped logits have no
-    sdpa counterpart)."""
-    import hf_paged.core.attention as attention_module
-
+def test_kept_decode_launches_on_cuda_match_dynamic_cache(family):
+    """An eager decode step's layers after the first repeat its kept launch (DecodeBinding): the tokens equal
+    DynamicCache's (fp32), for Gemma2's sliding-window layers between global ones too (a layer of another kind takes
+    the full path; Gemma2's soft-capped logits are compared with eager attention)."""
     model = tiny_model(family).to("cuda")
     kwargs = dict(input_ids=IDS.cuda(), attention_mask=MASK.cuda(), max_new_tokens=20, min_new_tokens=20,
                   do_sample=False)  # fmt: skip
-    outs = {}
-    for on in (True, False):
-        monkeypatch.setattr(attention_module, "DECODE_BINDING", on)
-        cache = PagedCache(model, num_blocks=32, block_size=8)
-        outs[on] = _generate(model, cache, **kwargs)
-        assert_cache_released(cache)
-    assert torch.equal(outs[True], outs[False])
-    if family != "gemma2":
-        ref = tiny_model(family, attn="sdpa").to("cuda")
-        assert torch.equal(outs[True], _generate(ref, _dynamic(ref), **kwargs))
+    cache = PagedCache(model, num_blocks=32, block_size=8)
+    out = _generate(model, cache, **kwargs)
+    assert_cache_released(cache)
+    ref = tiny_model(family, attn=_reference_impl(family)).to("cuda")
+    assert torch.equal(out, _generate(ref, _dynamic(ref), **kwargs))

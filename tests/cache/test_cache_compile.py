@@ -58,9 +58,8 @@ def test_compiled_greedy_matches_dynamic_cache_without_recompiling(model):
     out = model.generate(**kwargs, compile_config=_compile_config(), **{CACHE: cache})
     assert torch.equal(out, expected)
     assert model._compiled_call is not None and sum(m is not None for m in planned) == 11  # every decode step
-    assert cache._rows[0].token_ids[-1] == -1  # the last step's id is still only on the device ...
-    cache._finish_planned_step()  # ... until a host method needs it (reset, crop, the next forward)
-    assert cache._rows[0].token_ids == out[0, 3:-1].tolist()
+    # The last step's id stays on the device until a host method needs it (reset, crop, the next forward).
+    assert cache.row_token_ids()[0] == out[0, 3:-1].tolist()
     graphs = _num_graphs()
     # The prefill ran with its own blocks (6 and 9 real tokens: 1 + 2 blocks of 8); the pool grew once, before the
     # first planned step, for each row's real tokens up to max_cache_len (padding takes no slot): no more than
@@ -80,7 +79,7 @@ def test_compiled_greedy_matches_dynamic_cache_without_recompiling(model):
     out = model.generate(**cont_kwargs, compile_config=_compile_config(), **{CACHE: cache})
     assert torch.equal(out, model.generate(**cont_kwargs, **{CACHE: dyn}))
     assert _num_graphs() == graphs, "a repeated or continued call with the same batch size recompiled"
-    cache.pool.check_invariants()
+    cache.check_invariants()
     assert_cache_released(cache)
 
 
@@ -179,7 +178,7 @@ def test_unplanned_forward_breaks_a_fullgraph_compile(model):
 
 def test_compileable_only_with_max_cache_len_and_paged_attention():
     model = tiny_model("llama")
-    assert not PagedCache(model, num_blocks=8).is_compileable  # the default: eager, as before
+    assert not PagedCache(model, num_blocks=8).is_compileable  # the default: eager
     assert not PagedCache(tiny_model("llama", attn="sdpa"), num_blocks=8, max_cache_len=16).is_compileable
     with pytest.raises(ValueError, match=r"`max_cache_len` must be a positive int or None, got 0"):
         PagedCache(model, max_cache_len=0)
@@ -272,7 +271,7 @@ def test_copies_of_a_prompt_share_its_full_blocks_in_the_presized_pool(mode):
     assert sizes[2:] == [cache.pool.num_blocks] * (len(sizes) - 2)
     # Per prompt: its 2 full blocks once, and 4 copies x (ceil(29 / 8) - 2) = 8 own blocks: 2 x 10, where one row per
     # copy up to max_cache_len would take 8 x 4 = 32. Padded duplicates: one prompt of 17 real tokens (2 full blocks),
-    # 4 copies x (ceil(27 / 8) - 2) = 8: 10 blocks, where 4 x 4 = 16 before (padding takes no slot either way).
+    # 4 copies x (ceil(27 / 8) - 2) = 8: 10 blocks, where a row per copy would take 4 x 4 = 16 (padding takes no slot).
     assert cache.pool.num_blocks == (10 if mode == "padded-duplicates" else 2 * (2 + 4 * 2))
     assert cache.peak_used_blocks <= cache.pool.num_blocks
     assert_cache_released(cache)
@@ -284,9 +283,9 @@ def test_compiled_chunked_prefill_matches_dynamic_cache():
     compileable cache). Those forwards are not planned ahead: the hook plans them behind graph breaks (eager
     backend here, several prompt and chunk lengths, so dynamo recompiles).
 
-    Under torch 2.11 (the device image) the column count get_seq_length reads became a symbolic int there, and its
-    ``int - bool`` made dynamo fail (found by the PagedCache fuzzer on CUDA). Torch 2.13 keeps that int a constant,
-    so on the CPU this checks the tokens only; ``run_gpu.sh tests-cache`` runs it under 2.11."""
+    Under torch 2.11 the column count get_seq_length reads is a symbolic int there, which dynamo cannot subtract a
+    bool from; torch 2.13 keeps it a constant, so on the CPU this checks the tokens (``run_gpu.sh tests-cache`` runs
+    it under the device image's torch)."""
     torch._dynamo.reset()
     model = tiny_model("llama")
     config = CompileConfig(backend="eager", fullgraph=False, mode=None)

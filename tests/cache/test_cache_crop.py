@@ -71,11 +71,11 @@ def test_crop_then_continue_matches_dynamic_cache_and_keeps_shared_rows():
         torch.manual_seed(3)
         outs.append(model.generate(**kwargs, **{CACHE: c}))
     assert torch.equal(outs[0], outs[1])
-    assert cache.pool.ref_count(cache.pool.get_block_table(cache._rows[0].seq_id)[0]) == 2
+    assert cache.pool.ref_count(cache.row_block_tables()[0][0]) == 2
     cache.crop(5)  # the positive form keeps 5 columns (transformers 5.17's legacy crop(max_length))
     dyn.crop(5 - dyn.get_seq_length())
     assert cache.get_seq_length() == dyn.get_seq_length() == 5
-    cache.pool.check_invariants()
+    cache.check_invariants()
     assert cache.pool.num_cached_prefix_tokens(prompt[0].tolist()) == 0  # the cut block left the index
     # Continue each row with tokens other than the prompt's: both rows write into their (now distinct) block 0.
     cont = torch.cat([outs[0][:, :5], torch.tensor([[40, 41, 42, 43], [50, 51, 52, 53]])], dim=1)
@@ -96,11 +96,11 @@ def test_crop_left_padded_batch_into_the_padding():
     out = model.generate(**kwargs, **{CACHE: cache})
     model.generate(**kwargs, **{CACHE: dyn})
     cache.crop(-3)
-    assert [len(row.token_ids) for row in cache._rows] == [6 + 6, 9 + 6]
+    assert [len(ids) for ids in cache.row_token_ids()] == [6 + 6, 9 + 6]
     cache.crop(2)  # row 0 keeps no token (its first 3 columns are padding), row 1 keeps 2
     dyn.crop(2 - dyn.get_seq_length())
-    assert [len(row.token_ids) for row in cache._rows] == [0, 2]
-    cache.pool.check_invariants()
+    assert [len(ids) for ids in cache.row_token_ids()] == [0, 2]
+    cache.check_invariants()
     cont, mask = out[:, :12], torch.cat([MASK, torch.ones(2, 3, dtype=MASK.dtype)], dim=1)
     kwargs = dict(input_ids=cont, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(model.generate(**kwargs, **{CACHE: cache}), model.generate(**kwargs, **{CACHE: dyn}))
@@ -118,7 +118,7 @@ def test_crop_no_ops_reset_and_errors():
         cache.crop(no_op)
         assert cache.get_seq_length() == length
     cache.crop(torch.tensor(-1))  # transformers 5.17 passes a 0-d tensor
-    assert cache.get_seq_length() == length - 1 and len(cache._rows[0].token_ids) == length - 1
+    assert cache.get_seq_length() == length - 1 and len(cache.row_token_ids()[0]) == length - 1
     cache.crop(-100)  # more than it holds: every column goes, as reset()
     assert cache.get_seq_length() == 0 and cache.pool.stats.num_used_blocks == 0
     cache.prepare(PROMPT)

@@ -38,15 +38,15 @@ Attention: "paged" (the Triton kernels; TRITON_INTERPRET=1 on CPU; mistral's sli
 tokens fed back (the pool keeps none), one per pool slot. After every operation: ``cache.reset()``,
 ``pool.check_invariants()``, no used block.
 
-Bugs found in cache.py while building this fuzzer (the fuzz cases cover each; focused regression tests below):
-- chunked prefill whose first chunk of a row is all left padding raised "batch row 0 has no real token";
-- a call that failed after its blocks entered the prefix index (MemoryError for a later row, in the prefill or a
-  decode step; a prepare() never fed) left them indexed without their K/V: a later prompt sharing that prefix got
-  wrong tokens silently;
-- prepare() followed by generate() with num_beams or num_return_sequences was refused (batch size mismatch), and
-  prepare() followed by generate() on other prompts went through (and indexed blocks under the wrong tokens).
+Hazards the fuzz cases cover, each also pinned by a focused test below:
+- chunked prefill whose first chunk of a row is all left padding (the row starts at its first real token);
+- a call that fails after its blocks entered the prefix index (MemoryError for a later row, in the prefill or a
+  decode step; a prepare() never fed) must not leave them indexed without their K/V (a later prompt sharing that
+  prefix would get wrong tokens silently);
+- prepare() followed by generate() with num_beams or num_return_sequences (the copies share the prepared rows),
+  and prepare() followed by generate() on other prompts (refused: it would index blocks under the wrong tokens).
 
-About 25-60 s on 2 CPU cores with TRITON_INTERPRET=1 (26 s idle, 57 s with the machine shared).
+A few tens of seconds on 2 CPU cores with TRITON_INTERPRET=1.
 """
 
 import math
@@ -114,12 +114,12 @@ def _check_rows(cache: PagedCache, inputs: dict, kwargs: dict, out: torch.Tensor
     """Row b holds its real prompt tokens and every token fed back (all but the last one generated)."""
     prompt_len = inputs["input_ids"].shape[1]
     mask = inputs["attention_mask"].bool().repeat_interleave(kwargs.get("num_return_sequences", 1), dim=0)
-    cache._finish_planned_step()  # max_cache_len: the last planned step's ids stay on the device until a host call
-    assert len(cache._rows) == out.shape[0]
-    for b, row in enumerate(cache._rows):
+    held = cache.row_token_ids()  # max_cache_len: brings the last planned step's ids to the host
+    assert len(held) == out.shape[0]
+    for b, token_ids in enumerate(held):
         expected = out[b, :prompt_len][mask[b]].tolist() + out[b, prompt_len:-1].tolist()
-        assert row.token_ids == expected, (b, row.token_ids, expected)
-        assert cache.pool.num_tokens(row.seq_id) == len(expected)
+        assert token_ids == expected, (b, token_ids, expected)
+    cache.check_invariants()  # among them: each row has a pool slot for every token it holds
 
 
 class _Fuzzer:
@@ -273,7 +273,7 @@ class _Fuzzer:
         keep = self.rng.randint(1, num_columns - 1)
         self.cache.crop(keep if self.rng.random() < 0.5 else keep - num_columns)  # 5.17's positive form, or < 0
         assert self.cache.get_seq_length() == keep
-        self.cache.pool.check_invariants()
+        self.cache.check_invariants()
         more = torch.tensor([_tokens(self.rng, self.rng.randint(1, 5))] * out.shape[0])
         mask = torch.cat([inputs["attention_mask"], torch.ones_like(out[:, inputs["input_ids"].shape[1] :])], dim=1)
         cont = {"input_ids": torch.cat([out[:, :keep], more], dim=1),
@@ -356,7 +356,7 @@ def test_fuzz_generate_matches_dynamic_cache(config):
         assert fuzzer.model._compiled_call is not None and counters["stats"]["unique_graphs"] > 0
 
 
-# ---- focused tests: errors and regressions -----------------------------------------------------------------
+# ---- focused tests: errors and hazards ---------------------------------------------------------------------
 
 
 def test_reuse_without_reset_names_what_the_cache_holds():
@@ -416,7 +416,8 @@ def test_cache_of_another_model_names_both_shapes():
 
 @pytest.mark.parametrize("attn", ["paged", "sdpa"])
 def test_chunked_prefill_below_left_padding(attn):
-    """Regression: a row whose first prefill chunk is all padding got "batch row 0 has no real token"."""
+    """A row whose first prefill chunks are all padding gets no blocks until its first real token (no "batch row 0
+    has no real token" error), and the tokens equal DynamicCache's."""
     model, ref = tiny_model("llama", attn=attn), tiny_model("llama", attn="sdpa")
     cache = PagedCache(model, num_blocks=16, block_size=8)
     inputs = _batch([[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]])  # row 0: 8 columns of padding
@@ -424,7 +425,7 @@ def test_chunked_prefill_below_left_padding(attn):
         kwargs = dict(max_new_tokens=4, do_sample=False, prefill_chunk_size=chunk)
         out = model.generate(**inputs, **kwargs, **{CACHE: cache})
         assert torch.equal(out, ref.generate(**inputs, **kwargs, **{CACHE: DynamicCache(config=ref.config)}))
-        assert cache._rows[0].token_ids == [5, 6, 7, *out[0, 11:-1].tolist()]
+        assert cache.row_token_ids()[0] == [5, 6, 7, *out[0, 11:-1].tolist()]
         assert_cache_released(cache)
     both_padded = _batch([[5, 6], [7, 8, 9]])
     both_padded = {k: torch.cat([torch.zeros_like(v[:, :4]), v], dim=1) for k, v in both_padded.items()}
@@ -459,9 +460,9 @@ def _dynamic_generate(model, **kwargs) -> torch.Tensor:
 
 
 def test_failed_call_leaves_no_unwritten_block_in_the_prefix_index():
-    """Regression: blocks enter the prefix index when the forward that writes them is planned. When a call failed
-    before that forward ran (MemoryError for a later row), they stayed indexed without their K/V, and a later
-    prompt with that prefix got wrong tokens without an error."""
+    """Blocks enter the prefix index when the forward that writes them is planned. A call that fails before that
+    forward runs (MemoryError for a later row) must drop them from the index: a later prompt with that prefix would
+    otherwise get wrong tokens without an error."""
     model = tiny_model("llama")
     cache = PagedCache(model, num_blocks=6, block_size=8)
     prompts = [_tokens(random.Random(b), 17) for b in range(3)]  # 3 blocks each: rows 0 and 1 fit, row 2 does not
@@ -480,7 +481,7 @@ def test_failed_call_leaves_no_unwritten_block_in_the_prefix_index():
     batch = _batch([_tokens(random.Random(5), 15), _tokens(random.Random(6), 16)])
     with pytest.raises(MemoryError, match="out of KV blocks"):
         model.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False, **{CACHE: cache})
-    row0 = list(cache._rows[0].token_ids)  # 15 prompt tokens + the first generated one: 2 full blocks
+    row0 = cache.row_token_ids()[0]  # 15 prompt tokens + the first generated one: 2 full blocks
     assert len(row0) == 16
     assert_cache_released(cache)
     assert cache.pool.num_cached_prefix_tokens(row0 + [50]) == 0
@@ -493,8 +494,8 @@ def test_failed_call_leaves_no_unwritten_block_in_the_prefix_index():
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=2), dict(do_sample=True, num_return_sequences=2)])
 def test_prepare_then_beams_or_samples_share_the_prepared_prompt(kwargs):
-    """Regression: generate expands each prepared prompt into several rows (num_beams, num_return_sequences);
-    PagedCache refused the first forward ("holds 1 rows but the forward has batch size 2")."""
+    """generate expands each prepared prompt into several rows (num_beams, num_return_sequences): the first forward
+    takes them as copies of the prepared row (sharing its blocks), not as a batch that does not continue it."""
     model = tiny_model("llama")
     cache = PagedCache(model, num_blocks=32, block_size=8)
     system = _tokens(random.Random(4), 16)

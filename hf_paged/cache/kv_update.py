@@ -1,0 +1,99 @@
+"""Writing a layer's K/V into a PagedCache's blocks: the work behind ``PagedCache.update``.
+
+Three ways, by how the forward was planned: a planned (compiled) decode step writes at the static slots and
+returns the pools; an eager forward writes at its ForwardContext's slots (an eager decode step with "paged"
+attention leaves the write to the attention's decode launch, ``defer_kv_write``) and returns the pools, or,
+for any other attention implementation, contiguous K/V gathered through the block tables.
+"""
+
+import torch
+
+from hf_paged.core.context import get_forward_context
+from hf_paged.kernels import write_kv
+
+
+def _gather(cache: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
+    """[batch_size, num_kv_heads, kv_len, head_dim] contiguous K or V; padding columns are zero."""
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, num_kv_heads, head_dim]
+    out = flat[gather_idx.clamp(min=0)]  # [batch_size, kv_len, num_kv_heads, head_dim]
+    out = out.masked_fill((gather_idx < 0)[:, :, None, None], 0)
+    return out.transpose(1, 2)
+
+
+class KVWriter:
+    """K/V writes of PagedCache (a mixin; state in ``PagedCache.__init__``): ``kv`` (the KVPool), ``_static``."""
+
+    def _update_planned(self, key_states, value_states, layer_idx: int):
+        """A planned decode step (traced under torch.compile): write at the static slots, return the pools."""
+        kv = self.kv
+        shape = key_states.shape
+        if type(layer_idx) is not int or not 0 <= layer_idx < kv.num_layers or len(shape) != 4:
+            self._check_layer(key_states, layer_idx)
+        if shape[1] != kv.num_kv_heads or shape[3] != kv.head_dim:
+            self._check_layer(key_states, layer_idx)
+        k_cache, v_cache = kv.k_cache[layer_idx], kv.v_cache[layer_idx]
+        batch_size, num_kv_heads, query_len, head_dim = shape
+        key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        write_kv(key, value, k_cache, v_cache, self._static.ctx.slot_mapping)
+        return k_cache, v_cache
+
+    def _update_from_context(self, key_states, value_states, layer_idx: int):
+        ctx = get_forward_context()
+        if ctx is None or ctx.owner is not self:
+            raise RuntimeError(
+                "PagedCache.update() was called outside a forward it planned. PagedCache plans each forward "
+                "through a hook on the model it was built with: pass it to that model's generate()/forward()"
+            )
+        kv = self.kv
+        shape = key_states.shape
+        if (  # the checks of _check_layer, inline: this runs once per layer per forward
+            type(layer_idx) is not int
+            or not 0 <= layer_idx < kv.num_layers
+            or len(shape) != 4
+            or shape[1] != kv.num_kv_heads
+            or shape[3] != kv.head_dim
+        ):
+            self._check_layer(key_states, layer_idx)
+        k_cache, v_cache = kv.k_cache[layer_idx], kv.v_cache[layer_idx]
+        if ctx.slot_mapping.device != k_cache.device:  # device_map: this layer lives on another device
+            ctx = ctx.on(k_cache.device)
+        batch_size, num_kv_heads, query_len, head_dim = shape
+        if query_len == 1:  # decode: dropping the size-1 column is a view, at half the host time of the general form
+            key = key_states.view(batch_size, num_kv_heads, head_dim)
+            value = value_states.view(batch_size, num_kv_heads, head_dim)
+            if ctx.defer_kv_write and key.dtype == k_cache.dtype:  # the attention's decode kernel writes them
+                if ctx.pending_kv is not None:  # an earlier layer's, which no attention took (not expected)
+                    ctx.flush_pending_kv()
+                ctx.pending_kv = (k_cache, v_cache, key, value)
+                return k_cache, v_cache
+        else:
+            key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+            value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
+        write_kv(key, value, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.paged:
+            return k_cache, v_cache
+        return _gather(k_cache, ctx.gather_idx), _gather(v_cache, ctx.gather_idx)
+
+    _update_from_context_disabled = torch.compiler.disable(_update_from_context)
+
+    def _check_layer(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """The layer and its K/V shape must be those of the model the pool was built for."""
+        kv = self.kv
+        built_for = (
+            f"PagedCache was built for a model with {kv.num_layers} attention layers of {kv.num_kv_heads} KV heads "
+            f"of head_dim {kv.head_dim}"
+        )
+        fix = "; use a PagedCache built for this model: PagedCache(model, ...)"
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < kv.num_layers:
+            raise ValueError(
+                f"{built_for}, but this forward updates layer_idx {layer_idx!r} (allowed: 0 to "
+                f"{kv.num_layers - 1}){fix}"
+            )
+        shape = tuple(key_states.shape)
+        if len(shape) != 4 or shape[1] != kv.num_kv_heads or shape[3] != kv.head_dim:
+            got = f"num_kv_heads {shape[1]}, head_dim {shape[3]}" if len(shape) == 4 else f"{len(shape)} dims"
+            raise ValueError(
+                f"{built_for}, but layer {layer_idx} of this forward has key states of shape {shape} "
+                f"([batch, num_kv_heads, query_len, head_dim]: {got}){fix}"
+            )
