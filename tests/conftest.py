@@ -6,15 +6,17 @@ in ``models.py``: import them by name (``from helpers import needs_smollm2``), s
 imported.
 """
 
+import os
+
 import pytest
 from helpers import has_default_model
 
-from hf_paged.engine import model_runner
 from hf_paged.frontends import models as frontend_models
 
-# The engine compiles its model's layers by default on CUDA (compile_model=None); the GPU test run builds a hundred
-# engines, so there the default is eager, and the tests of compilation ask for it (test_graph_steps.py).
-model_runner.AUTO_COMPILE_MODE = False
+# The engine compiles its model's layers by default on CUDA (compile_model=None, EngineConfig); the GPU test run
+# builds a hundred engines, so its default is eager unless the caller's environment says otherwise. The tests of
+# compilation ask for it explicitly (tests/engine/test_graph_steps.py).
+os.environ.setdefault("HF_PAGED_COMPILE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -6,22 +6,41 @@ free memory, CUDA graphs on CUDA) stay ``None`` here and are resolved by the eng
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 
 PREEMPTION_MODES = ("recompute", "swap")
-COMPILE_MODES = ("layers", "full")  # compile_model=True means "full"; None: "layers" on one CUDA device
+COMPILE_MODES = ("layers", "full")  # compile_model=True means "full"
 
-# max_num_seqs=None: the most sequences a step takes, by the card, as vLLM picks its default (1024 sequences on cards
-# of >= 70 GiB but A100s, 256 elsewhere). Here 512 on a CUDA card of at least LARGE_CARD_GIB: the largest decode graph
-# bucket (model_runner.GRAPH_BATCH_SIZES); 256 elsewhere; never above max_num_batched_tokens. Measured on an H200
-# (twenty-fourth session, benchmarks/RESULTS.md), 512 against 256: the prefix workload at 400 requests +25% with
-# caching on (85 steps instead of 133: the second wave of requests no longer waits for the first to finish), the
-# short workload (1 000 requests) +27%, the 8B sharegpt workload (512 requests) +7%; nano (256 requests) unchanged.
+# max_num_seqs=None picks by the card, as vLLM does: LARGE_CARD_MAX_NUM_SEQS on a CUDA card of >= LARGE_CARD_GIB.
+# 512, the largest decode graph bucket: +7% to +27% throughput over 256 on H200 workloads (hf-paged bench).
 MAX_NUM_SEQS = 256
 LARGE_CARD_MAX_NUM_SEQS = 512
 LARGE_CARD_GIB = 70
+
+# compile_model=None on one CUDA device with CUDA graphs: this environment variable, when set, picks the mode
+# ("layers", "full", or "0"/"false"/"off"/"eager" for none); unset, "layers".
+COMPILE_ENV = "HF_PAGED_COMPILE"
+_COMPILE_OFF = ("0", "false", "off", "eager", "none")
+
+
+def auto_compile_mode() -> str | bool:
+    """What ``compile_model=None`` means for a model on one CUDA device with CUDA graphs (see ``COMPILE_ENV``).
+
+    Raises:
+        ValueError: ``$HF_PAGED_COMPILE`` is set to something else than a mode or an "off" word.
+    """
+    value = os.environ.get(COMPILE_ENV)
+    if value is None or value.strip() == "":
+        return "layers"
+    value = value.strip().lower()
+    if value in COMPILE_MODES:
+        return value
+    if value in _COMPILE_OFF:
+        return False
+    raise ValueError(f"${COMPILE_ENV} must be one of {COMPILE_MODES + _COMPILE_OFF} (or unset), got {value!r}")
 
 
 def default_max_num_seqs(device: torch.device | str | None, max_num_batched_tokens: int) -> int:
@@ -33,6 +52,18 @@ def default_max_num_seqs(device: torch.device | str | None, max_num_batched_toke
         if torch.cuda.get_device_properties(index).total_memory >= LARGE_CARD_GIB * 2**30:
             cap = LARGE_CARD_MAX_NUM_SEQS
     return min(cap, max_num_batched_tokens)
+
+
+def on_cuda_by_default(value: bool | None, devices: list[torch.device]) -> bool:
+    """A setting whose None means on for a model on CUDA (``async_scheduling``, ``cascade_attention``)."""
+    return value if value is not None else devices[0].type == "cuda"
+
+
+def cuda_graphs_on(use_cuda_graphs: bool | None, devices: list[torch.device]) -> bool:
+    """What ``use_cuda_graphs`` resolves to: None means on for a model on one CUDA device."""
+    if use_cuda_graphs is not None:
+        return use_cuda_graphs
+    return len(set(devices)) == 1 and devices[0].type == "cuda"
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -49,43 +80,52 @@ def _optional_bool(name: str, value: object) -> bool | None:
 
 @dataclass
 class EngineConfig:
-    """Settings of a ContinuousBatcher.
+    """Settings of a ContinuousBatcher. Every field has a default that suits a model on one CUDA card.
 
     Attributes:
-        num_blocks: KV blocks in the pool; None = sized from memory: on CUDA what ``gpu_memory_utilization`` of
-            the card leaves after a profiled full-budget step (hf_paged.engine.memory), or ``memory_fraction``
-            of free memory when that is given (and on the CPU, 0.5 of free RAM up to 2 GiB).
-        block_size: tokens per block (a positive multiple of 8).
-        memory_fraction: share of *free* device memory for the pool (the older, simpler sizing); in (0, 1].
-        gpu_memory_utilization: share of the CUDA card's *total* memory this engine may use, weights,
-            activations and pool together (as vLLM's setting); in (0, 1].
-        max_num_batched_tokens: token budget of one forward (chunked prefill splits longer prompts).
-        max_num_seqs: most sequences in one forward; None = by the card (``default_max_num_seqs``: 512 on a CUDA
-            card of >= 70 GiB, 256 elsewhere, never above ``max_num_batched_tokens``), resolved by the engine
-            (``resolved``). Also the most samples (``n``) or beams one request may have.
-        enable_prefix_caching: reuse full blocks across requests by content hash.
-        preemption_mode: "recompute" (free and recompute later) or "swap" (copy blocks to CPU memory).
-        swap_space_gb: CPU memory for swapped blocks (swap mode), >= 0.
-        use_cuda_graphs: replay CUDA graphs for every step that fits a bucket (decode and mixed); None = on for a
-            model on one CUDA device.
-        compile_model: torch.compile on CUDA (faster steps, seconds of start-up): "layers" compiles each decoder layer
-            of the model in place, the attention call staying eager between the compiled pieces (one compiled code
-            for all layers, cached on disk by torch: about 12 s of start-up on a second start); "full" (or True)
-            compiles the whole forward inside the CUDA graphs (about a minute); False compiles nothing. None
-            (default): "layers" for a model on one CUDA device, falling back to eager with a warning if the
-            compile fails; nothing elsewhere.
-        async_scheduling: queue step N+1 before reading back step N's tokens; None = on for a model on CUDA.
+        num_blocks: KV blocks in the pool. None (default): sized from memory: on CUDA, what
+            ``gpu_memory_utilization`` of the card leaves after a profiled full-budget step (hf_paged.engine.memory),
+            or ``memory_fraction`` of free memory when that is given; on the CPU, 0.5 of free RAM up to 2 GiB. Set
+            it for a fixed, reproducible pool (tests, several engines on one card).
+        block_size: tokens per block, a positive multiple of 8 (default 16). Larger blocks mean fewer block-table
+            entries but coarser prefix sharing and more memory lost to partly filled last blocks.
+        memory_fraction: share of *free* device memory for the pool, in (0, 1]; None (default) uses
+            ``gpu_memory_utilization`` instead. A simpler sizing that skips the profiling step.
+        gpu_memory_utilization: share of the CUDA card's *total* memory this engine may use, weights, activations
+            and pool together (as vLLM's setting), in (0, 1]; default 0.9. Lower it to leave room for other
+            processes on the card.
+        max_num_batched_tokens: token budget of one forward (default 2048); chunked prefill splits longer prompts.
+            Larger budgets admit prompts faster at the cost of longer steps (higher latency for running requests).
+        max_num_seqs: most sequences in one forward, and the most samples (``n``) or beams one request may have.
+            None (default): by the card (``default_max_num_seqs``: 512 on a CUDA card of >= 70 GiB, 256 elsewhere,
+            never above ``max_num_batched_tokens``), resolved by the engine (``resolved``).
+        enable_prefix_caching: reuse full KV blocks across requests by content hash (default True). Turn it off
+            only to measure uncached prefill.
+        preemption_mode: what happens to the newest request when the pool runs out of blocks: "recompute"
+            (default: free its blocks, recompute its tokens when readmitted) or "swap" (copy its blocks to CPU
+            memory and back).
+        swap_space_gb: CPU memory for swapped blocks in "swap" mode, >= 0 (default 4.0).
+        use_cuda_graphs: replay CUDA graphs for every step that fits a bucket (decode and mixed steps). None
+            (default): on for a model on one CUDA device. False runs every step eagerly (debugging, profiling).
+        compile_model: torch.compile on CUDA (faster steps, seconds of start-up): "layers" compiles each decoder
+            layer in place, the attention call staying eager between the compiled pieces (one compiled code for
+            all layers, cached on disk by torch); "full" (or True) compiles the whole forward inside the CUDA
+            graphs (longer start-up); False compiles nothing. None (default): for a model on one CUDA device with
+            CUDA graphs, the mode named by the environment variable ``HF_PAGED_COMPILE`` ("layers", "full", or
+            "0"/"false"/"off"/"eager" for none), "layers" when it is unset; a compile failure under this default
+            warns and falls back to eager. Nothing is compiled on the CPU.
+        async_scheduling: schedule and queue step N+1 on the device before reading back step N's tokens, so the
+            device never waits for the host. None (default): on for a model on CUDA. A token sampled after a stop
+            token is then computed and discarded.
         cascade_attention: shared-prefix decode: decode rows that share leading KV blocks (a common prompt prefix,
-            the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py);
-            used on the steps where the bytes saved are worth it, the other decode steps replaying a plain decode
-            graph. None (default): on for a model on CUDA, off elsewhere. On an H100 (thirteenth session,
-            benchmarks/RESULTS.md) it left workloads without a shared prefix unchanged (nano 1.000x, sharegpt-8B
-            0.996x); on the bench's prefix workload (a 341-token prefix shared by every request) it was 10.8% faster
-            in the twelfth session, and 0.4% more since its decode steps write K/V in the decode kernel.
+            the ``n`` samples of a prompt) read those blocks once per step for all of them (kernels/cascade.py),
+            on the steps where the bytes saved are worth the extra kernel; other decode steps replay a plain
+            decode graph. None (default): on for a model on CUDA, off elsewhere (one more decode graph per batch
+            bucket to capture).
         fuse_projections: one GEMM for the sibling projections that read the same input (q/k/v, gate/up), their
             ``nn.Linear`` weights concatenated in place (hf_paged.engine.fuse: no extra memory, the modules' outputs
-            and ``state_dict`` unchanged); None = on for a model on CUDA (not under tensor parallelism), where a
-            small model's decode step is dominated by short GEMMs of ~5 µs each; False leaves the model's modules.
+            and ``state_dict`` unchanged). None (default): on for a model on CUDA, not under tensor parallelism;
+            False leaves the model's modules as they are.
     """
 
     num_blocks: int | None = None

@@ -55,7 +55,7 @@ class RankSync:
     def broadcast_object(self, obj=None):
         """Rank 0's ``obj`` on every rank (pickled; through the host group, so it never waits for queued GPU work).
         The other ranks pass nothing and get rank 0's value. Used to send the requests rank 0 receives (AsyncEngine)
-        to the ranks that mirror it (``hf_paged.serving.async_engine.follow``)."""
+        to the ranks that mirror it (``hf_paged.serving.tensor_parallel.follow``)."""
         if not self.enabled:
             return obj
         box = [obj]

@@ -1,7 +1,7 @@
 """One GEMM for the projections that read the same input: q/k/v of an attention, gate/up of an MLP.
 
 A decode step of a small model is a few hundred short kernels; at batch 1-256 each projection GEMM of a
-Qwen3-0.6B layer takes ~5 µs whatever its width (NVIDIA H200 profile, benchmarks/step_kernels.py), so the three
+Qwen3-0.6B layer takes ~5 µs whatever its width (NVIDIA H200 profile, benchmarks/tools/step_kernels.py), so the three
 of q/k/v and the two of gate/up cost about as much as one GEMM of their summed width would, twice and a half
 over. vLLM builds its models with merged projections (QKVParallelLinear, MergedColumnParallelLinear); here the
 engine merges the user's modules in place, without touching the model's code:

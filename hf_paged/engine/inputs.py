@@ -111,6 +111,24 @@ class InputProcessor:
             )
 
 
+def as_prompt_list(prompts) -> list:
+    """``ContinuousBatcher.generate``'s prompts (one prompt or a list) as a list of single prompts."""
+    if prompts is None:
+        raise TypeError("`prompts` must be a prompt or a list of prompts (token ids, strings or chat messages), "
+                        "got None")  # fmt: skip
+    if isinstance(prompts, str) or is_messages(prompts):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        return [prompts] if prompts.dim() == 1 else list(prompts)
+    if isinstance(prompts, np.ndarray):
+        return [prompts] if prompts.ndim == 1 else list(prompts)
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral):
+        return [list(prompts)]  # one prompt of token ids
+    if not isinstance(prompts, (list, tuple)):
+        return [prompts]
+    return list(prompts)
+
+
 def is_messages(prompt) -> bool:
     """A chat: a non-empty list of {"role": ..., "content": ...} dicts."""
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)

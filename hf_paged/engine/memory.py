@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.engine.model_runner import MIXED_TOKEN_SIZES, ModelRunner
-from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.sampler import Sampler
 from hf_paged.core.kv_pool import KVPool
 from hf_paged.core.model_info import ModelInfo
+from hf_paged.engine.cuda_graphs import MIXED_TOKEN_SIZES
+from hf_paged.engine.model_runner import ModelRunner
+from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.sampler import Sampler
 
 
 @dataclass

@@ -16,7 +16,7 @@ from hf_paged.engine.request import CompletionOutput, Request, RequestOutput, Se
 
 _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode puts for bytes that are not (yet) a whole character
 _INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's error when the text is not monotonic
-_CONTEXT_TOKENS = 4  # tokens of sent text decoded in front of unsent ones (_flush, _RustStream.as_offsets)
+_CONTEXT_TOKENS = 4  # tokens of sent text decoded in front of unsent ones (_flush, RustStream.as_offsets)
 
 
 @dataclass
@@ -81,7 +81,7 @@ class StreamCursor:
 class Detokenizer:
     """Text of each sequence's output, made incrementally, and stop-string matching (a no-op without a tokenizer).
 
-    Each sequence keeps its own decoder state (``seq.detok_state``, a ``_TextStream``; copied when the sequence
+    Each sequence keeps its own decoder state (``seq.detok_state``, a ``TextStream``; copied when the sequence
     forks), which has read exactly ``seq.num_detokenized`` output tokens. Tokenizers whose ``decode`` is their
     Rust backend's (a fast tokenizer without ``clean_up_tokenization_spaces``) use ``DecodeStream``; others (a
     slow tokenizer, one that cleans up spaces, a wrapper) use prefix/read offsets over ``tokenizer.decode``.
@@ -123,7 +123,7 @@ class Detokenizer:
             try:
                 chunk = state.step(token_id)
             except Exception as err:
-                if not (isinstance(state.stream, _RustStream) and _INVALID_PREFIX in str(err)):
+                if not (isinstance(state.stream, RustStream) and _INVALID_PREFIX in str(err)):
                     raise
                 read = base + end - 1 - state.num_pending
                 state.stream = state.stream.as_offsets(token_ids[base:read], token_ids[read : base + end - 1])
@@ -156,16 +156,16 @@ class Detokenizer:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=request.params.skip_special_tokens)
 
-    def _state(self, seq: Sequence, skip_special_tokens: bool) -> "_TextStream":
+    def _state(self, seq: Sequence, skip_special_tokens: bool) -> "TextStream":
         """``seq``'s decoder, rebuilt from its checked tokens if missing or out of step (a failed update)."""
         state = seq.detok_state
         if state is None or state.num_tokens != seq.num_detokenized:
             if self.backend is not None:
-                state = _TextStream(_RustStream(self.backend, skip_special_tokens))
+                state = TextStream(RustStream(self.backend, skip_special_tokens))
             else:
                 tokenizer = self.tokenizer
-                state = _TextStream(
-                    _OffsetStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+                state = TextStream(
+                    OffsetStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
                 )
             base = seq.num_prompt_tokens
             for token_id in seq.token_ids[base : base + seq.num_detokenized]:  # their text is in seq.text already
@@ -183,11 +183,11 @@ class Detokenizer:
         return full[len(head) :]
 
 
-class _TextStream:
+class TextStream:
     """One sequence's incremental decoder: how many tokens it has read, and how many of them await text."""
 
     def __init__(self, stream):
-        self.stream = stream  # _RustStream or _OffsetStream
+        self.stream = stream  # RustStream or OffsetStream
         self.num_tokens = 0  # tokens read (equals seq.num_detokenized between updates)
         self.num_pending = 0  # trailing tokens read whose text is not out yet (a partial character)
 
@@ -198,14 +198,14 @@ class _TextStream:
         self.num_pending = self.num_pending + 1 if chunk is None else 0
         return chunk
 
-    def fork(self) -> "_TextStream":
+    def fork(self) -> "TextStream":
         """An independent copy (a sequence forking into ``n`` samples)."""
-        child = _TextStream(self.stream.fork())
+        child = TextStream(self.stream.fork())
         child.num_tokens, child.num_pending = self.num_tokens, self.num_pending
         return child
 
 
-class _RustStream:
+class RustStream:
     """``tokenizers.decoders.DecodeStream`` over the tokenizer's Rust backend."""
 
     def __init__(self, backend, skip_special_tokens: bool):
@@ -218,13 +218,13 @@ class _RustStream:
     def step(self, token_id: int) -> str | None:
         return self.decoder.step(self.backend, token_id)
 
-    def fork(self) -> "_RustStream":
+    def fork(self) -> "RustStream":
         child = copy.copy(self)
         child.decoder = copy.deepcopy(self.decoder)
         return child
 
-    def as_offsets(self, read: list[int], pending: list[int]) -> "_OffsetStream":
-        """The same position as an ``_OffsetStream`` (text of ``read`` is out, ``pending`` awaits its text).
+    def as_offsets(self, read: list[int], pending: list[int]) -> "OffsetStream":
+        """The same position as an ``OffsetStream`` (text of ``read`` is out, ``pending`` awaits its text).
 
         DecodeStream refuses to go on when the text of its window stops being a prefix of the longer window's
         ("Invalid prefix encountered"): a byte-fallback decoder turns valid bytes it had decoded into U+FFFD once
@@ -232,12 +232,12 @@ class _RustStream:
         The offsets route never fails there; its text then stays what was already sent.
         """
         backend, skip = self.backend, self.skip_special_tokens
-        offsets = _OffsetStream(lambda ids: backend.decode(ids, skip_special_tokens=skip))
+        offsets = OffsetStream(lambda ids: backend.decode(ids, skip_special_tokens=skip))
         offsets.ids, offsets.read_offset = read[-_CONTEXT_TOKENS:] + pending, min(len(read), _CONTEXT_TOKENS)
         return offsets
 
 
-class _OffsetStream:
+class OffsetStream:
     """DecodeStream's algorithm on a ``decode(ids) -> str`` (vLLM's prefix and read offsets), for any tokenizer.
 
     ``ids[:read_offset]`` is the prefix: tokens whose text is out, decoded again only as context (a decoder
@@ -260,7 +260,7 @@ class _OffsetStream:
         self.ids, self.read_offset = ids[self.read_offset :], len(ids) - self.read_offset
         return text[len(prefix) :]
 
-    def fork(self) -> "_OffsetStream":
+    def fork(self) -> "OffsetStream":
         child = copy.copy(self)
         child.ids = list(self.ids)
         return child

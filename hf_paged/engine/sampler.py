@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hf_paged.engine.params import SamplingParams
 from hf_paged.core.transfer import to_device
+from hf_paged.engine.params import SamplingParams
 
 _NEG_INF = float("-inf")
 

@@ -3,51 +3,22 @@
 The scheduler is the one owner of the engine's requests' progress and, through the KV manager
 (hf_paged.engine.kv_manager), of their blocks: admission, chunking, forks for ``n`` and beams, copy-on-write,
 preemption, and ``update_from_output`` — the sampled tokens of a step are applied here, stop tokens and
-length limits checked, finished sequences freed. It hands the runner one plain ``SchedulerOutput`` a step:
-ids, token ids, positions, block-table diffs and block copies; no live object crosses that seam.
+length limits checked, finished sequences freed. It hands the runner one plain ``SchedulerOutput`` a step
+(hf_paged.engine.scheduler_output): ids, token ids, positions, block-table diffs and block copies; no live object
+crosses that seam.
 
 Pure bookkeeping: no torch.
 """
 
 import collections
 import time
-from dataclasses import dataclass, field
 
 from hf_paged.engine.beam_search import BeamStep
-from hf_paged.engine.kv_manager import BlockUpdate, KVManager
+from hf_paged.engine.kv_manager import KVManager
 from hf_paged.engine.request import PLACEHOLDER, Request, Sequence, Status
+from hf_paged.engine.scheduler_output import SchedulerOutput, StepBuilder
 
-
-@dataclass
-class SchedulerOutput:
-    """One forward, as data. Sequences are in batch order: decode tokens first, then prompt chunks.
-
-    Token ``j`` of sequence ``i`` in this forward is at position ``num_computed[i] + j`` of that sequence, and
-    at flat index ``sum(num_new_tokens[:i]) + j`` of ``input_token_ids``.
-    """
-
-    seq_ids: list[int] = field(default_factory=list)  # [num_seqs]
-    request_ids: list[str] = field(default_factory=list)  # [num_seqs]: the request of each sequence
-    num_computed: list[int] = field(default_factory=list)  # [num_seqs]: tokens already in the pool (start position)
-    num_new_tokens: list[int] = field(default_factory=list)  # [num_seqs]: tokens computed now, >= 1
-    input_token_ids: list[int] = field(default_factory=list)  # [num_batched_tokens]; PLACEHOLDER: id on the device
-    # (flat index into input_token_ids, row of the previous step's sampled tokens) of each PLACEHOLDER input
-    placeholders: list[tuple[int, int]] = field(default_factory=list)
-    sample_idx: list[int] = field(default_factory=list)  # indices into seq_ids whose last new token samples;
-    # logits row r of the forward belongs to sequence sample_idx[r]
-    block_updates: list[BlockUpdate] = field(default_factory=list)  # table diffs since the last step, in order
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block id, CPU slot): copy before anything
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, block id): after swap_out
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst): after swap_in
-    preempted: list[str] = field(default_factory=list)  # request ids preempted while scheduling this step
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return len(self.input_token_ids)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seq_ids
+__all__ = ["Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -102,9 +73,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._seqs: dict[int, tuple[Sequence, Request]] = {}  # every unfinished sequence by id
         self._swap_slots_to_release: list[Sequence] = []
-        # More requests to queue on demand (the engine's generate() with FEED_PROMPTS): ``source.items`` is truthy
-        # while some are left, ``source.pull()`` adds the next one (through ``add``, or refuses it and ends).
-        self.source = None
 
     # ---- queue ------------------------------------------------------------------------------------
 
@@ -116,13 +84,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or (self.source is not None and self.source.items))
-
-    def _pull(self, budget: int) -> bool:
-        """Queue the source's next request when nothing waits and the step could take more; whether one waits."""
-        if not self.waiting and budget > 0 and self.source is not None and self.source.items:
-            self.source.pull()  # a refused one is not queued: the source ends
-        return bool(self.waiting)
+        return bool(self.waiting or self.running)
 
     def get(self, seq_id: int) -> tuple[Sequence, Request]:
         """The sequence and request of ``seq_id`` (an unfinished sequence)."""
@@ -180,7 +142,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick the tokens of the next forward, give them slots, and describe the forward (see the class doc)."""
-        step = _Step()
+        step = StepBuilder()
         # 1. decode: one token per live sequence, oldest request first.
         computing: list[Request] = []
         running = self.running  # a request preempted here leaves this list (the same idx is then the next one)
@@ -225,8 +187,8 @@ class Scheduler:
             if request.status is Status.RUNNING:  # not preempted in the meantime
                 budget = self._schedule_chunks(request, budget, step)
         # 3. admit waiting requests, first come first served (nothing is preempted from here on).
-        num_running_seqs = self._num_running_seqs() if self._pull(budget) else 0
-        while budget > 0 and (self.waiting or self._pull(budget)):
+        num_running_seqs = self._num_running_seqs() if self.waiting else 0
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             width = _width(request)
             if num_running_seqs + width > self.max_num_seqs:
@@ -251,7 +213,7 @@ class Scheduler:
     def _num_running_seqs(self) -> int:
         return sum(_width(r) for r in self.running)
 
-    def _reserve(self, request: Request, seqs: list[Sequence], ends: list[int], step: "_Step") -> bool:
+    def _reserve(self, request: Request, seqs: list[Sequence], ends: list[int], step: "StepBuilder") -> bool:
         """Slots for ``seq.token_ids[:end]`` of each sequence, preempting newer requests when the pool is short.
 
         Returns False if ``request`` itself had to be preempted.
@@ -268,7 +230,7 @@ class Scheduler:
                     return False
         return True
 
-    def _schedule_chunks(self, request: Request, budget: int, step: "_Step") -> int:
+    def _schedule_chunks(self, request: Request, budget: int, step: "StepBuilder") -> int:
         """The next chunk of each of ``request``'s sequences that is still computing; returns the budget left."""
         seqs = _schedulable(request)
         remaining = [len(seq.token_ids) - seq.num_computed for seq in seqs]
@@ -290,7 +252,7 @@ class Scheduler:
                 self.kv.cache(seq, seq.num_computed + n)
         return budget
 
-    def _admit(self, request: Request, step: "_Step") -> bool:
+    def _admit(self, request: Request, step: "StepBuilder") -> bool:
         """Blocks for every live sequence of ``request`` (all or nothing); swapped ones get their K/V back."""
         allocated = []
         for seq in request.live_seqs:
@@ -313,7 +275,7 @@ class Scheduler:
             self._swap_slots_to_release.extend(request.live_seqs)
         return True
 
-    def _preempt(self, request: Request, step: "_Step") -> None:
+    def _preempt(self, request: Request, step: "StepBuilder") -> None:
         """Take all of ``request``'s blocks back and requeue it at the front of the waiting queue."""
         self.running.remove(request)
         self.num_preemptions += 1
@@ -473,71 +435,6 @@ class Scheduler:
         for beam in beams:
             self.kv.free(beam)
             self._seqs.pop(beam.seq_id, None)
-
-
-class _Step:
-    """A SchedulerOutput under construction: chunks may still be dropped (preemption) until ``build``.
-
-    ``chunks[:num_decode]`` are decode chunks: one token each, the sequence's last one, which samples.
-    """
-
-    def __init__(self):
-        self.chunks: list[tuple[Request, Sequence, int]] = []  # (request, sequence, num_new_tokens)
-        self.num_tokens = 0
-        self.num_decode = 0  # leading chunks that are decode tokens (set after the decode phase)
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-        self.copies: list[tuple[int, int, Request]] = []  # copy-on-write (src, dst, the request that asked)
-        self.preempted: list[str] = []
-
-    def add(self, request: Request, seq: Sequence, num_new: int) -> None:
-        self.chunks.append((request, seq, num_new))
-        self.num_tokens += num_new
-
-    def drop(self, request: Request) -> None:
-        """Forget ``request``'s chunks and copy-on-write copies (it is being preempted). Lists change in place."""
-        self.num_decode -= sum(c[0] is request for c in self.chunks[: self.num_decode])
-        self.chunks[:] = [c for c in self.chunks if c[0] is not request]
-        self.num_tokens = sum(c[2] for c in self.chunks)
-        self.copies[:] = [c for c in self.copies if c[2] is not request]
-
-    def build(self, kv: KVManager) -> SchedulerOutput:
-        """The final step: its sequences advance and their newly full blocks enter the prefix index."""
-        out = SchedulerOutput(swap_out=self.swap_out, swap_in=self.swap_in, copies=[c[:2] for c in self.copies],
-                              preempted=self.preempted)  # fmt: skip
-        num_decode = self.num_decode
-        if num_decode:
-            # Decode chunks in bulk (most steps are only these): chunk i is token ``len(token_ids) - 1`` of its
-            # sequence, at flat index i; it samples; it is a placeholder iff that is the sequence's one in flight.
-            decode = self.chunks[:num_decode]
-            seqs = [c[1] for c in decode]
-            out.seq_ids = [seq.seq_id for seq in seqs]
-            out.request_ids = [c[0].request_id for c in decode]
-            out.num_computed = [seq.num_computed for seq in seqs]
-            out.num_new_tokens = [1] * num_decode
-            out.input_token_ids = [seq.token_ids[-1] for seq in seqs]
-            out.placeholders = [(i, seq.sample_row) for i, seq in enumerate(seqs) if seq.num_inflight == 1]
-            out.sample_idx = list(range(num_decode))
-            for seq in seqs:
-                seq.num_computed += 1
-            kv.cache_all(seqs)
-        for request, seq, num_new in self.chunks[num_decode:]:
-            start = seq.num_computed
-            end = start + num_new
-            if seq.num_inflight and start <= len(seq.token_ids) - seq.num_inflight < end:
-                out.placeholders.append((len(out.input_token_ids) + len(seq.token_ids) - seq.num_inflight - start,
-                                         seq.sample_row))  # fmt: skip
-            if end == len(seq.token_ids):
-                out.sample_idx.append(len(out.seq_ids))
-            out.seq_ids.append(seq.seq_id)
-            out.request_ids.append(request.request_id)
-            out.num_computed.append(start)
-            out.num_new_tokens.append(num_new)
-            out.input_token_ids.extend(seq.token_ids[start:end])
-            kv.cache(seq, end)
-            seq.num_computed = end
-        out.block_updates = kv.drain_updates()
-        return out
 
 
 def _schedulable(request: Request) -> list[Sequence]:

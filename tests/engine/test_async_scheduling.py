@@ -101,7 +101,7 @@ def test_mixed_requests_equal_the_synchronous_engine():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_with_tokens_in_flight(mode):
+def test_preemption_with_tokens_in_flight_equals_the_synchronous_engine(mode):
     prompts = _prompts()
     params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in (7, 20, 3, 30, 12, 16)]
     config = dict(num_blocks=14, max_num_batched_tokens=32, max_num_seqs=8, preemption_mode=mode, swap_space_gb=0.01)
@@ -112,7 +112,7 @@ def test_preemption_with_tokens_in_flight(mode):
     assert_engine_drained(engine)
 
 
-def test_abort_with_a_token_in_flight():
+def test_abort_with_a_token_in_flight_drops_it_and_reports_the_request_once():
     prompts = _prompts()
     engine = _engine(True)
     keep = engine.add_request(prompts[0], SamplingParams(max_new_tokens=8, **GREEDY))
@@ -212,7 +212,7 @@ def test_stream_delivers_every_token_once():
     assert_engine_drained(engine)
 
 
-def test_to_device_copies_and_converts():
+def test_to_device_copies_the_host_buffer_and_converts_the_dtype():
     """Host staging must not alias the caller's buffer: the engine reuses its numpy arrays every step."""
     import numpy as np
 

@@ -16,7 +16,7 @@ from models import DEVICE, char_tokenizer, metaspace_tokenizer, tiny_model
 from transformers import AutoTokenizer
 
 from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.engine.outputs import Detokenizer, StreamCursor, _OffsetStream, _RustStream
+from hf_paged.engine.outputs import Detokenizer, OffsetStream, RustStream, StreamCursor
 from hf_paged.engine.request import Request
 
 TEXTS = ["你好，世界！今天天气很好。", "Emoji: 😀🎉👍🏽🇫🇷 done", "naïve café — ünïcödé ✓ 北京 🚀"]
@@ -80,7 +80,7 @@ def test_the_routes_are_what_they_claim(tokenizer):
     seq = request.seqs[0]
     seq.token_ids.append(_ids(tokenizer, "Hello")[0])
     det.update(request, seq)
-    assert isinstance(seq.detok_state.stream, _RustStream)
+    assert isinstance(seq.detok_state.stream, RustStream)
 
     class Wrapper:  # not a transformers fast tokenizer: its decode may do anything, so the offsets route
         def decode(self, ids, skip_special_tokens=True):
@@ -252,7 +252,7 @@ def test_offsets_route_decodes_a_window_not_the_whole_output():
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     counting = Counting()
-    stream = _OffsetStream(lambda ids: counting.decode(ids))
+    stream = OffsetStream(lambda ids: counting.decode(ids))
     text = "".join(stream.step(t) or "" for t in _ids(tok, "abcdefgh" * 250))
     assert text == "abcdefgh" * 250
     assert max(decoded) <= 2

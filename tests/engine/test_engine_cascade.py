@@ -17,8 +17,8 @@ from models import tiny_model as _tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
 from hf_paged.core import attention as attention_module
-from hf_paged.engine.model_runner import CASCADE_MIN_SAVED_BYTES
 from hf_paged.core.planner import ForwardPlan, shared_prefix_blocks
+from hf_paged.engine.model_runner import CASCADE_MIN_SAVED_BYTES
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=1)
 
@@ -115,7 +115,7 @@ def test_cascade_equals_cascade_off_and_no_prefix_cache(graphs, config, arrive_e
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_cascade_steps_with_the_fused_kv_write(graphs, monkeypatch):
-    """attention.CASCADE_FUSED_DECODE_WRITE: shared-prefix decode steps hand each layer's new K/V to the decode kernel
+    """Shared-prefix decode steps hand each layer's new K/V to the decode kernel
     too (every row's new token lies above the shared blocks), instead of a write_kv call first; tokens and logprobs
     equal the cascade-off engine's. (On CUDA the graphs replay without Python: there the captures are counted.)"""
     calls = {"write_kv": 0, "fused_with_prefix": 0}
@@ -134,7 +134,6 @@ def test_cascade_steps_with_the_fused_kv_write(graphs, monkeypatch):
     prompts, params = _workload()
     expected = engine_outputs(_engine(False, graphs), prompts, params, 0)
     assert calls["fused_with_prefix"] == 0
-    monkeypatch.setattr(attention_module, "CASCADE_FUSED_DECODE_WRITE", True)
     on = _engine(True, graphs)
     _assert_same(engine_outputs(on, prompts, params, 0), expected)
     assert calls["fused_with_prefix"] > 0 and on.runner.num_cascade_steps > 0, calls

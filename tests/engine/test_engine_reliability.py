@@ -121,7 +121,7 @@ def test_5_interrupt_in_detokenisation_leaves_the_engine_usable(model, async_sch
     with pytest.raises(exc, match="injected"):
         engine.generate(prompts, params, use_tqdm=False)
     assert_engine_drained(engine)  # the interrupted call's requests are aborted, their blocks free
-    assert gc.get_freeze_count() == 0  # the call's heap freeze (engine.FREEZE_GC_IN_GENERATE) is undone
+    assert gc.get_freeze_count() == 0  # the call's heap freeze is undone
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_alone(model, p, params)[0] for p in prompts]
     assert_engine_drained(engine)
@@ -355,7 +355,7 @@ def test_10_beam_search_refuses_stop_strings_and_logprobs():
         SamplingParams(beam_width=2, logprobs=2)
 
 
-def test_smaller_input_errors(model):
+def test_bad_prompt_types_raise_errors_that_name_them(model):
     engine = ContinuousBatcher(model, num_blocks=64, block_size=8)
     with pytest.raises(TypeError, match="`prompts` must be a prompt or a list of prompts .* got None"):
         engine.generate(None)

@@ -145,7 +145,8 @@ def test_fuse_projections_must_be_a_bool_or_none():
 
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="CUDA only: the pool is sized by a profiling forward on CUDA (device machine: benchmarks/run_gpu.sh tests)",
+    reason="the pool is sized by a profiling forward on CUDA only: runs on CUDA with HF_PAGED_TEST_DEVICE=cuda "
+    "(benchmarks/run_gpu.sh tests)",
 )
 def test_the_profiling_forward_fuses_only_when_the_engine_does():
     for fuse in (False, None):

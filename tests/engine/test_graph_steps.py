@@ -13,9 +13,12 @@ from models import DEVICE
 from models import tiny_model as _tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.engine import model_runner
+from hf_paged.engine.compile import resolve_compile_mode
+from hf_paged.engine.config import COMPILE_ENV, auto_compile_mode
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+_REAL_COMPILE = torch.compile
+ON_CUDA = "runs on CUDA with HF_PAGED_TEST_DEVICE=cuda (benchmarks/run_gpu.sh tests)"
 
 
 def tiny_model(family="llama"):
@@ -107,13 +110,13 @@ def test_graph_steps_other_families(family):
     assert_engine_drained(engine)
 
 
-def test_beam_search_through_graph_buckets():
+def test_beam_search_through_graph_buckets_equals_eager():
     prompts, _ = _workload(seed=7)
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=128)
     params = SamplingParams(beam_width=3, max_new_tokens=10)
     expected = engine_outputs(_engine(tiny_model(), graphs=False, **config), prompts[:3], [params] * 3)
     engine = _engine(tiny_model(), graphs=True, **config)
-    assert engine_outputs(engine, prompts[:3], [params] * 3) == expected
+    _assert_same(engine_outputs(engine, prompts[:3], [params] * 3), expected)
     assert engine.bucket_runs["mixed"] > 0
     assert_engine_drained(engine)
 
@@ -122,15 +125,15 @@ def test_beam_search_through_graph_buckets():
                          ids=["eager", "graphs", "graphs-cascade"])  # fmt: skip
 def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkeypatch):
     """The engine's decode steps hand each layer's new K/V to the decode kernel (paged_attention's slot_mapping: one
-    launch a layer, attention.ENGINE_FUSED_DECODE_WRITE; shared-prefix (cascade) decode steps too, with
-    attention.CASCADE_FUSED_DECODE_WRITE, the default); prefill and mixed steps write them with write_kv first. Every
-    layer of every forward writes exactly once, either way, and tokens
-    and logprobs equal the separate write's, with forks (copy-on-write), prefix hits, arrivals and preemption. With
-    cascade on, a decode step replays the plain (fused) decode graph unless its rows share a prefix, then the
-    "cascade" graph."""
+    launch a layer; shared-prefix (cascade) decode steps too); prefill and mixed steps write them with write_kv
+    first. Every layer of every forward writes exactly once, either way, and tokens and logprobs equal those of a
+    separate write (write_kv, then attention over the pools: emulated by wrapping paged_attention), with forks
+    (copy-on-write), prefix hits, arrivals and preemption. With cascade on, a decode step replays the plain (fused)
+    decode graph unless its rows share a prefix, then the "cascade" graph."""
     import hf_paged.core.attention as attention_module
 
     calls = {"write_kv": 0, "fused": 0, "layers": 0}
+    separate_write = [True]
     write_kv, paged_attention = attention_module.write_kv, attention_module.paged_attention
     context_attention = attention_module._context_attention
 
@@ -139,6 +142,9 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
         return write_kv(*args, **kwargs)
 
     def counting_attention(*args, **kwargs):
+        if separate_write[0] and kwargs.get("slot_mapping") is not None:  # write first, then attend over the pools
+            counting_write_kv(kwargs["key"], kwargs["value"], args[1], args[2], kwargs["slot_mapping"])
+            kwargs.update(key=None, value=None, slot_mapping=None)
         calls["fused"] += kwargs.get("slot_mapping") is not None
         return paged_attention(*args, **kwargs)
 
@@ -160,10 +166,9 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
         engine.runner.cascade_min_saved_bytes = 0  # cascade whenever two decode rows share a block (tiny K/V)
         return engine
 
-    monkeypatch.setattr(attention_module, "ENGINE_FUSED_DECODE_WRITE", False)
     expected = engine_outputs(make_engine(), prompts, params, 1)
     assert calls["fused"] == 0 and calls["write_kv"] == calls["layers"] > 0, calls  # (on CUDA graphs: the captures)
-    monkeypatch.setattr(attention_module, "ENGINE_FUSED_DECODE_WRITE", True)
+    separate_write[0] = False
     calls.update(write_kv=0, fused=0, layers=0)
     engine = make_engine()
     _assert_same(engine_outputs(engine, prompts, params, 1), expected)
@@ -183,20 +188,21 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
         assert sum(runs.values()) == 0, runs
 
 
-def test_bucket_choice():
+def test_graph_bucket_is_the_smallest_that_holds_the_step():
     engine = _engine(tiny_model(), graphs=True, max_num_batched_tokens=100, max_num_seqs=6, num_blocks=32)
     runner = engine.runner
     assert runner.decode_sizes == [1, 2, 4, 6] and runner.mixed_sizes == [16, 32, 64, 100]
-    assert runner._bucket(num_seqs=5, num_tokens=5, num_sampling=5) == ("decode", 6)
-    assert runner._bucket(num_seqs=5, num_tokens=5, num_sampling=4) == ("mixed", 16)  # a chunk's last-but-one
-    assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) == ("mixed", 64)
-    assert runner._bucket_shape(("mixed", 64)) == (64, 6) and runner._bucket_shape(("mixed", 16)) == (16, 6)
+    assert runner.graph_bucket(num_seqs=5, num_tokens=5, num_sampling=5) == ("decode", 6)
+    assert runner.graph_bucket(num_seqs=5, num_tokens=5, num_sampling=4) == ("mixed", 16)  # a chunk's last-but-one
+    assert runner.graph_bucket(num_seqs=3, num_tokens=40, num_sampling=3) == ("mixed", 64)
+    assert runner.bucket_shape(("mixed", 64)) == (64, 6) and runner.bucket_shape(("mixed", 16)) == (16, 6)
     runner.emulate_graphs = runner.use_cuda_graphs = False
-    assert runner._bucket(num_seqs=3, num_tokens=40, num_sampling=3) is None  # eager when graphs are off
+    assert runner.graph_bucket(num_seqs=3, num_tokens=40, num_sampling=3) is None  # eager when graphs are off
 
 
 ON_CUDA_ONLY = pytest.mark.skipif(
-    DEVICE != "cuda", reason="compile_model applies on CUDA only (HF_PAGED_TEST_DEVICE=cuda, device machine)"
+    DEVICE != "cuda",
+    reason="compile_model applies on CUDA only: " + ON_CUDA,
 )
 
 
@@ -218,10 +224,43 @@ def test_compiled_steps_equal_eager(mode):
     assert_engine_drained(engine)
 
 
-def test_compile_default(monkeypatch):
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [(None, "layers"), ("", "layers"), ("layers", "layers"), ("FULL", "full"), ("0", False), ("off", False)],
+)
+def test_auto_compile_mode_reads_the_environment(monkeypatch, env, expected):
+    """compile_model=None resolves through $HF_PAGED_COMPILE: unset means "layers"; a mode or an "off" word."""
+    if env is None:
+        monkeypatch.delenv(COMPILE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(COMPILE_ENV, env)
+    assert auto_compile_mode() == expected
+
+
+def test_auto_compile_mode_refuses_an_unknown_value(monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "fastest")
+    with pytest.raises(ValueError, match=r"\$HF_PAGED_COMPILE must be one of .*got 'fastest'"):
+        auto_compile_mode()
+
+
+def test_compile_model_setting_resolves_to_a_mode(monkeypatch):
+    """None compiles the layers on CUDA with graphs, nothing without graphs or on the CPU; True means "full"."""
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_compile_mode(None, True, cuda) == "layers"
+    assert resolve_compile_mode(None, False, cuda) is None
+    assert resolve_compile_mode(True, False, cuda) == "full"
+    assert resolve_compile_mode("layers", True, cuda) == "layers"
+    assert resolve_compile_mode(False, True, cuda) is None
+    assert resolve_compile_mode("full", True, cpu) is None and resolve_compile_mode(None, True, cpu) is None
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert resolve_compile_mode(None, True, cuda) is None
+
+
+def test_default_compile_mode_is_layers_on_cuda_and_eager_on_cpu(monkeypatch):
     """compile_model=None compiles the layers on one CUDA device (the test run's default is eager: conftest) and
     nothing on the CPU."""
-    monkeypatch.setattr(model_runner, "AUTO_COMPILE_MODE", "layers")
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
     engine = _engine(tiny_model(), graphs=True, num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4)
     assert engine.runner.compile_mode == ("layers" if DEVICE == "cuda" else None)
     assert not engine.runner.compiled_modules or DEVICE == "cuda"
@@ -230,7 +269,7 @@ def test_compile_default(monkeypatch):
 @ON_CUDA_ONLY
 def test_failed_default_compile_falls_back_to_eager(monkeypatch):
     """A compile error under the default setting warns and leaves an eager engine with the same outputs."""
-    monkeypatch.setattr(model_runner, "AUTO_COMPILE_MODE", "layers")
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
 
     def broken_compile(fn, **kwargs):
         def run(*args, **kw):
@@ -238,45 +277,42 @@ def test_failed_default_compile_falls_back_to_eager(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(model_runner.torch, "compile", broken_compile)
+    monkeypatch.setattr(torch, "compile", broken_compile)
     prompts, params = _workload(seed=9)
     config = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96)
     model = tiny_model()
     with pytest.warns(UserWarning, match="torch.compile of the model's layers failed"):
         engine = _engine(model, graphs=True, **config)
     assert engine.runner.compile_mode is None and not any("forward" in vars(m) for m in model.modules())
-    monkeypatch.undo()
+    monkeypatch.setattr(torch, "compile", _REAL_COMPILE)
     expected = engine_outputs(_engine(tiny_model(), graphs=True, compile_model=False, **config), prompts, params, 2)
     _assert_same(engine_outputs(engine, prompts, params, 2), expected)
+    monkeypatch.setattr(torch, "compile", broken_compile)
     with pytest.raises(RuntimeError, match="inductor could not compile"):  # asked for explicitly: no fallback
-        monkeypatch.setattr(model_runner.torch, "compile", broken_compile)
         _engine(tiny_model(), graphs=True, compile_model="layers", **config)
 
 
 @pytest.mark.skipif(
     DEVICE != "cuda",
-    reason="CUDA graphs are captured on CUDA only: runs on the device machine (benchmarks/run_gpu.sh tests)",
+    reason="CUDA graphs are captured on CUDA only: " + ON_CUDA,
 )
 def test_no_garbage_collection_while_capturing(monkeypatch):
     """A collection inside a capture can free an unreachable engine's CUDA graphs, whose reset invalidates the
-    capture (the GPU run's intermittent "operation failed due to a previous error during capture", after engines
-    of earlier tests were left in reference cycles): the collector is off during every capture, back on after."""
+    capture ("operation failed due to a previous error during capture"): the collector is off during every
+    capture, back on after."""
+    import contextlib
     import gc
 
     seen = []
-    static_forward = model_runner.ModelRunner._static_forward
+    graph_capture = torch.cuda.graph
 
-    def recording(self, bucket):
-        forward = static_forward(self, bucket)
+    @contextlib.contextmanager
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        with graph_capture(*args, **kwargs) as g:
+            yield g
 
-        def wrapped():
-            if torch.cuda.is_current_stream_capturing():
-                seen.append(gc.isenabled())
-            return forward()
-
-        return wrapped
-
-    monkeypatch.setattr(model_runner.ModelRunner, "_static_forward", recording)
+    monkeypatch.setattr(torch.cuda, "graph", recording)
     engine = _engine(tiny_model(), graphs=True, num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4)
     assert seen and not any(seen), seen  # one entry per captured bucket
     assert len(seen) == len(engine.runner._graphs) and gc.isenabled()

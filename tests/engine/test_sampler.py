@@ -98,7 +98,7 @@ def assert_frequencies(freq: torch.Tensor, expected: list[float], num_draws: int
         ({"beam_width": 4, "frequency_penalty": 1.0}, ValueError, r"`frequency_penalty` must be 0.0"),
     ],
 )
-def test_params_validation(kwargs, error, match):
+def test_sampling_params_refuse_bad_values_with_messages(kwargs, error, match):
     with pytest.raises(error, match=match):
         SamplingParams(**kwargs)
 
@@ -175,7 +175,7 @@ def test_top_p_support_is_the_nucleus(top_p, nucleus):
     assert_frequencies(freq, [probs[i] / mass if i in nucleus else 0.0 for i in range(4)])
 
 
-def test_min_p():
+def test_min_p_drops_tokens_below_its_share_of_the_top_probability():
     probs = [0.5, 0.3, 0.15, 0.05]  # min_p 0.2 -> threshold 0.1 drops id 3
     assert_frequencies(draw(probs, SamplingParams(min_p=0.2)), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
     assert_frequencies(draw(probs, SamplingParams(min_p=0.7)), [1.0, 0.0, 0.0, 0.0])
@@ -191,7 +191,7 @@ def test_top_k_then_top_p_then_min_p_compose():
 # ---- penalties and min_tokens ----------------------------------------------------------------------
 
 
-def test_penalties_hand_example():
+def test_penalties_match_a_hand_computed_example():
     logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]]).repeat(4, 1)
     params = [
         SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
@@ -318,7 +318,7 @@ def test_row_plan_of_a_subset_of_rows_equals_a_fresh_plan():
                 assert taken == plan_rows([params[i] for i in idx], [generators[i] for i in idx], device)
 
 
-def test_sampler_errors():
+def test_sampler_refuses_mismatched_inputs_with_messages():
     logits = torch.zeros(2, 8)
     with pytest.raises(ValueError, match=r"`params` must have one entry per logits row \(2\), got 1"):
         sample(logits, [SamplingParams()])
