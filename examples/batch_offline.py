@@ -9,8 +9,7 @@ Run: python examples/batch_offline.py  (add --model PATH for another model; ~10 
 
 import argparse
 
-from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.frontends.models import load_model
+from hf_paged import ContinuousBatcher, SamplingParams, load_model
 
 SYSTEM = (
     "You are a helpful assistant for a school quiz. Answer every question in one short, factual sentence. "

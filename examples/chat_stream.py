@@ -11,8 +11,7 @@ Run: python examples/chat_stream.py               (three scripted turns)
 
 import argparse
 
-from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.frontends.models import load_model
+from hf_paged import ContinuousBatcher, SamplingParams, load_model
 
 SYSTEM = "You are a helpful gardening assistant. Keep every answer short."
 SCRIPT = [

@@ -14,8 +14,7 @@ import argparse
 
 import torch
 
-from hf_paged import PagedCache
-from hf_paged.frontends.models import load_model
+from hf_paged import PagedCache, load_model
 
 SYSTEM = (
     "You are a concise assistant for a museum. Visitors ask short questions about art, history and science. "

@@ -10,8 +10,7 @@ Run: python examples/parallel_sampling.py  (add --model PATH for another model; 
 
 import argparse
 
-from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.frontends.models import load_model
+from hf_paged import ContinuousBatcher, SamplingParams, load_model
 
 PROMPT = [
     {"role": "system", "content": "You are a creative writer who writes short, vivid lines about nature."},

@@ -7,7 +7,9 @@ Public API (imported lazily, so ``import hf_paged.core.block_pool`` loads neithe
 - ``AsyncEngine``: a ContinuousBatcher on its own thread, serving asyncio callers (the HTTP server's engine);
 - ``DataParallelEngine``: replica processes (one ContinuousBatcher per GPU) behind one asyncio front, as AsyncEngine;
 - ``attn_implementation="paged"``: the attention function that reads KV straight from the blocks;
-- ``BlockPool``: the pure-Python block allocator (ref counts, LRU free list, prefix hashing).
+- ``BlockPool``: the pure-Python block allocator (ref counts, LRU free list, prefix hashing);
+- ``load_model``: a model and tokenizer by the name a user gives (the embedded default, a folder, a GGUF file or a
+  cached hub id), offline.
 
 Importing ``hf_paged`` registers the "paged" attention and mask functions with transformers: at once
 when transformers is already imported, else right after transformers' own import finishes.
@@ -30,6 +32,7 @@ _LAZY = {
     "BlockPool": "hf_paged.core.block_pool",
     "register": "hf_paged.core.attention",
     "paged_attention_forward": "hf_paged.core.attention",
+    "load_model": "hf_paged.frontends.models",
 }
 
 __all__ = sorted(_LAZY)

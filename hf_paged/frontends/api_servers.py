@@ -15,7 +15,7 @@ process of ``--engine-process on``), and every API server talks to every engine 
                                                          deltas of f's requests there (none if it has none)
 
 Per engine step that is one message per API server with requests on that engine process, and one poll call over
-its N + 1 pipes; with one API server the process polls its one pipe as before.
+its N + 1 pipes; with one API server the engine process polls its one pipe.
 
 Sockets. The launcher binds N sockets to host:port with ``SO_REUSEPORT`` before anything starts (a busy port fails
 at once), one per API server, which starts listening on it once it serves: the kernel spreads new connections over
@@ -50,8 +50,8 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from hf_paged.serving.data_parallel import DataParallelEngine, FrontHandoff
 from hf_paged.frontends.serve_metrics import FrontObservations
+from hf_paged.serving.data_parallel import DataParallelEngine, FrontHandoff
 
 __all__ = ["bind", "run"]
 

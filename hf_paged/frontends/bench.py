@@ -1,24 +1,14 @@
-"""Throughput benchmark suite: hf_paged's ContinuousBatcher beside transformers, on one GPU, in one run.
+"""Throughput benchmark: hf_paged's ContinuousBatcher beside transformers, on one GPU, in one run.
 
-Random-weight bf16 models built from configs (no hub; like ``vllm bench --load-format dummy``), random
-prompt ids, EOS ignored, seeded workloads:
-- nano: 256 requests, prompt U[100, 1024], output U[100, 1024] (nano-vllm's bench);
-- sharegpt: lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
-- prefix: 400 requests, a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (paper §6.4);
-- short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps).
+Models, workloads and the physical floor: ``hf_paged.frontends.bench_workloads`` (random-weight bf16 models in
+the Qwen3-0.6B and Llama-3.1-8B shapes; the nano, sharegpt, prefix and short workloads; EOS ignored).
 Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without shared-prefix decode
 (``hf_paged_no_cascade``; on by default on CUDA), hf_paged without async scheduling (``hf_paged_sync``),
 transformers ``generate`` with padded static batches, transformers' built-in continuous batching. Each reports
-output tokens/s, total tokens/s (median of ``--repeats`` runs, with min and max), start-up time and peak memory.
+output tokens/s, total tokens/s (median of ``--repeats`` runs, with min and max), the share of the floor, the
+start-up time to the first token and peak memory, as a markdown table (``--out``) and a JSON record (``--json``).
 
-The physical floor is one formula for every workload, and an estimate, not a strict bound: the time to read
-the weights once per decode step (the fewest steps: requests in waves of ``max_num_seqs``, each wave as long
-as its longest output; the wave model is not exact for staggered arrivals) plus every KV byte each output
-token attends to, over the measured copy bandwidth, plus the prefill FLOPs (2 x parameters x prompt tokens)
-over the measured matmul rate. The embedding table counts as weights read each step although only its
-gathered rows are read, so for small models the floor is a little too high.
-
-Run: ``hf-paged bench --workload nano --model qwen3-0.6b`` or ``python benchmarks/throughput.py ...``.
+Run: ``hf-paged bench --workload nano --model qwen3-0.6b [--out table.md] [--json record.json]``.
 Tensor parallelism (2 GPUs), beside 1 GPU on the same checkpoint:
 ``python -m hf_paged.frontends.bench --model llama-8b --workload sharegpt --systems hf_paged --model-dir /tmp/m8b``
 then ``torchrun --nproc-per-node 2 -m hf_paged.frontends.bench --model llama-8b --workload sharegpt --systems
@@ -26,166 +16,31 @@ hf_paged --model-dir /tmp/m8b --tp``.
 """
 
 import argparse
-import datetime
 import gc
-import math
+import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
-SHAPES = {
-    "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960)),
-    "llama-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)),
-    "tiny": ("LlamaConfig", "LlamaForCausalLM", dict(
-        num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=1024, max_position_embeddings=4096)),
-}  # fmt: skip
+from hf_paged.frontends.bench_record import emit_table, make_record, write_record
+from hf_paged.frontends.bench_workloads import (
+    SHAPES,
+    WORKLOADS,
+    Workload,
+    build_model,
+    floor_seconds,
+    load_or_build,
+    make_workload,
+    measure_ceilings,
+)
+
+__all__ = ["ON_OFF", "SHAPES", "SYSTEMS", "WORKLOADS", "build_model", "emit_table", "main", "make_workload"]
 
 COMPILE_CHOICES = {"auto": None, "none": False, "layers": "layers", "full": "full"}  # --compile -> compile_model
 ON_OFF = {"auto": None, "on": True, "off": False}  # an auto/on/off flag as an EngineConfig value
 SYSTEMS = ("hf_paged", "hf_paged_no_prefix", "hf_paged_no_cascade", "hf_paged_sync", "hf_generate", "hf_cb")
-WORKLOADS = ("nano", "sharegpt", "prefix", "short")
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: int = 0) -> Workload:
-    """The seeded prompts and output lengths of a named workload."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(10, vocab_size - 10, (n,), generator=gen).tolist()
-
-    if name == "nano":
-        n = num_requests or 256
-        lens_in = torch.randint(100, 1025, (n,), generator=gen).tolist()
-        lens_out = torch.randint(100, 1025, (n,), generator=gen).tolist()
-        return Workload(name, [ids(k) for k in lens_in], lens_out)
-    if name == "sharegpt":
-        n = num_requests or 512
-        # lognormal with means ~161 / ~338: mean = exp(mu + sigma^2 / 2)
-        sigma_in, sigma_out = 1.0, 0.9
-        mu_in, mu_out = math.log(161) - sigma_in**2 / 2, math.log(338) - sigma_out**2 / 2
-        lens_in = torch.empty(n).log_normal_(mu_in, sigma_in, generator=gen).clamp(4, 2048).long().tolist()
-        lens_out = torch.empty(n).log_normal_(mu_out, sigma_out, generator=gen).clamp(4, 2048).long().tolist()
-        return Workload(name, [ids(k) for k in lens_in], lens_out)
-    if name == "prefix":
-        n = num_requests or 400  # issue 13's count (the twenty-third session and before: 200)
-        prefix = ids(341)
-        uniq = torch.randint(10, 41, (n,), generator=gen).tolist()
-        lens_out = torch.randint(20, 81, (n,), generator=gen).tolist()
-        return Workload(name, [prefix + ids(k) for k in uniq], lens_out)
-    if name == "short":
-        n = num_requests or 1000
-        lens_in = torch.randint(10, 101, (n,), generator=gen).tolist()
-        lens_out = torch.randint(20, 201, (n,), generator=gen).tolist()
-        return Workload(name, [ids(k) for k in lens_in], lens_out)
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-
-
-def build_model(shape: str, device: str = "cuda", **overrides):
-    """The shape's model with random bf16 weights on ``device``; ``overrides`` replace config fields (e.g.
-    ``num_hidden_layers=1``)."""
-    import transformers
-
-    config_cls, model_cls, kwargs = SHAPES[shape]
-    config = getattr(transformers, config_cls)(
-        **{**kwargs, **overrides}, pad_token_id=0, bos_token_id=1, eos_token_id=2
-    )
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = getattr(transformers, model_cls)(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    return model
-
-
-def load_or_build(shape: str, model_dir: str | None, tp: bool):
-    """The benchmark model: built in memory, or loaded from ``model_dir`` (saved there first if missing).
-
-    Tensor parallelism (``tp``) needs a checkpoint to shard: under torchrun, rank 0 saves it and every rank
-    loads it with ``tp_plan="auto"``.
-    """
-    import os
-
-    from transformers import AutoModelForCausalLM
-
-    if model_dir is None:
-        return build_model(shape)
-    rank = int(os.environ.get("RANK", "0"))
-    if tp and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if rank == 0 and not os.path.isdir(model_dir):
-        model = build_model(shape)
-        model.save_pretrained(model_dir)
-        del model
-        torch.cuda.empty_cache()
-    if tp:
-        torch.distributed.barrier()
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, tp_plan="auto").eval()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda").eval()
-
-
-def measure_ceilings(device: str = "cuda") -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured on ``device``."""
-    from triton.testing import do_bench
-
-    def copy_ms() -> float:
-        src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-        dst = torch.empty_like(src)
-        return do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-
-    def matmul_ms() -> float:
-        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-        return do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
-
-    bandwidth = 2 * (1 << 30) / (copy_ms() * 1e-3)
-    flops = 2 * 8192**3 / (matmul_ms() * 1e-3)
-    torch.cuda.empty_cache()
-    return bandwidth, flops
-
-
-def floor_seconds(model, workload: Workload, bandwidth: float, flops: float, max_concurrency: int) -> float:
-    """Time no engine can beat: weights once per decode step + every attended KV byte + prefill FLOPs."""
-    config = model.config
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = params * 2
-    num_kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = 2 * config.num_hidden_layers * num_kv_heads * head_dim * 2
-    kv_read = 0
-    for prompt, out_len in zip(workload.prompts, workload.output_lens, strict=True):
-        # output token t attends len(prompt) + t keys
-        kv_read += out_len * len(prompt) + out_len * (out_len - 1) // 2
-    # Fewest decode steps: the requests run in waves of max_concurrency; each wave lasts its longest output.
-    lens = sorted(workload.output_lens, reverse=True)
-    steps = sum(lens[i] for i in range(0, len(lens), max_concurrency))
-    prefill_flops = 2 * params * workload.num_prompt_tokens
-    return (steps * weight_bytes + kv_read * kv_bytes_per_token) / bandwidth + prefill_flops / flops
 
 
 def _reset_memory():
@@ -215,7 +70,7 @@ def run_hf_paged(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=COMPILE_CHOICES[args.compile],
         async_scheduling=async_scheduling, cascade_attention=cascade_attention,
-        fuse_projections=ON_OFF[getattr(args, "fuse_projections", "auto")],
+        fuse_projections=ON_OFF[args.fuse_projections],
     )  # fmt: skip
     start = time.perf_counter()
     engine = ContinuousBatcher(model, config=config)
@@ -317,60 +172,109 @@ def _hf_cb_once(model, workload: Workload) -> tuple[float, int]:
     return time.perf_counter() - start, generated
 
 
-def emit_table(table: str, out: str | None) -> None:
-    """Print a markdown table and, with ``out``, append it to that file (the benchmarks' ``--out``)."""
-    print(table)
-    if out:
-        with open(out, "a") as f:
-            f.write(table.rstrip("\n") + "\n\n")
+def summarize(system: str, result: dict, total_tokens: int, floor_tps: float) -> dict:
+    """One system's figures from its runs (``result``: elapsed seconds per run, generated tokens, peak bytes,
+    note, start-up seconds): the row of the table and of the JSON record. A failed system has ``runs`` 0."""
+    times = result["elapsed"]
+    row = {"system": system, "runs": len(times), "notes": result["note"]}
+    if not times:
+        return row
+    median = statistics.median(times)
+    output_tps = result["generated"] / median
+    row.update(
+        time_s={"median": median, "min": min(times), "max": max(times)},
+        output_tok_s={"median": output_tps, "min": result["generated"] / max(times),
+                      "max": result["generated"] / min(times)},
+        total_tok_s=total_tokens / median,
+        floor_pct=100 * output_tps / floor_tps,
+        startup_s=result.get("startup"),
+        peak_memory_gib=result["peak"] / 2**30,
+        output_tokens=result["generated"],
+    )  # fmt: skip
+    return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hf_paged.engine.config import EngineConfig, default_max_num_seqs
+def format_table(header: str, rows: list[dict]) -> str:
+    """The markdown table of ``summarize``'s rows under ``header``."""
+    table = (
+        f"{header}\n\n"
+        "| system | runs | time (s), median [min, max] | output tok/s, median [min, max] | total tok/s | % of floor "
+        "| start-up to first token (s) | peak memory (GiB) | notes |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    for row in rows:
+        if not row["runs"]:
+            table += f"| {row['system']} | 0 | - | - | - | - | - | - | {row['notes']} |\n"
+            continue
+        t, tps = row["time_s"], row["output_tok_s"]
+        startup = "-" if row["startup_s"] is None else f"{row['startup_s']:.1f}"
+        table += (f"| {row['system']} | {row['runs']} | {t['median']:.2f} [{t['min']:.2f}, {t['max']:.2f}] | "
+                  f"{tps['median']:.0f} [{tps['min']:.0f}, {tps['max']:.0f}] | {row['total_tok_s']:.0f} | "
+                  f"{row['floor_pct']:.1f}% | {startup} | {row['peak_memory_gib']:.1f} | "
+                  f"{row['notes']} |\n")  # fmt: skip
+    return table
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from hf_paged.engine.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="hf-paged bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--workload", default="nano", choices=WORKLOADS)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="16 requests, outputs clipped to 128 tokens: < 2 min of GPU for all systems",
-    )
+    parser.add_argument("--quick", action="store_true",
+                        help="16 requests, outputs clipped to 128 tokens: < 2 min of GPU for all systems")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median, min and max)")
-    parser.add_argument(
-        "--baseline-repeats", type=int, default=None, help="timed runs of hf_generate and hf_cb (default: --repeats)"
-    )
+    parser.add_argument("--baseline-repeats", type=int, default=None,
+                        help="timed runs of hf_generate and hf_cb (default: --repeats)")  # fmt: skip
     parser.add_argument("--num-blocks", type=int, default=None)
     # hf_paged's settings: the engine's defaults unless given
-    parser.add_argument(
-        "--memory-fraction",
-        type=float,
-        default=EngineConfig.memory_fraction,
-        help="pool = this share of free memory (default: sized by --gpu-memory-utilization)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=EngineConfig.gpu_memory_utilization,
-        help="share of the card for weights, activations and pool (default: %(default)s)",
-    )
+    parser.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
+                        help="pool = this share of free memory (default: by --gpu-memory-utilization)")  # fmt: skip
+    parser.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
+                        help="share of the card for weights, activations and pool (default: %(default)s)")  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="EngineConfig.max_num_seqs (default: the engine's, by the card: 512 on >= 70 GiB, else "
                              "256); also the wave size of the floor")  # fmt: skip
-    parser.add_argument("--compile", default="auto", choices=["auto", "none", "layers", "full"],
+    parser.add_argument("--compile", default="auto", choices=list(COMPILE_CHOICES),
                         help="hf_paged's compile_model: auto (the engine's default: layers on CUDA), none, layers, "
                              "full (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--fuse-projections", default="auto", choices=["auto", "on", "off"],
+    parser.add_argument("--fuse-projections", default="auto", choices=list(ON_OFF),
                         help="EngineConfig.fuse_projections: auto (on CUDA), on, off")  # fmt: skip
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
-    parser.add_argument("--out", help="append the markdown table to this file (e.g. benchmarks/RESULTS.md)")
+    parser.add_argument("--out", help="append the markdown table to this file")
+    parser.add_argument("--json", help="write the figures as a JSON record to this file")
     parser.add_argument("--model-dir", help="load the random-weight model from DIR (built and saved there first)")
     tp_help = "tensor parallelism: run under torchrun; loads --model-dir with tp_plan='auto'"
     parser.add_argument("--tp", action="store_true", help=tp_help)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_system(system: str, model, workload: Workload, args) -> dict:
+    """``repeats`` timed runs of one system; a failure is reported as a result without runs."""
+    baseline_repeats = args.baseline_repeats or args.repeats
+    try:
+        if system == "hf_paged":
+            return run_hf_paged(model, workload, True, args, args.repeats)
+        if system == "hf_paged_no_prefix":
+            return run_hf_paged(model, workload, False, args, args.repeats)
+        if system == "hf_paged_no_cascade":
+            return run_hf_paged(model, workload, True, args, args.repeats, cascade_attention=False)
+        if system == "hf_paged_sync":  # the host's work between steps not overlapped with the GPU's
+            return run_hf_paged(model, workload, True, args, args.repeats, async_scheduling=False)
+        if system == "hf_generate":
+            return run_hf_generate(model, workload, args, baseline_repeats)
+        return run_hf_cb(model, workload, args, baseline_repeats)
+    except Exception as exc:  # report the failure in the table, go on with the other systems
+        return dict(elapsed=[], generated=0, peak=0, note=f"failed: {type(exc).__name__}: {exc}"[:200])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hf_paged.engine.config import default_max_num_seqs
+
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("hf-paged bench: error: needs a CUDA GPU (the benchmark compares GPU throughput)", file=sys.stderr)
         return 2
@@ -379,15 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"hf-paged bench: error: unknown systems {unknown}; choose from {list(SYSTEMS)}", file=sys.stderr)
         return 2
-    import transformers
-
-    import hf_paged
-
     if args.tp and (not args.model_dir or set(systems) != {"hf_paged"}):
-        print(
-            "hf-paged bench: error: --tp needs --model-dir and --systems hf_paged (run under torchrun)",
-            file=sys.stderr,
-        )
+        print("hf-paged bench: error: --tp needs --model-dir and --systems hf_paged (run under torchrun)",
+              file=sys.stderr)  # fmt: skip
         return 2
     model = load_or_build(args.model, args.model_dir, args.tp)
     rank = torch.distributed.get_rank() if args.tp else 0
@@ -399,56 +297,38 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_seqs = default_max_num_seqs(next(model.parameters()).device, args.max_num_batched_tokens)
     bandwidth, flops = measure_ceilings()
     floor = floor_seconds(model, workload, bandwidth, flops, args.max_num_seqs)
-    baseline_repeats = args.baseline_repeats or args.repeats
-    rows = []
-    for system in systems:
-        try:
-            if system == "hf_paged":
-                r = run_hf_paged(model, workload, True, args, args.repeats)
-            elif system == "hf_paged_no_prefix":
-                r = run_hf_paged(model, workload, False, args, args.repeats)
-            elif system == "hf_paged_no_cascade":  # shared-prefix decode off (kernels/cascade.py; on by default)
-                r = run_hf_paged(model, workload, True, args, args.repeats, cascade_attention=False)
-            elif system == "hf_paged_sync":  # async scheduling off: the host's work between steps not overlapped
-                r = run_hf_paged(model, workload, True, args, args.repeats, async_scheduling=False)
-            elif system == "hf_generate":
-                r = run_hf_generate(model, workload, args, baseline_repeats)
-            else:
-                r = run_hf_cb(model, workload, args, baseline_repeats)
-        except Exception as exc:  # report the failure in the table, go on with the other systems
-            r = dict(elapsed=[], generated=0, peak=0, note=f"failed: {type(exc).__name__}: {exc}"[:200])
-        rows.append((system + (f" (tp={model.tp_size})" if args.tp else ""), r))
-        if rank == 0:
-            print(f"{system}: {r}", flush=True)
-    if rank != 0:
-        return 0
     total_tokens = workload.num_prompt_tokens + workload.num_output_tokens
     floor_tps = workload.num_output_tokens / floor
-    table = (
+    rows = []
+    for system in systems:
+        result = run_system(system, model, workload, args)
+        if rank == 0:
+            print(f"{system}: {result}", flush=True)
+        name = system + (f" (tp={model.tp_size})" if args.tp else "")
+        rows.append(summarize(name, result, total_tokens, floor_tps))
+    if rank != 0:
+        return 0
+    command = "hf-paged bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    record = make_record(
+        torch.cuda.get_device_name(), command,
+        workload=dict(name=args.workload, model=args.model, dtype="bfloat16", num_requests=len(workload.prompts),
+                      prompt_tokens=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
+                      max_num_seqs=args.max_num_seqs, copy_bandwidth_gb_s=bandwidth / 1e9,
+                      matmul_tflop_s=flops / 1e12, floor_s=floor, floor_output_tok_s=floor_tps),
+        systems=rows,
+    )  # fmt: skip
+    versions = record["versions"]
+    header = (
         f"### throughput: {args.workload} workload ({len(workload.prompts)} requests, "
         f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens), {args.model}, bf16, "
-        f"random weights — {torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, hf_paged {hf_paged.__version__}\n\n"
-        f"`hf-paged bench {' '.join(argv if argv is not None else sys.argv[1:])}` — measured copy bandwidth "
-        f"{bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; physical floor {floor:.2f} s = "
-        f"{floor_tps:.0f} output tok/s; max_num_seqs {args.max_num_seqs}\n\n"
-        "| system | runs | time (s), median [min, max] | output tok/s, median [min, max] | total tok/s | % of floor "
-        "| start-up to first token (s) | peak memory (GiB) | notes |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        f"random weights — {record['card']}, {record['date']}, torch {versions['torch']}, "
+        f"transformers {versions['transformers']}, hf_paged {versions['hf_paged']}\n\n"
+        f"`{command}` — measured copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} "
+        f"TFLOP/s; physical floor {floor:.2f} s = {floor_tps:.0f} output tok/s; max_num_seqs {args.max_num_seqs}"
     )
-    for system, r in rows:
-        times = r["elapsed"]
-        if not times:
-            table += f"| {system} | 0 | - | - | - | - | - | - | {r['note']} |\n"
-            continue
-        med = statistics.median(times)
-        out_tps = r["generated"] / med
-        startup = f"{r['startup']:.1f}" if "startup" in r else "-"
-        spread = f"[{r['generated'] / max(times):.0f}, {r['generated'] / min(times):.0f}]"
-        table += (f"| {system} | {len(times)} | {med:.2f} [{min(times):.2f}, {max(times):.2f}] | {out_tps:.0f} "
-                  f"{spread} | {total_tokens / med:.0f} | {out_tps / floor_tps:.1%} | {startup} | "
-                  f"{r['peak'] / 2**30:.1f} | {r['note']} |\n")  # fmt: skip
-    emit_table(table, args.out)
+    emit_table(format_table(header, rows), args.out)
+    if args.json:
+        write_record(args.json, record)
     return 0
 
 

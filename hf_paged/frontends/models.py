@@ -22,7 +22,7 @@ from there afterwards (<1 s)::
   reinstalled file gets a fresh folder; bump ``_CONVERSION_VERSION`` when the conversion itself changes;
 - written atomically: saved into a ``.tmp-*`` sibling, then renamed into place, so a folder under its final name is
   always complete. A failed conversion removes its temp folder; temp folders left by a killed process are removed by
-  the next conversion once older than ``_STALE_TEMP_S``. Two processes converting at once both do the work; the first
+  the next conversion once older than ``STALE_TEMP_S``. Two processes converting at once both do the work; the first
   rename wins and the other discards its copy.
 
 GGUF quirks (transformers 5.24, gguf 0.19):
@@ -59,8 +59,8 @@ _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DESCRIPTION = "SmolLM2-135M-Instruct"
 
 _CONVERSION_VERSION = 1
-_TEMP_PREFIX = ".tmp-"
-_STALE_TEMP_S = 3600.0
+TEMP_PREFIX = ".tmp-"  # a conversion in progress, renamed into place when complete
+STALE_TEMP_S = 3600.0  # a temp folder this old was left by a killed process
 
 
 def _package_dir(name: str) -> str | None:
@@ -101,7 +101,9 @@ def default_model_path() -> str:
     return path
 
 
-def _cache_root(cache_dir: str | None) -> Path:
+def cache_root(cache_dir: str | None) -> Path:
+    """Where converted models are cached: ``cache_dir``, else ``$HF_PAGED_CACHE``, else ``$XDG_CACHE_HOME/hf_paged``,
+    else ``~/.cache/hf_paged``."""
     if cache_dir:
         return Path(cache_dir).expanduser()
     if os.environ.get("HF_PAGED_CACHE"):
@@ -115,7 +117,7 @@ def converted_dir(gguf_path: str, cache_dir: str | None) -> Path:
     stat = os.stat(gguf_path)
     name = os.path.basename(gguf_path)
     key = hashlib.sha256(f"{_CONVERSION_VERSION}:{name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    return _cache_root(cache_dir) / "gguf" / f"{Path(name).stem}-{key[:12]}"
+    return cache_root(cache_dir) / "gguf" / f"{Path(name).stem}-{key[:12]}"
 
 
 def _load_from_gguf(gguf_path: str) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
@@ -134,9 +136,9 @@ def _load_from_gguf(gguf_path: str) -> tuple["PreTrainedModel", "PreTrainedToken
 def _remove_stale_temp_dirs(parent: Path) -> None:
     """Remove temp folders that a killed conversion left behind, once they are old enough to be nobody's."""
     now = time.time()
-    for entry in parent.glob(f"{_TEMP_PREFIX}*"):
+    for entry in parent.glob(f"{TEMP_PREFIX}*"):
         try:
-            if entry.is_dir() and now - entry.stat().st_mtime > _STALE_TEMP_S:
+            if entry.is_dir() and now - entry.stat().st_mtime > STALE_TEMP_S:
                 shutil.rmtree(entry, ignore_errors=True)
         except OSError:
             pass  # another process removed or renamed it meanwhile
@@ -168,7 +170,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_dirs(target.parent)
     logger.info("converting %s to a safetensors model folder at %s (once; ~20 s for a 135M model)", gguf_path, target)
-    temp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{target.name}-", dir=target.parent))
+    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name}-", dir=target.parent))
     try:
         model, tokenizer = _load_from_gguf(gguf_path)
         model.save_pretrained(temp)

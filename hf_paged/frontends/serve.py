@@ -48,8 +48,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from hf_paged.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from hf_paged.serving.data_parallel import DataParallelEngine
 from hf_paged.engine.request import RequestOutput
 from hf_paged.frontends.openai_api import (
     APIError,
@@ -60,6 +58,9 @@ from hf_paged.frontends.openai_api import (
     usage,
 )
 from hf_paged.frontends.serve_metrics import FrontObservations, Metrics
+from hf_paged.serving.async_engine import AsyncEngine
+from hf_paged.serving.data_parallel import DataParallelEngine
+from hf_paged.serving.streaming import EngineDeadError, RequestStream
 
 logger = logging.getLogger(__name__)
 

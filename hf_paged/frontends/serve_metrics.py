@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from hf_paged.serving.async_engine import ServingStats
 from hf_paged.engine.request import RequestOutput
+from hf_paged.serving.stats import ServingStats
 
 # Buckets as vLLM's: time to first token, time per output token, end-to-end latency (seconds).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -18,15 +18,11 @@ thread can make reach that caller's first ``__anext__``. A step that raises (the
 the requests in flight with that error and the engine serves on. If the engine thread itself dies, every waiter
 gets ``EngineDeadError`` and so does every later call.
 
-Tensor parallelism (``tp_plan="auto"`` under torchrun): every rank must run the same requests in the same order
-(hf_paged.engine.distributed). Rank 0 runs the AsyncEngine (and the server); before applying each batch of commands
-its engine thread broadcasts them (adds, aborts, stop) through the ranks' host group, and every other rank runs
-``follow(batcher)``, which applies the same batches to its own batcher and steps when rank 0 steps. While idle, rank
-0 sends an empty batch every ``HEARTBEAT_S`` so the others' receive never times out.
+Tensor parallelism (``tp_plan="auto"`` under torchrun): rank 0 runs the AsyncEngine and sends each batch of
+commands to the other ranks, which run ``follow(batcher)`` (hf_paged.serving.tensor_parallel).
 """
 
 import asyncio
-import collections
 import itertools
 import threading
 import time
@@ -35,34 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_paged.engine.engine import ContinuousBatcher
-from hf_paged.engine.metrics import EngineMetrics
-from hf_paged.engine.outputs import StreamCursor, StreamDelta, request_output
+from hf_paged.engine.outputs import StreamCursor, request_output
 from hf_paged.engine.params import SamplingParams
-from hf_paged.engine.request import Request, RequestOutput
+from hf_paged.engine.request import Request
+from hf_paged.serving.stats import ServingStats
+from hf_paged.serving.streaming import EngineDeadError, FinalOutput, RequestStream, StreamingFront, request_deltas
+from hf_paged.serving.tensor_parallel import HEARTBEAT_S, broadcast_commands
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServingStats", "StreamingFront", "follow"]
-
-HEARTBEAT_S = 60.0  # an idle tensor-parallel rank 0 broadcasts an empty batch this often
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped on an error; the AsyncEngine serves no more requests."""
-
-
-@dataclass
-class ServingStats:
-    """A snapshot for monitoring, taken on the engine thread between steps."""
-
-    metrics: EngineMetrics
-    num_running: int  # requests holding blocks
-    num_waiting: int  # requests queued in the scheduler (new, preempted or swapped)
-
-
-@dataclass
-class _Done:
-    """The last item of a request's queue: its final output."""
-
-    output: RequestOutput
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "ServingStats"]
 
 
 @dataclass
@@ -75,113 +51,6 @@ class _Record:
     arrival_time: float  # time.monotonic() at stream(): the request's metrics count the wait in the inbox
     request: Request | None = None  # the batcher's live request (engine thread only), once added
     cursors: dict[int, StreamCursor] = field(default_factory=dict)  # sequence index -> what was sent
-
-
-class RequestStream:
-    """The deltas of one request, as an async iterator; ``output`` holds the final RequestOutput once it ends.
-
-    Leaving it early aborts the request and frees its blocks: a cancelled ``__anext__``, ``aclose()``, or the
-    stream being dropped (``break`` out of ``async for``).
-    """
-
-    def __init__(self, engine: "AsyncEngine", record: _Record):
-        self._engine = engine
-        self._record = record
-        self.request_id = record.request_id
-        self.output: RequestOutput | None = None
-        self._done = False
-        self._held: collections.deque = collections.deque()  # items taken from the queue while merging, not returned
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self._done:
-            raise StopAsyncIteration
-        if self._held:  # what the last merge took from the queue (deltas already merged), in order
-            item = self._held.popleft()
-            if isinstance(item, StreamDelta):
-                return item
-        else:
-            try:
-                item = await self._record.queue.get()
-            except BaseException:  # cancelled (a client disconnect, a timeout): the request is not needed anymore
-                self.abort()
-                raise
-            if isinstance(item, StreamDelta):
-                return self._merge_queued(item)
-        self._done = True
-        if isinstance(item, _Done):
-            self.output = item.output
-            raise StopAsyncIteration
-        raise item
-
-    def _merge_queued(self, delta: StreamDelta) -> StreamDelta:
-        """``delta`` joined with the deltas of the same sequence already queued behind it.
-
-        A consumer slower than the engine (an HTTP front writing one SSE event per delta, at saturation) then
-        sends one event per pass instead of one per step: the events it writes per second stay what it can
-        afford while the tokens keep the engine's pace (vLLM's output collector merges the same way). The other
-        samples' (``n > 1``) queued deltas are joined per sample and returned next, each sample in order.
-        """
-        queue = self._record.queue
-        if queue.empty():
-            return delta
-        parts = {delta.index: [delta]}
-        while not queue.empty():
-            item = queue.get_nowait()
-            if not isinstance(item, StreamDelta):
-                self._held.append(item)
-                break
-            parts.setdefault(item.index, []).append(item)
-        merged = [_joined(p) for p in parts.values()]
-        self._held.extendleft(reversed(merged[1:]))  # before the item that ended the run, if any
-        return merged[0]
-
-    async def aclose(self) -> None:
-        """Abort the request if it has not ended."""
-        self.abort()
-
-    def abort(self) -> None:
-        """Abort the request if it has not ended (the stream then ends); safe from any thread."""
-        if not self._done:
-            self._done = True
-            self._engine._abort_quietly(self.request_id)
-
-    def __del__(self):
-        try:
-            self.abort()
-        except Exception:  # interpreter shutdown: nothing left to abort
-            pass
-
-
-class StreamingFront:
-    """What every asyncio front of hf_paged shares (AsyncEngine, DataParallelEngine): ``generate`` on top of the
-    front's ``stream``, and ``async with`` ending in its ``shutdown``."""
-
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
-        """Run one request to the end; returns its RequestOutput (cancelling the call aborts the request)."""
-        stream = self.stream(prompt, params, request_id)
-        async for _ in stream:
-            pass
-        return stream.output
-
-    def _checked(self, prompt, params: SamplingParams | None) -> tuple[SamplingParams, str | None, list[int]]:
-        """What ``stream()`` does first, in the caller's context: (params, prompt text, token ids) of a request the
-        engine accepts, or the batcher's ValueError/TypeError (and the front's own error if it stopped serving)."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
-        self._check_serving()
-        prompt_text, token_ids = self.inputs.tokenize(prompt)
-        self.inputs.validate(token_ids, params)
-        return params, prompt_text, token_ids
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown()
 
 
 class AsyncEngine(StreamingFront):
@@ -230,6 +99,11 @@ class AsyncEngine(StreamingFront):
         return self._batcher.pool
 
     @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is running (False once shut down, or dead)."""
+        return self._thread.is_alive()
+
+    @property
     def num_unfinished(self) -> int:
         """Requests submitted whose final output has not been delivered yet."""
         return len(self._live)
@@ -247,12 +121,12 @@ class AsyncEngine(StreamingFront):
             ValueError/TypeError: a prompt or parameters the batcher refuses (nothing is queued).
             EngineDeadError: the engine thread has died. RuntimeError: the engine is shutting down.
         """
-        params, prompt_text, token_ids = self._checked(prompt, params)
+        params, prompt_text, token_ids = self.checked_request(prompt, params)
         loop = asyncio.get_running_loop()
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         record = _Record(request_id, loop, asyncio.Queue(), time.monotonic())
         with self._cond:
-            self._check_serving()
+            self.check_serving()
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
             self._live[request_id] = record
@@ -273,17 +147,20 @@ class AsyncEngine(StreamingFront):
             self._inbox.append(("abort", request_id))
             self._cond.notify()
 
-    def _abort_quietly(self, request_id: str) -> None:
+    def abort_quietly(self, request_id: str) -> bool:
+        """Abort a request if it is in flight (a RequestStream whose consumer left); False if it is not."""
         with self._cond:
-            if request_id in self._live and not self._stopping:
-                self._inbox.append(("abort", request_id))
-                self._cond.notify()
+            if request_id not in self._live or self._stopping:
+                return False
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+        return True
 
     async def stats(self) -> ServingStats:
         """Engine metrics and queue lengths, read on the engine thread between steps."""
         future = asyncio.get_running_loop().create_future()
         with self._cond:
-            self._check_serving()  # under the lock: nothing is queued behind "stop", which nobody would answer
+            self.check_serving()  # under the lock: nothing is queued behind "stop", which nobody would answer
             self._inbox.append(("stats", future))
             self._cond.notify()
         return await future
@@ -303,7 +180,7 @@ class AsyncEngine(StreamingFront):
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
 
-    def _check_serving(self) -> None:
+    def check_serving(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
         if self._stopping:
@@ -340,8 +217,7 @@ class AsyncEngine(StreamingFront):
                         break  # idle under tensor parallelism: an empty batch keeps the followers listening
                 commands, self._inbox = self._inbox, []
             if sync.enabled:  # the other ranks apply the same batch, then step when this one steps
-                sync.broadcast_object([_add_for_followers(c) if c[0] == "add" else c for c in commands
-                                       if c[0] != "stats"])  # fmt: skip
+                broadcast_commands(sync, commands)
             for command in commands:
                 if command[0] == "stop":
                     self._stop(batcher)
@@ -392,7 +268,7 @@ class AsyncEngine(StreamingFront):
             items = batches[record.loop]  # [(queue, item)]
             items += [(record.queue, d) for d in request_deltas(request, record.cursors, self.tokenizer is not None)]
             if request.is_finished:
-                items.append((record.queue, _Done(request_output(request, self.tokenizer is not None))))
+                items.append((record.queue, FinalOutput(request_output(request, self.tokenizer is not None))))
                 finished.append(record.request_id)
         if finished:
             with self._cond:
@@ -452,110 +328,6 @@ class AsyncEngine(StreamingFront):
             if command[0] == "stats":
                 dead = EngineDeadError(f"the engine thread died: {err!r}")
                 command[1].get_loop().call_soon_threadsafe(_set_exception, command[1], dead)
-
-
-def _add_for_followers(command: tuple) -> tuple:
-    """An "add" command as the other ranks need it: no caller's record, only what the batcher takes."""
-    _, record, token_ids, params, prompt_text = command
-    return ("add", record.request_id, token_ids, params)
-
-
-def follow(batcher: ContinuousBatcher) -> None:
-    """Tensor parallelism, every rank but 0: mirror rank 0's AsyncEngine until it shuts down.
-
-    Receives each batch of commands rank 0's engine thread broadcasts, applies it to ``batcher`` as rank 0 does
-    (adds, aborts; a request rank 0 refused is refused here the same way), and runs a step whenever requests are
-    unfinished, which is exactly when rank 0 steps: the ranks hold the same requests, and the engine's lock-step
-    checks and token broadcast keep them identical. A failed step aborts every request in flight, as rank 0's
-    engine fails them. Returns after rank 0's shutdown, once the aborted requests have drained.
-
-    Raises:
-        ValueError: not under tensor parallelism, or called on rank 0 (which runs the AsyncEngine).
-    """
-    sync = batcher._sync
-    if not sync.enabled or sync.rank == 0:
-        raise ValueError("follow() runs on the tensor-parallel ranks other than 0 (torchrun, tp_plan='auto'); "
-                         f"this process is rank {sync.rank} of a {'tensor-parallel' if sync.enabled else 'single'} "
-                         "engine")  # fmt: skip
-
-    def abort_all() -> None:
-        for request_id, request in list(batcher.requests.items()):
-            if not request.is_finished:
-                batcher.abort(request_id)
-
-    while True:
-        for command in sync.broadcast_object():
-            if command[0] == "add":
-                try:
-                    batcher.add_request(command[2], command[3], request_id=command[1])
-                except Exception:  # rank 0's batcher refused it too, and failed its caller
-                    pass
-            elif command[0] == "abort":
-                request = batcher.requests.get(command[1])
-                if request is not None and not request.is_finished:
-                    batcher.abort(command[1])
-            elif command[0] == "stop":
-                abort_all()
-                while batcher.has_unfinished_requests():
-                    try:
-                        batcher.step_requests()
-                    except Exception:
-                        break
-                return
-        if batcher.has_unfinished_requests():
-            try:
-                batcher.step_requests()
-            except Exception:  # rank 0's step failed too: it fails (aborts) every request in flight
-                abort_all()
-
-
-def request_deltas(request: Request, cursors: dict[int, StreamCursor], detokenize: bool) -> list[StreamDelta]:
-    """What a stream of ``request`` sends after a step: each sequence's new tokens and text since ``cursors``
-    (sequence index -> StreamCursor, filled in here). Beams change every step, so beam search sends each hypothesis
-    whole once the request has ended, and nothing before. Shared by AsyncEngine and the data-parallel replicas.
-    """
-    if request.is_beam_search:
-        if not request.is_finished:
-            return []
-        return [_whole(c, request) for c in request_output(request, detokenize).outputs]
-    deltas = []
-    for idx, seq in enumerate(request.seqs):
-        cursor = cursors.get(idx)
-        if cursor is None:
-            cursor = cursors[idx] = StreamCursor(idx)
-        delta = cursor.next_delta(request, seq)
-        if delta is not None:
-            deltas.append(delta)
-    return deltas
-
-
-def _joined(deltas: list[StreamDelta]) -> StreamDelta:
-    """Consecutive deltas of one sequence as one."""
-    if len(deltas) == 1:
-        return deltas[0]
-    logprobs = None
-    if any(d.logprobs is not None for d in deltas):
-        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
-    last = deltas[-1]
-    return StreamDelta(
-        text="".join(d.text for d in deltas),
-        token_ids=[t for d in deltas for t in d.token_ids],
-        finish_reason=last.finish_reason,
-        index=deltas[0].index,
-        logprobs=logprobs,
-        stop_reason=last.stop_reason,
-    )
-
-
-def _whole(completion, request: Request) -> StreamDelta:
-    """A finished beam hypothesis as one delta."""
-    return StreamDelta(
-        text=completion.text or "",
-        token_ids=completion.token_ids,
-        finish_reason=completion.finish_reason,
-        index=completion.index,
-        stop_reason=completion.stop_reason,
-    )
 
 
 def _send(loop: asyncio.AbstractEventLoop, items: list) -> bool:

@@ -10,10 +10,11 @@ own engine loop in its own process (no GIL shared with the front or the other re
 tokenises, routes and hands deltas on. It has the surface ``hf_paged.frontends.serve.create_app`` uses from
 AsyncEngine (``tokenizer``, ``inputs``, ``num_unfinished``, ``stream``, ``abort``, ``stats``, ``shutdown``).
 
-Processes. Replicas are started with the ``spawn`` method (CUDA cannot be used in a forked child). ``factory`` is
-called in the replica and must be picklable: a module-level function or a ``functools.partial`` of one that loads
-the model itself, never a live model. With ``device="cuda"`` replica i sees only the i-th visible GPU
-(``CUDA_VISIBLE_DEVICES`` is set in its environment before it starts), so ``factory`` puts the model on ``"cuda"``.
+Processes (hf_paged.serving.replica_handle). Replicas are started with the ``spawn`` method (CUDA cannot be used
+in a forked child). ``factory`` is called in the replica and must be picklable: a module-level function or a
+``functools.partial`` of one that loads the model itself, never a live model. With ``device="cuda"`` replica i
+sees only the i-th visible GPU (``CUDA_VISIBLE_DEVICES`` is set in its environment before it starts), so
+``factory`` puts the model on ``"cuda"``.
 
 Messages. Each replica (hf_paged.serving.replica) has two one-way pipes. The front's writer thread sends it
 commands (``add``, ``abort``, ``stats``, ``stop``), which it applies between steps; it sends back one message per
@@ -43,23 +44,29 @@ does. A replica exits by itself when the front process is gone (its command pipe
 import asyncio
 import itertools
 import multiprocessing
-import os
 import pickle
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
-from hf_paged.serving.async_engine import EngineDeadError, RequestStream, ServingStats, StreamingFront
 from hf_paged.engine.inputs import InputProcessor
-from hf_paged.engine.metrics import EngineMetrics
 from hf_paged.engine.outputs import StreamDelta
 from hf_paged.engine.params import SamplingParams
-from hf_paged.serving.replica import ReplicaLoads, replica_main
+from hf_paged.serving.replica import ReplicaLoads
+from hf_paged.serving.replica_handle import (
+    ReplicaHandle,
+    put_all_outboxes,
+    start_replica,
+    stop_processes,
+    visible_gpus,
+    wait_ready,
+)
 from hf_paged.serving.routing import PrefixRouter
+from hf_paged.serving.stats import DataParallelStats, sum_metrics
+from hf_paged.serving.streaming import EngineDeadError, RequestStream, StreamingFront
 
 __all__ = ["DataParallelEngine", "DataParallelStats", "FrontHandoff", "ReplicaDeadError"]
 
@@ -72,24 +79,13 @@ class ReplicaDeadError(EngineDeadError):
 
 
 @dataclass
-class DataParallelStats(ServingStats):
-    """The replicas' snapshots summed (``metrics`` as ``_sum_metrics`` says), and each replica's own.
-
-    ``replicas[i]`` is None for a replica that has died; ``num_routed[i]`` counts the requests sent to replica i.
-    """
-
-    replicas: list[ServingStats | None] = field(default_factory=list)
-    num_routed: list[int] = field(default_factory=list)
-
-
-@dataclass
 class _Stream:
     """One submitted request, from ``stream()`` until its last item is delivered (what RequestStream reads)."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    replica: "_ReplicaHandle"
+    replica: ReplicaHandle
 
 
 @dataclass
@@ -113,33 +109,6 @@ class FrontHandoff:
         for commands, results in self.pipes:
             commands.close()
             results.close()
-
-
-class _ReplicaHandle:
-    """The front's side of one replica: its process (None in an attached front), pipes, writer and reader threads,
-    and requests in flight."""
-
-    def __init__(self, idx: int, process, commands: Connection, results: Connection, pid: int | None = None):
-        self.idx = idx
-        self.process = process
-        self.pid = process.pid if process is not None else pid
-        self.front_pipes: list[tuple[Connection, Connection]] = []  # pipes 1..: the API servers' ends, until handed
-        self.commands = commands  # front -> replica (written by the writer thread only)
-        self.results = results  # replica -> front (read by the reader thread only)
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer thread; None ends it
-        self.live: dict[str, _Stream] = {}  # under the engine's lock
-        self.stats_waiters: dict[int, asyncio.Future] = {}  # under the engine's lock
-        self.alive = True  # under the engine's lock
-        self.num_routed = 0
-        self.writer: threading.Thread | None = None
-        self.reader: threading.Thread | None = None
-
-    def write_loop(self) -> None:
-        while (command := self.outbox.get()) is not None:
-            try:
-                self.commands.send(command)
-            except OSError:  # the replica is gone: its reader thread fails its requests
-                return
 
 
 class DataParallelEngine(StreamingFront):
@@ -175,7 +144,7 @@ class DataParallelEngine(StreamingFront):
         except Exception as err:
             raise TypeError(f"`factory` must pickle (replicas are spawned processes): a module-level function or a "
                             f"functools.partial of one, got {factory!r} ({err})") from None  # fmt: skip
-        gpus = _visible_gpus() if device == "cuda" else []
+        gpus = visible_gpus() if device == "cuda" else []
         if device == "cuda" and num_replicas > len(gpus):
             raise ValueError(f"{num_replicas} data-parallel replicas need {num_replicas} GPUs, but {len(gpus)} "
                              f"are visible ({gpus}); lower the number of replicas")  # fmt: skip
@@ -185,11 +154,11 @@ class DataParallelEngine(StreamingFront):
             self._loads = ReplicaLoads.create(ctx, num_replicas, 1 + num_fronts)
         try:
             for idx in range(num_replicas):
-                self._replicas.append(self._start(ctx, idx, factory, gpus[idx] if gpus else None, num_threads,
+                self._replicas.append(start_replica(ctx, idx, factory, gpus[idx] if gpus else None, num_threads,
                                                   1 + num_fronts, self._loads))  # fmt: skip
-            infos = [self._wait_ready(replica) for replica in self._replicas]
+            infos = [wait_ready(replica) for replica in self._replicas]
         except BaseException:
-            _stop_processes([r.process for r in self._replicas], [], 0.0)
+            stop_processes([r.process for r in self._replicas], [], 0.0)
             raise
         # Every replica must accept what the front accepts: the smallest pool decides.
         self._limits = {"tokenizer": infos[0]["tokenizer"], "vocab_size": infos[0]["vocab_size"],
@@ -198,7 +167,7 @@ class DataParallelEngine(StreamingFront):
                         "max_num_seqs": min(i["max_num_seqs"] for i in infos)}  # fmt: skip
         self._serve_pipes([i["gpus"] for i in infos], self._limits)
         # A forgotten shutdown() must not leave processes behind (or hang the interpreter's exit joining them).
-        self._finalizer = weakref.finalize(self, _stop_processes, [r.process for r in self._replicas],
+        self._finalizer = weakref.finalize(self, stop_processes, [r.process for r in self._replicas],
                                            [r.outbox for r in self._replicas], 5.0)  # fmt: skip
 
     @classmethod
@@ -210,13 +179,13 @@ class DataParallelEngine(StreamingFront):
         """
         self = cls.__new__(cls)
         self._init_front(pipe=handoff.pipe, loads=handoff.loads)
-        self._replicas = [_ReplicaHandle(idx, None, commands, results, pid)
+        self._replicas = [ReplicaHandle(idx, None, commands, results, pid)
                           for idx, ((commands, results), pid) in enumerate(zip(handoff.pipes, handoff.pids,
                                                                                 strict=True))]  # fmt: skip
         self._next = (handoff.pipe - 1) % len(self._replicas)  # the fronts break ties from different replicas
         self._limits = handoff.limits
         self._serve_pipes(handoff.gpus, handoff.limits)
-        self._finalizer = weakref.finalize(self, _put_all_outboxes, [r.outbox for r in self._replicas], ("detach",))
+        self._finalizer = weakref.finalize(self, put_all_outboxes, [r.outbox for r in self._replicas], ("detach",))
         return self
 
     def front_handoff(self, front_idx: int) -> FrontHandoff:
@@ -238,7 +207,7 @@ class DataParallelEngine(StreamingFront):
         self._tokens = itertools.count()  # stats() request tokens
         self._next = 0  # round-robin start among equally loaded replicas
         self._stopping = False
-        self._replicas: list[_ReplicaHandle] = []
+        self._replicas: list[ReplicaHandle] = []
         self._pipe = pipe  # this front's index in each replica's pipes (0: the engine that started them)
         self._loads = loads  # the replicas' published loads; None: this front is the only one, its counts are exact
 
@@ -256,38 +225,6 @@ class DataParallelEngine(StreamingFront):
                                               name=f"hf_paged-dp{replica.idx}-reader", daemon=True)  # fmt: skip
             replica.writer.start()
             replica.reader.start()
-
-    @staticmethod
-    def _start(ctx, idx: int, factory: Callable, gpu: str | None, num_threads: int | None, num_pipes: int,
-               loads: ReplicaLoads | None) -> _ReplicaHandle:  # fmt: skip
-        commands = [ctx.Pipe(duplex=False) for _ in range(num_pipes)]  # (read, write)
-        results = [ctx.Pipe(duplex=False) for _ in range(num_pipes)]
-        process = ctx.Process(target=replica_main, args=(idx, factory, [r for r, _ in commands],
-                                                         [w for _, w in results], num_threads, loads),
-                              name=f"hf_paged-dp{idx}")  # fmt: skip
-        with _environ(CUDA_VISIBLE_DEVICES=gpu):  # the child's environment is copied when it starts
-            process.start()
-        for (commands_read, _), (_, results_write) in zip(commands, results, strict=True):
-            commands_read.close()  # the replica's ends: closed here, so either side sees EOF when the other is gone
-            results_write.close()
-        handle = _ReplicaHandle(idx, process, commands[0][1], results[0][0])
-        handle.front_pipes = [(commands[p][1], results[p][0]) for p in range(1, num_pipes)]
-        return handle
-
-    @staticmethod
-    def _wait_ready(replica: _ReplicaHandle) -> dict:
-        """The replica's first message: its engine's limits (and the tokenizer, from replica 0), or its error."""
-        wait([replica.results, replica.process.sentinel])
-        try:
-            message = replica.results.recv()
-        except (EOFError, OSError):
-            replica.process.join(5.0)
-            raise RuntimeError(f"data-parallel replica {replica.idx} exited with code {replica.process.exitcode} "
-                               "while building its engine") from None  # fmt: skip
-        if message[0] == "failed":
-            _, err, trace = message
-            raise err from RuntimeError(f"in data-parallel replica {replica.idx}:\n{trace}")
-        return message[1]
 
     # ---- the callers' side -----------------------------------------------------------------------
 
@@ -312,7 +249,12 @@ class DataParallelEngine(StreamingFront):
             return sum(len(r.live) for r in self._replicas)
         return sum(self._load(r) for r in self._replicas if r.alive)
 
-    def _load(self, replica: _ReplicaHandle) -> int:
+    def replica_of(self, request_id: str) -> int | None:
+        """The index of the replica a request in flight was routed to; None if it is not in flight."""
+        with self._lock:
+            return next((r.idx for r in self._replicas if str(request_id) in r.live), None)
+
+    def _load(self, replica: ReplicaHandle) -> int:
         """Requests ``replica`` holds, every front's, as it published them, plus this front's not applied yet."""
         loads = self._loads
         return loads.num_unfinished[replica.idx] + replica.num_routed - loads.added(self._pipe, replica.idx)
@@ -324,12 +266,12 @@ class DataParallelEngine(StreamingFront):
             ValueError/TypeError: a prompt or parameters the engine refuses (nothing is queued).
             EngineDeadError: every replica has died. RuntimeError: the engine is shutting down.
         """
-        params, prompt_text, token_ids = self._checked(prompt, params)
+        params, prompt_text, token_ids = self.checked_request(prompt, params)
         loop = asyncio.get_running_loop()
         request_id = f"dp-{next(self._ids)}" if request_id is None else str(request_id)
         block_hashes = self._router.block_hashes(token_ids)
         with self._lock:
-            self._check_serving()
+            self.check_serving()
             if any(request_id in r.live for r in self._replicas):
                 raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
             replica = self._pick(block_hashes)
@@ -346,11 +288,11 @@ class DataParallelEngine(StreamingFront):
             ValueError: no such request in flight.
         """
         request_id = str(request_id)
-        if not self._abort_quietly(request_id):
+        if not self.abort_quietly(request_id):
             raise ValueError(f"unknown request id {request_id!r}: not submitted, or already finished")
 
-    def _abort_quietly(self, request_id: str) -> bool:
-        """Called by RequestStream when its consumer leaves; False when the request is not in flight."""
+    def abort_quietly(self, request_id: str) -> bool:
+        """Abort a request if it is in flight (a RequestStream whose consumer left); False if it is not."""
         with self._lock:
             replica = next((r for r in self._replicas if request_id in r.live), None)
         if replica is None:
@@ -363,7 +305,7 @@ class DataParallelEngine(StreamingFront):
         loop = asyncio.get_running_loop()
         futures = []
         with self._lock:
-            self._check_serving()
+            self.check_serving()
             for replica in self._replicas:
                 future = loop.create_future()
                 if replica.alive:
@@ -381,7 +323,7 @@ class DataParallelEngine(StreamingFront):
             routed = [r.num_routed for r in self._replicas]
         else:  # every front's
             routed = [self._loads.routed(r.idx) for r in self._replicas]
-        return DataParallelStats(_sum_metrics([s.metrics for s in alive]), sum(s.num_running for s in alive),
+        return DataParallelStats(sum_metrics([s.metrics for s in alive]), sum(s.num_running for s in alive),
                                  sum(s.num_waiting for s in alive), replicas, routed)  # fmt: skip
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
@@ -401,20 +343,20 @@ class DataParallelEngine(StreamingFront):
 
     def _join(self, timeout_s: float) -> None:
         if self._replicas[0].process is None:  # attached: the replicas answer "detached" (or are gone)
-            _put_all_outboxes([r.outbox for r in self._replicas if r.alive], ("detach",))
+            put_all_outboxes([r.outbox for r in self._replicas if r.alive], ("detach",))
         else:
-            _stop_processes([r.process for r in self._replicas], [r.outbox for r in self._replicas], timeout_s)
+            stop_processes([r.process for r in self._replicas], [r.outbox for r in self._replicas], timeout_s)
         for replica in self._replicas:
             replica.reader.join(timeout_s)  # it ends on the closed pipe, after failing what was left
         self._finalizer.detach()
 
-    def _check_serving(self) -> None:
+    def check_serving(self) -> None:
         if self._stopping:
             raise RuntimeError("the DataParallelEngine is shutting down: it accepts no new requests")
         if not any(r.alive for r in self._replicas):
             raise EngineDeadError("every data-parallel replica has died")
 
-    def _pick(self, block_hashes: list[int]) -> _ReplicaHandle:
+    def _pick(self, block_hashes: list[int]) -> ReplicaHandle:
         """The live replica for a prompt with these block hashes (hf_paged.serving.routing): where its prefix went,
         within the load slack; else the fewest requests in flight, among equals the next in round-robin order."""
         order = self._replicas[self._next :] + self._replicas[: self._next]
@@ -427,7 +369,7 @@ class DataParallelEngine(StreamingFront):
 
     # ---- the reader threads ----------------------------------------------------------------------
 
-    def _read_loop(self, replica: _ReplicaHandle) -> None:
+    def _read_loop(self, replica: ReplicaHandle) -> None:
         """Hand a replica's messages to their streams until its pipe closes; then fail what it had in flight."""
         try:
             while True:
@@ -466,7 +408,7 @@ class DataParallelEngine(StreamingFront):
                                        "its requests in flight failed")  # fmt: skip
             _call(record.loop, _put_all, [(record.queue, err, record.request_id)])
 
-    def _deliver(self, replica: _ReplicaHandle, items: list) -> None:
+    def _deliver(self, replica: ReplicaHandle, items: list) -> None:
         """Queue a step's ``(request_id, item)`` pairs to their streams: one call per event loop."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
@@ -474,7 +416,7 @@ class DataParallelEngine(StreamingFront):
                 record = replica.live.get(request_id)
                 if record is None:
                     continue  # failed or stopped meanwhile
-                if type(item) is tuple:  # a delta (replica._as_tuple)
+                if type(item) is tuple:  # a delta, sent as a tuple (hf_paged.serving.replica)
                     item = StreamDelta(*item)
                 else:  # the final output or an error: the stream's last item
                     del replica.live[request_id]
@@ -483,94 +425,6 @@ class DataParallelEngine(StreamingFront):
             if not _call(loop, _put_all, batch):  # the callers' loop is closed: nobody reads these requests
                 for _, _, request_id in batch:
                     replica.outbox.put(("abort", request_id))
-
-
-# ---- helpers ------------------------------------------------------------------------------------
-
-
-def _sum_metrics(metrics: list[EngineMetrics]) -> EngineMetrics:
-    """The replicas' metrics as one engine's: counters and blocks summed; ``elapsed_s`` the longest (replicas step
-    at the same time, so ``generation_throughput`` is all tokens over it); ``peak_used_blocks`` the sum of the
-    peaks (an upper bound: they need not coincide); ratios weighted, the prefix hit rate by prompt tokens and
-    the token-state shares by used blocks."""
-
-    def total(name: str):
-        return sum(getattr(m, name) for m in metrics)
-
-    def weighted(name: str, weight: str) -> float:
-        weights = [getattr(m, weight) for m in metrics]
-        if not sum(weights):
-            return sum(getattr(m, name) for m in metrics) / len(metrics)
-        return sum(getattr(m, name) * w for m, w in zip(metrics, weights, strict=True)) / sum(weights)
-
-    return EngineMetrics(
-        num_steps=total("num_steps"),
-        num_prompt_tokens=total("num_prompt_tokens"),
-        num_computed_tokens=total("num_computed_tokens"),
-        num_generated_tokens=total("num_generated_tokens"),
-        elapsed_s=max(m.elapsed_s for m in metrics),
-        num_used_blocks=total("num_used_blocks"),
-        peak_used_blocks=total("peak_used_blocks"),
-        token_state_share_at_peak=weighted("token_state_share_at_peak", "peak_used_blocks"),
-        num_blocks=total("num_blocks"),
-        token_state_share=weighted("token_state_share", "num_used_blocks"),
-        prefix_hit_rate=weighted("prefix_hit_rate", "num_prompt_tokens"),
-        num_preemptions=total("num_preemptions"),
-        num_swapped_out_blocks=total("num_swapped_out_blocks"),
-    )
-
-
-def _visible_gpus() -> list[str]:
-    """The CUDA devices this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (a replica gets one of them)."""
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is None:
-        return [str(i) for i in range(count)]
-    return [d.strip() for d in env.split(",") if d.strip()][:count]
-
-
-class _environ:
-    """Set environment variables (None = leave as is) for a ``with`` block, then restore them."""
-
-    def __init__(self, **values: str | None):
-        self.values = {k: v for k, v in values.items() if v is not None}
-        self.saved: dict[str, str | None] = {}
-
-    def __enter__(self):
-        for key, value in self.values.items():
-            self.saved[key] = os.environ.get(key)
-            os.environ[key] = value
-
-    def __exit__(self, *exc):
-        for key, value in self.saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _stop_processes(processes: list, outboxes: list[queue.SimpleQueue], timeout_s: float) -> None:
-    """Ask each replica to stop, wait up to ``timeout_s`` for all, then terminate (and at last kill) the rest."""
-    for outbox in outboxes:
-        outbox.put(("stop",))
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        if process.pid is not None:
-            process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.pid is not None and process.is_alive():
-            process.terminate()
-            process.join(5.0)
-        if process.pid is not None and process.is_alive():
-            process.kill()
-            process.join()
-
-
-def _put_all_outboxes(outboxes: list[queue.SimpleQueue], command: tuple) -> None:
-    for outbox in outboxes:
-        outbox.put(command)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -4,7 +4,7 @@ The process builds its engine with the front's ``factory``, sends its limits (``
 (``failed``) on its first result pipe, then loops: apply the commands waiting in its command pipes (``add``,
 ``abort``, ``stats``, ``detach``, ``stop``), run a step, send each front the deltas of that step's requests it
 submitted, in one ``step`` message per front. It sleeps on its pipes while it has nothing to run. See
-data_parallel.py for the front.
+hf_paged.serving.data_parallel for the front.
 
 Pipes. Pipe 0 belongs to the DataParallelEngine that started the process; with ``hf-paged serve
 --api-server-count N`` pipes 1..N belong to the API-server processes (hf_paged.frontends.api_servers), each
@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from hf_paged.serving.async_engine import ServingStats, _Done, request_deltas
 from hf_paged.engine.outputs import StreamDelta, request_output
+from hf_paged.serving.stats import ServingStats
+from hf_paged.serving.streaming import FinalOutput, request_deltas
 
 
 @dataclass
@@ -122,7 +123,7 @@ class _Replica:
         self.single = len(commands) == 1  # one front: the batcher's ids are the front's
         self.leaving: set[int] = set()  # detached fronts, answered "detached" once their requests are reported
         self.live: dict[str, _Live] = {}  # the batcher's request id -> the request, until its last item is sent
-        self.out: dict[int, list] = {}  # pipe -> (request_id, StreamDelta tuple | _Done | error) to send
+        self.out: dict[int, list] = {}  # pipe -> (request_id, StreamDelta tuple | FinalOutput | error) to send
 
     def serve(self) -> None:
         batcher = self.batcher
@@ -250,7 +251,7 @@ class _Replica:
             if request.is_finished:
                 output = request_output(request, detokenize)
                 output.request_id = entry.request_id
-                out.append((entry.request_id, _Done(output)))
+                out.append((entry.request_id, FinalOutput(output)))
                 del self.live[key]
 
     def _fail_all(self, err: BaseException) -> None:

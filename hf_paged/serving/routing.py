@@ -10,7 +10,7 @@ new prompt, as long as that replica is not busier than the least-loaded one by m
     slack = max(MIN_SLACK, least_load // SLACK_DIVISOR)     # 2 requests, or 1/16 of the least load
 
 Without a match (a new prompt), or when the match is too busy, the choice is the least-loaded replica (ties to
-the caller's round-robin order), exactly the router before this one. Pure Python, no locks: the caller
+the caller's round-robin order), so new prompts still spread by load. Pure Python, no locks: the caller
 (DataParallelEngine, under its lock) passes the loads and the live replicas in its order.
 """
 

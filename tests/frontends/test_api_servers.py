@@ -28,7 +28,7 @@ import pytest
 from helpers import http_request, needs_serve, needs_smollm2
 from models import tiny_model
 
-from hf_paged import ContinuousBatcher, SamplingParams
+from hf_paged import ContinuousBatcher, SamplingParams, load_model
 
 pytestmark = [needs_serve, needs_smollm2]
 
@@ -55,8 +55,6 @@ def model_dir(tmp_path_factory, default_model_dir):
 @pytest.fixture(scope="module")
 def offline(model_dir):
     """The saved model in a plain ContinuousBatcher, loaded as the command loads it: what greedy answers equal."""
-    from hf_paged.frontends.models import load_model
-
     model, tokenizer = load_model(model_dir, device="cpu")
     return ContinuousBatcher(model, tokenizer, num_blocks=256, block_size=16, max_num_seqs=48,
                              max_num_batched_tokens=512)  # fmt: skip

@@ -1,10 +1,16 @@
-"""The benchmark suite's workloads and physical floor (CPU: the timed part needs a GPU)."""
+"""hf-paged bench off the GPU: its workloads, the physical floor, the table and JSON record, and the step-by-step
+engine tools in benchmarks/ on a tiny model (the timed runs need a GPU: benchmarks/run_gpu.sh engine)."""
 
+import json
 import statistics
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from hf_paged.frontends.bench import SHAPES, build_model, floor_seconds, main, make_workload
+from hf_paged.frontends.bench import format_table, main, summarize
+from hf_paged.frontends.bench_record import make_record, source_commit, write_record
+from hf_paged.frontends.bench_workloads import SHAPES, build_model, floor_seconds, make_workload
 
 
 def test_workloads_have_the_documented_shapes():
@@ -15,7 +21,7 @@ def test_workloads_have_the_documented_shapes():
     assert 120 < statistics.mean(len(p) for p in share.prompts) < 200
     assert 280 < statistics.mean(share.output_lens) < 400
     assert max(len(p) for p in share.prompts) <= 2048
-    assert len(make_workload("prefix", 1000, None).prompts) == 400  # issue 13's count
+    assert len(make_workload("prefix", 1000, None).prompts) == 400
     prefix = make_workload("prefix", 1000, 50)
     assert all(p[:341] == prefix.prompts[0][:341] for p in prefix.prompts)
     assert all(351 <= len(p) <= 381 for p in prefix.prompts) and all(20 <= n <= 80 for n in prefix.output_lens)
@@ -48,50 +54,67 @@ def test_bench_without_a_gpu_is_one_clear_error(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_module_ab_sets_existing_switches_and_runs_the_bench(monkeypatch, capsys, tmp_path):
-    """benchmarks/module_ab.py (run_gpu.sh's A/B parts): literals set on existing module attributes, then the bench
-    with the arguments after ``--``; a missing attribute or a malformed assignment stops it before any run."""
-    import hf_paged.kernels.decode as decode
-
-    import hf_paged.core.attention as attention
-
-    module_ab = _script("module_ab")
-    monkeypatch.setattr(attention, "ENGINE_FUSED_DECODE_WRITE", True)
-    monkeypatch.setattr(decode, "LONG_SETTINGS", decode.LONG_SETTINGS)
-    with pytest.raises(SystemExit) as exit_info:  # the bench got the arguments after "--" (a bad one: no run)
-        module_ab.main(
-            ["hf_paged.core.attention.ENGINE_FUSED_DECODE_WRITE=False", "hf_paged.kernels.decode.LONG_SETTINGS=(64, 2, 4)",
-             "--", "--workload", "no-such-workload"]
-        )  # fmt: skip
-    assert exit_info.value.code == 2 and "no-such-workload" in capsys.readouterr().err
-    assert attention.ENGINE_FUSED_DECODE_WRITE is False and decode.LONG_SETTINGS == (64, 2, 4)
-    with pytest.raises(SystemExit, match="has no attribute 'ENGINE_FUSED_WRITE'"):
-        module_ab.main(["hf_paged.core.attention.ENGINE_FUSED_WRITE=False", "--", "--workload", "nano"])
-    with pytest.raises(SystemExit, match="expected MODULE.NAME=VALUE"):
-        module_ab.main(["ENGINE_FUSED_DECODE_WRITE", "--"])
-    with pytest.raises(SystemExit, match="usage"):
-        module_ab.main(["hf_paged.core.attention.ENGINE_FUSED_DECODE_WRITE=False"])
-    script = tmp_path / "show.py"  # a script after "--" runs as __main__ with its own argv, the switch set
-    script.write_text("import sys\nimport hf_paged.core.attention as a\nprint(sys.argv[1:], a.ENGINE_FUSED_DECODE_WRITE)\n")
-    assert module_ab.main(["hf_paged.core.attention.ENGINE_FUSED_DECODE_WRITE=True", "--", str(script), "--x", "1"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "['--x', '1'] True"
-
-
 def _script(name: str):
-    """A benchmarks/ script as a module (they are not a package)."""
+    """A script of benchmarks/ or benchmarks/tools/ as a module (they are not a package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    path = next(p for p in (root / f"{name}.py", root / "tools" / f"{name}.py") if p.exists())
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _result(seconds: list[float], startup: float | None = 2.5) -> dict:
+    result = dict(elapsed=seconds, generated=1000, peak=3 * 2**30, note="512 blocks")
+    if startup is not None:
+        result["startup"] = startup
+    return result
+
+
+def test_a_system_summary_is_one_table_row_and_one_record_entry(tmp_path):
+    """The table and the JSON record come from the same summaries: median [min, max] throughput, the share of the
+    floor, start-up where the system has one, and a failed system as a row without runs."""
+    rows = [
+        summarize("hf_paged", _result([2.0, 1.0, 4.0]), total_tokens=3000, floor_tps=2000.0),
+        summarize("hf_cb", _result([10.0], startup=None), total_tokens=3000, floor_tps=2000.0),
+        summarize("hf_generate", dict(elapsed=[], generated=0, peak=0, note="failed: OOM"), 3000, 2000.0),
+    ]
+    assert rows[0]["output_tok_s"] == {"median": 500.0, "min": 250.0, "max": 1000.0}
+    assert rows[0]["floor_pct"] == 25.0 and rows[0]["total_tok_s"] == 1500.0 and rows[0]["peak_memory_gib"] == 3.0
+    lines = format_table("### header", rows).splitlines()
+    assert lines[0] == "### header" and lines[2].startswith("| system | runs | time (s), median [min, max] |")
+    assert lines[4] == "| hf_paged | 3 | 2.00 [1.00, 4.00] | 500 [250, 1000] | 1500 | 25.0% | 2.5 | 3.0 | 512 blocks |"
+    assert lines[5].startswith("| hf_cb | 1 | 10.00 [10.00, 10.00] | 100 [100, 100] | 300 | 5.0% | - |")
+    assert lines[6] == "| hf_generate | 0 | - | - | - | - | - | - | failed: OOM |"
+    record = make_record("NVIDIA H100 80GB HBM3", "hf-paged bench --workload nano", {"name": "nano"}, systems=rows)
+    path = tmp_path / "results" / "nano.json"
+    write_record(path, record)
+    loaded = json.loads(path.read_text())
+    assert loaded == json.loads(json.dumps(record))
+    assert set(loaded) == {"card", "date", "versions", "commit", "command", "workload", "systems"}
+    assert set(loaded["versions"]) == {"torch", "triton", "transformers", "hf_paged"}
+    assert [s["system"] for s in loaded["systems"]] == ["hf_paged", "hf_cb", "hf_generate"]
+    assert loaded["systems"][1]["startup_s"] is None and loaded["systems"][2]["runs"] == 0
+
+
+def test_the_record_commit_is_the_checkout_head_else_the_environment_variable(monkeypatch, tmp_path):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout: its HEAD, whatever the variable says
+        monkeypatch.setenv("HF_PAGED_COMMIT", "abc123")
+        assert source_commit() == head.stdout.strip()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git: the copy of a tree on a benchmark machine
+    monkeypatch.setenv("HF_PAGED_COMMIT", "abc123")
+    assert source_commit() == "abc123"
+    monkeypatch.delenv("HF_PAGED_COMMIT")
+    assert source_commit() is None
+
+
 def test_engine_trace_and_step_kernels_run_on_the_cpu(capsys):
-    """The GPU calls' step-by-step tools (run_gpu.sh parts trace, cascade-ab, kernels-step-prefix) on a tiny model:
-    the CPU replay of a schedule, and a profiled decode step over a shared prefix with cascade forced on."""
+    """The step-by-step engine tools on a tiny model: the CPU replay of a schedule (benchmarks/tools/engine_trace.py),
+    and a profiled decode step over a shared prefix with cascade forced on (benchmarks/tools/step_kernels.py)."""
     _script("engine_trace").main(["--device", "cpu", "--model", "tiny", "--workload", "prefix", "--num-requests", "4",
                                   "--repeats", "0", "--cascade-attention", "on"])  # fmt: skip
     out = capsys.readouterr().out

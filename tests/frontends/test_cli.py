@@ -2,7 +2,7 @@
 
 ``main([...])`` runs in-process (capsys reads its output). The one-prompt greedy answer runs once as a subprocess,
 through the installed console script as a user runs it, and the tests about that answer read its output. The model is
-converted once per session into the default cache (``$HF_PAGED_CACHE`` or ``~/.cache/hf_paged``) by the
+converted once per test run into the default cache (``$HF_PAGED_CACHE`` or ``~/.cache/hf_paged``) by the
 ``default_model_dir`` fixture (conftest.py), so the commands below load it in about a second.
 """
 
@@ -76,7 +76,7 @@ def test_generate_two_prompts_shows_progress_and_each_answer(default_model_dir, 
 
 
 @needs_smollm2
-def test_generate_json(default_model_dir, tmp_path, capsys):
+def test_generate_json_prints_outputs_and_metrics_as_one_object(default_model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{QUESTION}\n\n{QUESTION}\n")
     assert main(["generate", *GREEDY, "--file", str(prompts), "--json"]) == 0
@@ -104,7 +104,7 @@ def test_generate_parallel_samples_and_beams(default_model_dir, capsys):
     assert len(result["outputs"][0]["completions"]) == 2
 
 
-def test_info(capsys):
+def test_info_prints_versions_kernel_path_and_default_model(capsys):
     assert main(["info"]) == 0
     out, _ = capsys.readouterr()
     assert "torch " in out and "transformers " in out and "kernel path: " in out and "default model" in out
@@ -129,7 +129,7 @@ def test_usage_errors_are_one_line_and_exit_2(argv, match, capsys):
 
 
 @needs_smollm2
-def test_errors_after_loading_the_model(default_model_dir, unpageable_model_dir, capsys):
+def test_model_dependent_errors_after_loading_are_one_line_and_exit_2(default_model_dir, unpageable_model_dir, capsys):
     assert main(["generate", "--block-size", "12", QUESTION]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "`block_size` must be a positive multiple of 8" in line and line.endswith("got 12")
@@ -220,21 +220,21 @@ def test_serve_engine_process_is_on_with_cuda_unless_told(monkeypatch, flag, dev
 
     import torch
 
-    from hf_paged.frontends import cli
+    from hf_paged.frontends import cli_serve
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert cli._engine_process(argparse.Namespace(engine_process=flag, device=device)) is expected
+    assert cli_serve.uses_engine_process(argparse.Namespace(engine_process=flag, device=device)) is expected
 
 
 @pytest.mark.parametrize(("argv", "cascade", "prefix"), [([], None, True), (["--no-cascade-attention"], False, True),
                                                          (["--no-prefix-caching"], None, False)])  # fmt: skip
 def test_engine_flags_reach_the_engine_config(monkeypatch, argv, cascade, prefix):
     """The engine flags of generate and serve become EngineConfig fields (cascade None: on for a model on CUDA)."""
-    from hf_paged.frontends import cli
+    from hf_paged.frontends import cli, cli_engine
 
     made = {}
     monkeypatch.setattr("hf_paged.ContinuousBatcher", lambda model, tokenizer, config: made.setdefault("c", config))
     args = cli.build_parser().parse_args(["generate", *argv, QUESTION])
-    config = cli._make_engine(None, None, 8, args)
+    config = cli_engine.make_engine(None, None, 8, args)
     assert config is made["c"] and config.num_blocks == 8
     assert config.cascade_attention is cascade and config.enable_prefix_caching is prefix

@@ -2,7 +2,7 @@
 
 Each runs as a subprocess, as a user would run it, under a timeout that only guards against a hang (a loaded 2-core
 machine takes several times the 9-24 s each takes on a free one). The ``default_model_dir`` fixture (conftest.py)
-converts the default model once per session into the default cache (``$HF_PAGED_CACHE`` or ``~/.cache/hf_paged``),
+converts the default model once per test run into the default cache (``$HF_PAGED_CACHE`` or ``~/.cache/hf_paged``),
 which the subprocesses then read.
 """
 

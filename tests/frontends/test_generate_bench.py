@@ -1,8 +1,8 @@
-"""benchmarks/generate.py off the GPU: argument parsing, the markdown table, and a CPU smoke run of the whole path."""
+"""benchmarks/generate.py off the GPU: argument parsing, the markdown table and JSON record, and a CPU smoke run of the
+whole path; and benchmarks/tools/generate_profile.py's split of decode forwards."""
 
 import importlib.util
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
@@ -84,8 +84,8 @@ def test_kv_bytes_of_each_cache():
     assert bench.kv_bytes(model, DynamicCache(config=model.config), "dynamic", prompts, 5, "greedy") is None
 
 
-def test_cpu_smoke_run_writes_the_table(tmp_path):
-    out = tmp_path / "results.md"
+def test_cpu_smoke_run_writes_the_table_and_the_record(tmp_path):
+    out, record_path = tmp_path / "results.md", tmp_path / "record.json"
     argv = [
         "--device",
         "cpu",
@@ -98,10 +98,18 @@ def test_cpu_smoke_run_writes_the_table(tmp_path):
         "paged",
         "paged-compiled",
     ]
-    assert bench.main([*argv, "--repeats", "1", "--new-tokens", "3", "--out", str(out)]) == 0
+    argv += ["--repeats", "1", "--new-tokens", "3", "--out", str(out), "--json", str(record_path)]
+    assert bench.main(argv) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 3 and "PagedCache + paged, eager" in rows[1] and "100.0% tokens equal to dynamic" in rows[1]
     assert "PagedCache(max_cache_len) + paged (planned steps" in rows[2] and "100.0% tokens equal" in rows[2]
+    record = json.loads(record_path.read_text())
+    assert record["card"] == "CPU" and record["command"].startswith("python benchmarks/generate.py --device cpu")
+    assert set(record["versions"]) == {"torch", "triton", "transformers", "hf_paged"} and "commit" in record
+    assert record["workload"]["points"] == ["1x8"] and record["workload"]["new_tokens"] == 3
+    assert [(r["system"], r["ms_per_step"]["runs"]) for r in record["rows"]] == [
+        ("dynamic", 1), ("paged", 1), ("paged-compiled", 1)]  # fmt: skip
+    assert record["rows"][1]["same_tokens_as_dynamic"] == 1.0 and record["rows"][1]["output_tok_s"] > 0
 
 
 def test_eager_repeats_add_rounds_of_the_eager_systems_only(monkeypatch):
@@ -126,26 +134,20 @@ def test_eager_repeats_add_rounds_of_the_eager_systems_only(monkeypatch):
     assert all("| 0.50 | 0.50 |" in row for row in rows[1:])  # time / dynamic, and paired
 
 
-def _load_benchmark(name: str):
-    """benchmarks/NAME.py as a module (the scripts import benchmarks/generate.py as ``generate``)."""
-    import sys
-
-    sys.path.insert(0, str(_PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, _PATH.parent / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(_PATH.parent))
+def _load_tool(name: str):
+    """benchmarks/tools/NAME.py as a module (it imports benchmarks/generate.py as ``generate`` itself)."""
+    spec = importlib.util.spec_from_file_location(name, _PATH.parent / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
 def test_generate_profile_segments_split_each_decode_forward(capsys):
-    """generate_profile.py --segments on the CPU (a tiny model): every decode forward splits at the module marks,
+    """tools/generate_profile.py --segments on the CPU (a tiny model): every decode forward splits at the module marks,
     the segments add up to the whole forward, and the table has a row per segment for both systems."""
     import types
 
-    profile = _load_benchmark("generate_profile")
+    profile = _load_tool("generate_profile")
     model = tiny_model("llama")
     prompts = torch.randint(3, 90, (2, 9))
     for system in ("dynamic", "paged"):  # warm-up: hf_paged's hooks first
@@ -159,61 +161,3 @@ def test_generate_profile_segments_split_each_decode_forward(capsys):
     profile.print_segments(model, ("dynamic", "paged"), prompts, args)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "->" in line]
     assert len(rows) == len(profile.SEGMENT_MARKS) and all(line.count("(") == 2 for line in rows)
-
-
-def test_layer_host_time_smoke_run_on_the_cpu(capsys):
-    """benchmarks/layer_host_time.py --device cpu: the DynamicCache and PagedCache layer paths and the plan of a
-    step run and land in one table row (the CPU references, not the CUDA host's costs)."""
-    layer_host = _load_benchmark("layer_host_time")
-    args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--context", "16", "--calls", "3", "--repeats", "2"]
-    assert layer_host.main(args) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "(" in line]
-    assert len(rows) == 1 and rows[0].count("(") == 3
-
-
-def test_eager_ab_smoke_run_on_the_cpu(capsys):
-    """benchmarks/eager_ab.py --device cpu: DynamicCache and PagedCache at both values of a module switch run in
-    alternating rounds, one table row each, the switch put back afterwards, and the two PagedCache runs' tokens
-    compared."""
-
-    import hf_paged.core.attention as attention_module
-
-    eager_ab = _load_benchmark("eager_ab")
-    args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--prompt", "9", "--new-tokens", "3", "--rounds",
-            "2", "--switch", "hf_paged.core.attention.DECODE_BINDING", "--values", "False", "True"]  # fmt: skip
-    assert eager_ab.main(args) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "system" not in line]
-    assert len(rows) == 3 and "DECODE_BINDING=False" in rows[1] and "DECODE_BINDING=True" in rows[2]
-    assert "tokens equal at both values: True" in out
-    assert attention_module.DECODE_BINDING is True  # put back as it was
-
-
-def test_eager_ab_beam_mode_with_the_copy_switch_on_the_cpu(capsys):
-    """eager_ab.py --mode beams4 over hf_paged.core.kv_pool.ONE_COPY_LAUNCH (beam steps copy a block every step): both
-    sides give the same tokens, and the switch is put back."""
-    import hf_paged.core.kv_pool as kv_pool_module
-
-    eager_ab = _load_benchmark("eager_ab")
-    args = ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--prompt", "9", "--new-tokens", "4", "--rounds",
-            "1", "--mode", "beams4", "--switch", "hf_paged.core.kv_pool.ONE_COPY_LAUNCH",
-            "--values", "False", "True"]  # fmt: skip
-    assert eager_ab.main(args) == 0
-    out = capsys.readouterr().out
-    assert "2 x 9 beams4" in out and "tokens equal at both values: True" in out
-    assert kv_pool_module.ONE_COPY_LAUNCH is True
-
-
-@pytest.mark.parametrize("mode", ["samples4", "beams4"])
-def test_cache_host_time_runs_each_mode_on_the_cpu(mode):
-    """benchmarks/cache_host_time.py --wrappers --mode M (its own process: it patches the kernels' launchers): a row
-    of host times for both caches, every call running all its decode steps (the script checks the forwards: the
-    stubbed kernels leave NaN logits, which ended beam search after a few steps before remove_invalid_values)."""
-    args = ["--layers", "2", "--batch", "1", "--prompt", "16", "--new-tokens", "6", "--repeats", "1", "--wrappers"]
-    run = subprocess.run(
-        [sys.executable, str(_PATH.parent / "cache_host_time.py"), *args, "--mode", mode],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |")]
-    assert len(rows) == 1 and rows[0].count("(") == 3, run.stdout

@@ -1,6 +1,6 @@
 """hf_paged.frontends.models: the embedded default model, its safetensors cache, and the errors for missing models.
 
-The real GGUF is converted once per session (~20 s on 2 CPU cores) into a module-scoped temp cache; the atomicity
+The real GGUF is converted once per test module (~20 s on 2 CPU cores) into a temp cache; the atomicity
 and error tests use a fake GGUF and a stubbed loader, so they take milliseconds.
 """
 
@@ -69,7 +69,7 @@ def test_cache_folder_is_complete_and_has_no_temp_folders(default_load):
     (folder,) = (cache_dir / "gguf").iterdir()
     assert folder.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
-    assert not [p for p in _tree(cache_dir) if models._TEMP_PREFIX in p]
+    assert not [p for p in _tree(cache_dir) if models.TEMP_PREFIX in p]
     config = (folder / "config.json").read_text()
     assert "quantization_config" not in config  # else from_pretrained would expect GGUF weights
 
@@ -86,9 +86,9 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     gguf_path = tmp_path / "fake.gguf"
     gguf_path.write_bytes(b"GGUF")
     cache_dir = tmp_path / "cache"
-    stale = cache_dir / "gguf" / f"{models._TEMP_PREFIX}killed-earlier"
+    stale = cache_dir / "gguf" / f"{models.TEMP_PREFIX}killed-earlier"
     stale.mkdir(parents=True)
-    old = time.time() - 2 * models._STALE_TEMP_S
+    old = time.time() - 2 * models.STALE_TEMP_S
     os.utime(stale, (old, old))
     monkeypatch.setattr(models, "_has_gguf", lambda: True)
     monkeypatch.setattr(models, "_load_from_gguf", lambda path: (_BrokenSave(), None))
@@ -124,9 +124,9 @@ def test_non_gguf_file_is_rejected(tmp_path):
 def test_cache_root_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models._cache_root(str(tmp_path / "arg")) == tmp_path / "arg"
-    assert models._cache_root(None) == tmp_path / "env"
+    assert models.cache_root(str(tmp_path / "arg")) == tmp_path / "arg"
+    assert models.cache_root(None) == tmp_path / "env"
     monkeypatch.delenv("HF_PAGED_CACHE")
-    assert models._cache_root(None) == tmp_path / "xdg" / "hf_paged"
+    assert models.cache_root(None) == tmp_path / "xdg" / "hf_paged"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert models._cache_root(None) == Path.home() / ".cache" / "hf_paged"
+    assert models.cache_root(None) == Path.home() / ".cache" / "hf_paged"

@@ -90,7 +90,7 @@ def _serving(tokenizer, **app_kwargs):
         server.should_exit = True  # what uvicorn's SIGTERM handler does
         thread.join(TIMEOUT_S)
         assert not thread.is_alive(), "the server did not stop"
-        assert not engine._thread.is_alive(), "the engine thread did not stop"
+        assert not engine.is_running, "the engine thread did not stop"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -227,14 +227,18 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_engine_serves_on():
     assert after.outputs[0].token_ids == expected
 
 
+class _InjectedBug(BaseException):
+    pass
+
+
 def test_a_dead_engine_thread_fails_every_waiter_and_every_later_call(monkeypatch):
     async def main():
         engine = AsyncEngine(_batcher())
 
-        def broken(outputs):
-            raise RuntimeError("injected bug")
+        def broken():  # a BaseException: not a failed step the engine recovers from, but a bug that ends the thread
+            raise _InjectedBug("injected bug")
 
-        monkeypatch.setattr(engine, "_publish", broken)
+        monkeypatch.setattr(engine.batcher, "step_requests", broken)
         waiters = [engine.generate(p, SamplingParams(max_new_tokens=50, **GREEDY)) for p in _prompts(3)]
         results = await asyncio.gather(*waiters, return_exceptions=True)
         with pytest.raises(EngineDeadError, match="injected bug"):
@@ -261,7 +265,7 @@ def test_shutdown_with_requests_in_flight(drain_timeout_s):
                 reasons.append(delta.finish_reason)
         with pytest.raises(RuntimeError, match="shutting down"):
             engine.stream([5, 6], SamplingParams())
-        assert not engine._thread.is_alive()
+        assert not engine.is_running
         assert_engine_drained(engine.batcher)
         return [r for r in reasons if r is not None]
 

@@ -25,8 +25,8 @@ from models import tiny_batcher
 
 from hf_paged import SamplingParams
 from hf_paged.serving import data_parallel
-from hf_paged.serving.async_engine import EngineDeadError
 from hf_paged.serving.data_parallel import DataParallelEngine, ReplicaDeadError
+from hf_paged.serving.streaming import EngineDeadError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TIMEOUT_S = 120  # a hang guard, not a speed target
@@ -36,6 +36,15 @@ FACTORY = functools.partial(tiny_batcher, num_blocks=96)
 def _prompts(n, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 96, (int(length),), generator=gen).tolist() for length in torch.randint(4, 40, (n,))]
+
+
+def _is_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (the engine joins its replicas, so a stopped one is gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _run(coro):
@@ -99,7 +108,7 @@ def served():
         server.should_exit = True
         thread.join(TIMEOUT_S)
         assert not thread.is_alive(), "the server did not stop"
-        assert not any(r.process.is_alive() for r in engine._replicas), "a replica outlived the server"
+        assert not any(_is_alive(pid) for pid in engine.replica_pids), "a replica outlived the server"
 
 
 class _Served:
@@ -315,7 +324,7 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_on_and_shutdown_en
     long = SamplingParams(max_new_tokens=300, **GREEDY)
     # As if this machine had GPUs 3 and 5 visible: each replica must start with one of them alone (the tiny model
     # stays on the CPU whatever it sees).
-    monkeypatch.setattr(data_parallel, "_visible_gpus", lambda: ["3", "5"])
+    monkeypatch.setattr(data_parallel, "visible_gpus", lambda: ["3", "5"])
 
     async def main():
         engine = DataParallelEngine(FACTORY, num_replicas=2, device="cuda", num_threads=1)
@@ -323,9 +332,9 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_on_and_shutdown_en
         streams = [engine.stream(p, long) for p in prompts[:4]]
         for stream in streams:
             await stream.__anext__()  # every request is running
-        on = {idx: [s for s in streams if s._record.replica.idx == idx] for idx in (0, 1)}
+        on = {idx: [s for s in streams if engine.replica_of(s.request_id) == idx] for idx in (0, 1)}
         assert len(on[0]) == len(on[1]) == 2
-        os.kill(engine._replicas[1].process.pid, signal.SIGKILL)
+        os.kill(engine.replica_pids[1], signal.SIGKILL)
         for stream in on[1]:
             with pytest.raises(ReplicaDeadError, match=r"data-parallel replica 1 \(pid \d+\) died \(exit code -9\)"):
                 async for _ in stream:
@@ -343,7 +352,7 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_on_and_shutdown_en
                 reasons.append(delta.finish_reason)
         with pytest.raises(RuntimeError, match="shutting down"):
             engine.stream([5, 6], SamplingParams())
-        assert not any(r.process.is_alive() for r in engine._replicas)
+        assert not any(_is_alive(pid) for pid in engine.replica_pids)
         return after, took, [r for r in reasons if r is not None]
 
     after, took, reasons = _run(main())
@@ -356,9 +365,9 @@ def test_a_killed_replica_fails_its_requests_the_other_serves_on_and_shutdown_en
 def test_every_replica_dead_is_engine_dead():
     async def main():
         engine = DataParallelEngine(FACTORY, num_replicas=1, device="cpu", num_threads=1)
-        engine._replicas[0].process.kill()
+        os.kill(engine.replica_pids[0], signal.SIGKILL)
         deadline = time.monotonic() + TIMEOUT_S
-        while engine._replicas[0].alive:
+        while engine.num_live_replicas:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         with pytest.raises(EngineDeadError, match="every data-parallel replica has died"):

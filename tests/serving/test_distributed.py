@@ -45,7 +45,7 @@ def saved_model(tmp_path_factory):
     return str(path)
 
 
-def test_device_map_model_matches(saved_model):
+def test_a_model_with_device_map_hooks_matches_the_plain_model(saved_model):
     """accelerate's dispatch hooks on every layer (what device_map installs across GPUs; on the CPU every
     device is "cpu", so transformers would skip them: they are attached here directly)."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
@@ -148,7 +148,8 @@ def _tp_serving_worker(rank: int, world: int, port: int, path: str, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))  # fmt: skip
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from hf_paged.serving.async_engine import AsyncEngine, follow
+    from hf_paged.serving.async_engine import AsyncEngine
+    from hf_paged.serving.tensor_parallel import follow
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="paged")
@@ -209,7 +210,7 @@ def test_tensor_parallel_serving_rank0_broadcasts_requests(saved_model):
 
 
 def test_follow_refuses_a_single_process_engine():
-    from hf_paged.serving.async_engine import follow
+    from hf_paged.serving.tensor_parallel import follow
 
     engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=16)
     with pytest.raises(ValueError, match="follow\\(\\) runs on the tensor-parallel ranks other than 0"):

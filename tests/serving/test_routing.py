@@ -1,7 +1,7 @@
 """PrefixRouter (hf_paged.serving.routing): where a data-parallel front sends each prompt.
 
 What can go wrong: a repeated prompt scattered over replicas (each prefills it again); a prefix-affine choice that
-piles requests onto one replica; new prompts no longer spread by load; hashes that collide across different
+piles requests onto one replica; new prompts that do not spread by load; hashes that collide across different
 prefixes of equal blocks; memory that grows without bound.
 """
 
@@ -77,8 +77,10 @@ def test_unique_prompts_stay_balanced_and_repeats_stick():
 
 def test_memory_is_bounded_and_forget_clears():
     router = PrefixRouter(1, block_size=1, max_entries=8)
-    router.record(0, router.block_hashes(list(range(20))))
-    assert len(router._seen[0]) == 8
+    hashes = router.block_hashes(list(range(20)))
+    router.record(0, hashes)
+    assert router.matched_blocks(0, hashes[12:]) == 8  # the 8 most recent hashes are remembered
+    assert router.matched_blocks(0, hashes[11:]) == 0  # and nothing older
     recent = router.block_hashes(list(range(20)))
     assert router.matched_blocks(0, recent) == 0  # the oldest (leading) blocks were dropped first
     router.record(0, recent[:3])
