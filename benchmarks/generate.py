@@ -1,7 +1,7 @@
 """model.generate per decode step and peak memory: PagedCache beside transformers' caches, over a grid (GPU).
 
-Random-weight bf16 models built from configs (``hf_paged.frontends.bench.SHAPES``: Qwen3-0.6B and Llama-3.1-8B
-shapes; like ``vllm bench --load-format dummy``), random prompt ids without padding, EOS ignored
+Random-weight bf16 models built from configs (``hf_paged.frontends.bench_workloads.SHAPES``: Qwen3-0.6B and
+Llama-3.1-8B shapes; like ``vllm bench --load-format dummy``), random prompt ids without padding, EOS ignored
 (``min_new_tokens``), seeded.
 
 Grid: shapes x (batch x prompt) points x modes x systems.
@@ -21,11 +21,11 @@ the systems of a (shape, point, mode) take turns, one call each per round, so ho
 - ms/step: the median interval between two decode steps of a call, timed by a logits processor that generate runs
   once per new token after the forward (each CUDA step ends in generate's host sync, so an interval is a step's
   wall time; the processor runs outside compiled forwards too); the table gives the median (min-max) of the runs'
-  medians. (Subtracting a 1-token call's wall from an N-token call's gave misleading numbers: the prefill's run-to-
-  run variance swamps the difference.)
+  medians. (Not the difference between a 1-token and an N-token call's walls: the prefill's run-to-run variance
+  swamps it.)
 - CPU ms/step: the process's CPU time (``time.process_time``) over the same intervals. An eager step is bound by the
-  host, and its wall time also counts the spells the process waits for a core (the device machine's host moved
-  single cells between two levels, e.g. 33 and 59 ms, for both caches); the CPU time leaves those out (it keeps a
+  host, and its wall time also counts the spells the process waits for a core (a busy host can move a cell's
+  wall time by half for both caches); the CPU time leaves those out (it keeps a
   spinning device sync, which is short in a host-bound step, and the work of every thread of the process);
 - prefill ms: from the call to the first logits (median);
 - output tok/s: rows x N / wall of the N-token call (median);
@@ -36,15 +36,16 @@ the systems of a (shape, point, mode) take turns, one call each per round, so ho
   of each round's ratio (a system's call and DynamicCache's call of the same round run seconds apart), which a
   host that changes speed between rounds moves less than the ratio of the two medians.
 
-Run: ``python benchmarks/generate.py [--quick] [--out results.md] [--shapes ...] [--modes ...] [--systems ...]``.
+Run: ``python benchmarks/generate.py [--quick] [--out table.md] [--json record.json] [--shapes ...] [--modes ...]
+[--systems ...]``.
 ``--quick``: Qwen3-0.6B shape, 1x512 and 32x512, greedy and beams4, 32 new tokens. ``--device cpu``: a smoke run of
 the whole path on a tiny model (no memory numbers; static is not compiled there).
 """
 
 import argparse
-import datetime
 import gc
 import inspect
+import shlex
 import statistics
 import sys
 import time
@@ -56,8 +57,9 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_paged
 from hf_paged import PagedCache
-from hf_paged.frontends.bench import SHAPES, build_model, emit_table
 from hf_paged.core.model_info import ModelInfo
+from hf_paged.frontends.bench_record import emit_table, make_record, write_record
+from hf_paged.frontends.bench_workloads import SHAPES, build_model
 
 POINTS = [(1, 512), (8, 1024), (32, 512), (64, 512)]
 MODES = {
@@ -318,6 +320,30 @@ def format_table(cells: list[Cell], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cell_record(c: Cell) -> dict:
+    """One grid cell as a JSON record row: the medians (with min and max) of its runs and its ratios' inputs."""
+    row = {"shape": c.shape, "batch": c.batch, "prompt": c.prompt, "mode": c.mode, "system": c.system,
+           "label": c.label, "new_tokens": c.new_tokens}  # fmt: skip
+    if c.error:
+        return {**row, "error": c.error}
+
+    def spread(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+    return {
+        **row,
+        "ms_per_step": spread(c.step_ms),
+        "cpu_ms_per_step": spread(c.step_cpu_ms),
+        "prefill_ms": statistics.median(c.prefill_ms),
+        "output_tok_s": c.rows * c.new_tokens / statistics.median(c.total_s),
+        "peak_allocated_gib": None if c.peak_allocated is None else c.peak_allocated / 2**30,
+        "peak_reserved_gib": None if c.peak_reserved is None else c.peak_reserved / 2**30,
+        "kv_gib": None if c.kv_bytes is None else c.kv_bytes / 2**30,
+        "same_tokens_as_dynamic": c.same_tokens,
+        "notes": c.note,
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-8b"], choices=sorted(SHAPES))
@@ -331,6 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="qwen3-0.6b; 1x512 and 32x512; greedy, beams4; 32 tokens")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run on a tiny model")
     parser.add_argument("--out", help="also append the markdown table to this file")
+    parser.add_argument("--json", help="write the figures as a JSON record to this file")
     args = parser.parse_args(argv)
     points = args.points
     if args.quick:
@@ -390,18 +417,27 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(num_threads)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    command = "python benchmarks/generate.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    record = make_record(
+        device, command,
+        workload=dict(shapes=args.shapes, points=[f"{b}x{p}" for b, p in args.points], modes=args.modes,
+                      systems=args.systems, new_tokens=args.new_tokens, repeats=args.repeats,
+                      eager_repeats=args.eager_repeats or args.repeats,
+                      dtype="bfloat16" if args.device == "cuda" else "float32"),
+        rows=[cell_record(c) for c in cells],
+    )  # fmt: skip
+    versions = record["versions"]
     title = (
-        f"### generate: ms per decode step and peak memory — {device}, {datetime.date.today()}, torch "
-        f"{torch.__version__}, transformers {transformers.__version__}, hf_paged {hf_paged.__version__}\n\n"
+        f"### generate: ms per decode step and peak memory — {device}, {record['date']}, torch "
+        f"{versions['torch']}, transformers {versions['transformers']}, hf_paged {versions['hf_paged']}\n\n"
         f"{'bf16' if args.device == 'cuda' else 'fp32'} random weights, no padding, {args.new_tokens} new tokens "
         f"(EOS ignored), median (min-max) of {args.repeats} runs"
         + (f" ({args.eager_repeats} for the eager systems)" if (args.eager_repeats or 0) > args.repeats else "")
-        + "; ms/step = median interval between decode steps; "
-        "peak memory above the weights. `python benchmarks/generate.py "
-        + " ".join(sys.argv[1:] if argv is None else argv)
-        + "`"
+        + f"; ms/step = median interval between decode steps; peak memory above the weights. `{command}`"
     )
     emit_table(format_table(cells, title), args.out)
+    if args.json:
+        write_record(args.json, record)
     return 0
 
 

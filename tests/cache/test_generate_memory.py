@@ -1,9 +1,10 @@
-"""benchmarks/generate_memory.py's replay of an allocator trace (the GPU run is in run_gpu.sh's part ``memory``)."""
+"""benchmarks/tools/generate_memory.py's replay of an allocator trace (the GPU run: ``python
+benchmarks/tools/generate_memory.py`` on a CUDA machine)."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
 from generate_memory import frame_label, peak_groups  # noqa: E402
 
 

@@ -1,6 +1,5 @@
 """Where a generate() call's peak memory goes, per system: the CUDA allocator's live blocks at the peak, by the code
-that allocated them (issue 14: compiled PagedCache peaked a few MB above compiled StaticCache at greedy, batch >= 8,
-with the same K/V bytes; this names the difference).
+that allocated them: what separates compiled PagedCache's peak from compiled StaticCache's at the same K/V bytes.
 
 For each system, one warm-up call (compile, CUDA graphs, allocator), then one call under
 ``torch.cuda.memory._record_memory_history``; the trace is replayed (alloc / free events) to find the moment of the
@@ -8,7 +7,7 @@ peak, and the blocks live then are grouped by their innermost frame in hf_paged,
 caller (a torch-internal frame when there is none). The tables print the largest groups and, against the first
 system, the groups that differ.
 
-Run (CUDA): python benchmarks/generate_memory.py [--shape qwen3-0.6b] [--point 64x512] [--mode greedy]
+Run (CUDA): python benchmarks/tools/generate_memory.py [--shape qwen3-0.6b] [--point 64x512] [--mode greedy]
             [--systems static paged-compiled]
 """
 
@@ -19,10 +18,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/generate.py
 from generate import MODES, SYSTEMS, generate_once  # noqa: E402
 
-from hf_paged.frontends.bench import build_model  # noqa: E402
+from hf_paged.frontends.bench_workloads import build_model  # noqa: E402
 
 OURS = ("hf_paged", "transformers", "generate.py")
 LARGEST = 8  # the largest blocks live at the peak, printed with their frames
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/generate_memory.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/tools/generate_memory.py needs a CUDA GPU", file=sys.stderr)
         return 2
     batch, prompt = (int(x) for x in args.point.split("x"))
     model = build_model(args.shape, device="cuda")

@@ -1,19 +1,19 @@
 """Registers, stack and spills of the prefill kernel's forms for Hopper, compiled on the CPU (no GPU needed).
 
 ``triton.compile`` builds a kernel for ``GPUTarget("cuda", 90, 32)`` from its source alone, and Triton's bundled
-``ptxas -v`` reports what a thread of it uses. That is how the twenty-second session found why commit 1811643 ran the
-4 x 1024-token prefill benchmark 6-13% slower on an H100: the exact tile map's slot loop took a thread's stack from
-272 to 632 bytes (255 registers either way). The figures are Triton-version dependent (the CPU image's Triton may be
-newer than the card's); compare forms and revisions in one run, not across runs.
+``ptxas -v`` reports what a thread of it uses: the way to see why one form of the kernel runs slower than another
+(e.g. the exact tile map's slot loop raises a thread's stack bytes at 255 registers). The figures are Triton-version
+dependent (the CPU image's Triton may be newer than the card's); compare forms and revisions in one run, not across
+runs.
 
-Each row compiles ``_paged_prefill_kernel`` at the engine's Hopper tiles (``kernels.prefill._default_tiles``: fresh
+Each row compiles the prefill kernel at the engine's Hopper tiles (``kernels.prefill.default_tiles``: fresh
 prompts' K/V from the new-token tensors, and K/V through the block table), bf16, head_dim 128, block_size 16, GQA
 group 4 (Llama-3.1-8B) or 2 (Qwen3-0.6B), in each grid form: the bound grid (``SEQS_PAD`` 0) and the exact tile map
 with its slot loop (``SEQS_PAD`` 4 and 256). Pointers and strides are marked 16-byte divisible, as the launcher's
 specialization sees them in the engine. ``--rev REV`` adds the same rows for the kernel of a git revision (its
 ``kernels/`` package, extracted to a temporary folder).
 
-Run: python benchmarks/ptxas_check.py [--rev b8dd11e] [--groups 4 2] [--quick]   (TRITON_INTERPRET unset)
+Run: python benchmarks/tools/ptxas_check.py [--rev REV] [--groups 4 2] [--quick]   (TRITON_INTERPRET unset)
 """
 
 import argparse
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _INT_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")
 _FLOATS = ("qk_scale", "soft_cap")
 
@@ -77,21 +77,29 @@ def ptxas_usage(ptx: str) -> dict:
     }
 
 
+def _kernel(prefill):
+    """The prefill kernel's JIT function and its default-tile function (a revision's module may hold them under
+    other names: its launcher object, or private names)."""
+    launcher = getattr(prefill, "PREFILL", None)
+    fn = launcher.jit_fn if launcher is not None else prefill._paged_prefill_kernel
+    return fn, getattr(prefill, "default_tiles", None) or prefill._default_tiles
+
+
 def compile_prefill(prefill, contig_kv: bool, group: int, seqs_pad: int | None) -> dict:
-    """ptxas usage of ``prefill._paged_prefill_kernel`` at the engine's tiles; ``seqs_pad`` None: a revision
-    before the tile map (no such parameter)."""
+    """ptxas usage of the prefill kernel at the engine's tiles; ``seqs_pad`` None: a kernel without the tile map (no
+    such parameter)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    block_m, block_n, num_warps, num_stages, k_row_major = prefill._default_tiles(torch.bfloat16, 128, contig_kv)
+    fn, default_tiles = _kernel(prefill)
+    block_m, block_n, num_warps, num_stages, k_row_major = default_tiles(torch.bfloat16, 128, contig_kv)
     constexprs = dict(HEAD_DIM=128, BLOCK_SIZE=16, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=128,
                       HAS_WINDOW=False, HAS_SOFT_CAP=False, DOT_FP32=False, K_ROW_MAJOR=k_row_major,
                       EXACT_SOFTMAX=False, CONTIG_KV=contig_kv)  # fmt: skip
     if seqs_pad is not None:
         constexprs["SEQS_PAD"] = seqs_pad
-    fn = prefill._paged_prefill_kernel
     signature, attrs = _signature(fn, constexprs)
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rev:
         with tempfile.TemporaryDirectory() as tmp:
             old = revision_module(args.rev, tmp)
-            has_map = "SEQS_PAD" in old._paged_prefill_kernel.arg_names
+            has_map = "SEQS_PAD" in _kernel(old)[0].arg_names
             rows(old, args.rev, args.groups, [0, 4, 256] if has_map else [None])
     return 0
 

@@ -1,23 +1,21 @@
-"""Sweep the decode kernel's launch settings for long splits on this card, in a CUDA graph, L2-cold.
+"""Sweep the decode kernel's launch settings on this card, in a CUDA graph, L2-cold.
 
 Long splits (more than ``SHORT_SPLIT_KEYS`` keys a split: every decode graph of the engine, captured with
-``max_seq_len = max_model_len``) run ``long_split_settings(device)``: keys per tile, pipeline stages and warps
-(kernels/decode.py: ``LONG_SETTINGS``, or the card's entry in ``LONG_SETTINGS_BY_DEVICE``). The seventh session
-swept them on an H100, where batch 256 reached 90-99% of the copy bandwidth; on an H200 (a wider bus, the same 132
-SMs) the same settings reach 83-92% and SDPA on contiguous K/V is 10-13% faster. This script times every setting of
-a small grid at the shapes the engine runs, patched into the module (``_PLANS`` cleared between settings), beside
-SDPA (enable_gqa) on contiguous K/V of the same shape. The split count is the one the engine's graphs get:
-``choose_num_splits(--max-seq-len, batch, ...)`` (default 40 960, Qwen3's ``max_position_embeddings``).
+``max_seq_len = max_model_len``) run ``LONG_SETTINGS`` (kernels/decode_plan.py): keys per tile, pipeline stages and
+warps. This script times every setting of a small grid at the shapes the engine runs, passed to the launcher as
+``tile_settings``, beside SDPA (enable_gqa) on contiguous K/V of the same shape. The split count is the one the
+engine's graphs get: ``choose_num_splits(--max-seq-len, batch, ...)`` (default 40 960, Qwen3's
+``max_position_embeddings``).
 
-    python benchmarks/decode_sweep.py [--shapes 16x8:256x512 32x8:256x2048 ...] [--max-seq-len N] [--out FILE]
-    python benchmarks/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 ...   # shared-prefix (cascade) decode
-    python benchmarks/decode_sweep.py --shapes 32x8:32x2048 --splits 1 2 3 4 6 8 --settings 64/3/4  # split counts
+    python benchmarks/tools/decode_sweep.py [--shapes 16x8:256x512 32x8:256x2048 ...] [--max-seq-len N] [--out FILE]
+    python benchmarks/tools/decode_sweep.py --prefix-len 336 --shapes 16x8:224x400 ...   # shared-prefix decode
+    python benchmarks/tools/decode_sweep.py --shapes 32x8:32x2048 --splits 1 2 3 4 6 8 --settings 64/3/4
 
 With ``--prefix-len P`` every row's first P keys are row 0's blocks and the call is the engine's cascade decode
 (the shared-prefix kernel, the split kernel over each row's keys from P on, and with several splits the merge), as
-its cascade graphs run it (``max_prefix_len = --max-seq-len``); each setting is then the split kernel's
-``CASCADE_SUFFIX_SETTINGS`` at every split count (``CASCADE_ONE_SPLIT_SETTINGS`` off; and ``LONG_SETTINGS``); the
-bandwidth share counts the prefix's bytes once. A setting is BLOCK_N/stages/warps[/KV heads a program packs].
+its cascade graphs run it (``max_prefix_len = --max-seq-len``); each setting is then the split kernel's (the tuned
+one is ``CASCADE_SUFFIX_SETTINGS``); the bandwidth share counts the prefix's bytes once. A setting is
+BLOCK_N/stages/warps.
 
 Shape ``HQxHKV:BATCHxCONTEXT``: query heads x KV heads (head_dim 128, block_size 16, shuffled block tables, bf16).
 Prints µs per call (median of the graph replays) and the share of the copy bandwidth the K/V reads reach.
@@ -36,9 +34,8 @@ HEAD_DIM, BLOCK_SIZE, DTYPE = 128, 16, torch.bfloat16
 # Qwen3-0.6B's heads (16 q / 8 kv) and Llama-3.1-8B's (32 / 8) at batches and contexts of the engine's decode steps.
 DEFAULT_SHAPES = ("16x8:256x512", "16x8:256x1024", "16x8:128x1024", "16x8:64x1024", "16x8:32x1024", "16x8:8x2048",
                   "32x8:256x512", "32x8:128x1024", "32x8:64x1024", "32x8:32x2048")  # fmt: skip
-# (BLOCK_N, num_stages, num_warps): 64/3/4 is LONG_SETTINGS (since the twelfth session; 64/2/4 before).
-# 8 warps: 64/3/4 spills 264 bytes a thread at 255 registers on sm_90, 64/x/8 spills nothing (ptxas -v, Triton 3.6;
-# RESULTS.md, fourteenth session).
+# (BLOCK_N, num_stages, num_warps) around LONG_SETTINGS (64/3/4), with 8-warp settings that spill no registers on
+# sm_90 (64/3/4 spills 264 bytes a thread at 255 registers: benchmarks/tools/ptxas_check.py reports such counts).
 SETTINGS = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (64, 3, 2), (64, 2, 2), (32, 2, 2), (32, 3, 2), (32, 4, 2),
             (32, 3, 1), (16, 3, 1), (128, 2, 4), (128, 3, 4), (64, 2, 8), (64, 3, 8), (128, 2, 8)]  # fmt: skip
 
@@ -113,7 +110,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("decode_sweep.py: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from hf_paged.kernels import decode
+    from hf_paged.kernels import decode, decode_plan
 
     from hf_paged.frontends.bench import emit_table
 
@@ -127,46 +124,34 @@ def main(argv=None) -> int:
     prefix = None
     if args.prefix_len:
         prefix = torch.tensor([args.prefix_len], dtype=torch.int32, device="cuda")
-    saved = (decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE, decode.CASCADE_SUFFIX_SETTINGS,
-             decode.CASCADE_ONE_SPLIT_SETTINGS)  # fmt: skip
-    current = [decode.long_split_settings(torch.device("cuda"))]  # what the card runs now
-    if prefix is not None and decode.CASCADE_SUFFIX_SETTINGS is not None:
-        current = [decode.CASCADE_SUFFIX_SETTINGS]  # what shared-prefix calls run at head_dim 128
-    if prefix is not None and decode.CASCADE_ONE_SPLIT_SETTINGS is not None:
-        current.append(decode.CASCADE_ONE_SPLIT_SETTINGS)  # and one-split ones
+    # the tuned default (shared-prefix calls take their own settings at head_dim 128)
+    current = [decode_plan.CASCADE_SUFFIX_SETTINGS if prefix is not None else decode_plan.LONG_SETTINGS]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    picked = [decode.choose_num_splits(args.max_seq_len, batch, hkv, num_sms) for _, hkv, batch, _ in shapes]
+    picked = [decode_plan.choose_num_splits(args.max_seq_len, batch, hkv, num_sms) for _, hkv, batch, _ in shapes]
     # (shape index, split count) a column: the engine's pick, or each of --splits
     cases = [(i, n) for i in range(len(shapes)) for n in (args.splits or [picked[i]])]
     rows = []
     for setting in settings:
-        decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE = setting, {}
-        if prefix is not None:  # shared-prefix calls take these at any split count
-            decode.CASCADE_SUFFIX_SETTINGS, decode.CASCADE_ONE_SPLIT_SETTINGS = setting, None
-        decode._PLANS.clear()
         cells = []
         for i, n in cases:
             query, seq_lens, paged, _, kv_bytes = inputs[i]
             rotation = itertools.cycle(paged)
             out = torch.empty_like(query)
 
-            def run(rotation=rotation, query=query, seq_lens=seq_lens, out=out, n=n):
+            def run(rotation=rotation, query=query, seq_lens=seq_lens, out=out, n=n, setting=setting):
                 k, v, tables = next(rotation)
                 decode.paged_decode_triton(query, k, v, tables, seq_lens, HEAD_DIM**-0.5,
                                            max_seq_len=args.max_seq_len, num_splits=n, out=out, prefix_len=prefix,
-                                           max_prefix_len=args.max_seq_len)  # fmt: skip
+                                           max_prefix_len=args.max_seq_len, tile_settings=setting)  # fmt: skip
 
             try:
                 us = graph_us(run)
                 cells.append(f"{us:.1f} ({kv_bytes / (us * 1e-6) / 1e9 / bandwidth:.0%})")
             except Exception as exc:  # e.g. out of shared memory for large tiles x stages
                 cells.append(f"failed: {type(exc).__name__}")
-        mark = " (this card's now)" if setting in current else ""
+        mark = " (the default)" if setting in current else ""
         rows.append(f"| {' / '.join(map(str, setting))}{mark} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
-    (decode.LONG_SETTINGS, decode.LONG_SETTINGS_BY_DEVICE, decode.CASCADE_SUFFIX_SETTINGS,
-     decode.CASCADE_ONE_SPLIT_SETTINGS) = saved  # fmt: skip
-    decode._PLANS.clear()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_cells = []
     for (hq, _, batch, _), (query, _, _, dense, _) in zip(shapes, inputs, strict=True):
@@ -185,7 +170,7 @@ def main(argv=None) -> int:
     if not args.ragged:
         rows.append("| SDPA, contiguous K/V | " + " | ".join(sdpa_cells[i] for i, _ in cases) + " |")
     header = (
-        f"### Decode launch settings for long splits, {torch.cuda.get_device_name()}, copy bandwidth "
+        f"### Decode launch settings, {torch.cuda.get_device_name()}, copy bandwidth "
         f"{bandwidth:.0f} GB/s, in a CUDA graph, µs (share of the copy bandwidth); splits chosen for max_seq_len "
         f"{args.max_seq_len}"
         + (f"; every row shares its first {args.prefix_len} keys (cascade)" if prefix is not None else "")

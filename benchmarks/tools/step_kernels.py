@@ -11,7 +11,7 @@ prefix workload (a 341-token prefix, 21 full blocks of 16: ``--batch 224 --promp
 
 ``--chunk N``: each profiled step also carries one new N-token prompt (a mixed step: decode rows and a prompt chunk).
 
-Run: python benchmarks/step_kernels.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--sizes 256 64 1]
+Run: python benchmarks/tools/step_kernels.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--sizes 256 64 1]
      [--shared-prefix N] [--chunk N]
 """
 
@@ -25,7 +25,7 @@ from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
 from hf_paged.frontends.bench import ON_OFF, build_model
 
 
-def _kernel_table(prof, steps: int, top: int) -> str:
+def kernel_table(prof, steps: int, top: int) -> str:
     per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.steps} steps profiled, projections fused: {bool(engine.runner.fused_groups)}, graph replays "
             f"so far {engine.runner.graph_steps}, shared-prefix steps so far {engine.runner.num_cascade_steps}"
         )
-        print(_kernel_table(prof, args.steps, args.top))
+        print(kernel_table(prof, args.steps, args.top))
     engine.close()
 
 

@@ -1,12 +1,11 @@
 """Where a ``model.generate`` decode step's time goes on a GPU: PagedCache + "paged" beside DynamicCache + sdpa.
 
-The eager step of a small model is bound by the host (benchmarks/RESULTS.md: 28-60 ms a step for Qwen3-0.6B on the
-device tool's H100 hosts, ~3 ms of it on the GPU), and the CPU harness (``cache_host_time.py``) does not run what
-only a CUDA host pays: Triton's launcher, the CUDA caching allocator, device-to-host reads. This script runs one
-grid cell of ``generate.py`` for both systems, alternating (step times: median and every step), then one more call
-of each under ``torch.profiler`` (CPU and CUDA activities) and prints the operators by self CPU time, with the
-summed device time, so the two systems' host costs can be compared op by op; ``--python`` profiles the Python
-functions instead (cProfile, by own time).
+The eager step of a small model is bound by the host (a Qwen3-0.6B step takes ~3 ms of GPU and tens of ms of host
+time), and a CPU run does not pay what only a CUDA host pays: Triton's launcher, the CUDA caching allocator, device-to-
+host reads. This script runs one grid cell of ``generate.py`` for both systems, alternating (step times: median and
+every step), then one more call of each under ``torch.profiler`` (CPU and CUDA activities) and prints the operators by
+self CPU time, with the summed device time, so the two systems' host costs can be compared op by op; ``--python``
+profiles the Python functions instead (cProfile, by own time).
 
 ``--phases`` splits each decode step instead, without a profiler: the host's time from the forward's start to its
 return (issuing the step's kernels), the host's time from there to the next forward (generate's logits processing,
@@ -21,8 +20,8 @@ hf_paged's own): from the model's call to its decoder's body (hf_paged's plan of
 (embedding, rotary, mask), through the layers, to the decoder's return (final norm, hf_paged's end of step), and
 to the model's return (LM head); minimum and median per segment and system over ``--rounds`` calls each.
 
-Run (CUDA): python benchmarks/generate_profile.py [--shape qwen3-0.6b] [--batch 64] [--prompt 512] [--mode greedy]
-    [--python | --phases [--syncs] | --segments]
+Run (CUDA): python benchmarks/tools/generate_profile.py [--shape qwen3-0.6b] [--batch 64] [--prompt 512]
+    [--mode greedy] [--python | --phases [--syncs] | --segments]
 """
 
 import argparse
@@ -40,10 +39,10 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/generate.py
 import generate  # noqa: E402  (benchmarks/generate.py: the same generate call and step timer)
 
-from hf_paged.frontends.bench import SHAPES, build_model  # noqa: E402
+from hf_paged.frontends.bench_workloads import SHAPES, build_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Where one engine step spends its time (GPU), and what async scheduling wins back.
 
-Builds a random-weight model (hf_paged.frontends.bench shapes), fills the engine with ``--batch`` requests, then:
+Builds a random-weight model (hf_paged.frontends.bench_workloads shapes), fills the engine with ``--batch`` requests,
+then:
 1. times decode steps phase by phase (schedule, forward incl. the plan, sampling, read-back + bookkeeping),
    synchronising after each phase, so the phases do not overlap: their sum is the synchronous step;
 2. times runs of consecutive steps in steady state with async scheduling off and on (same engine, same
@@ -12,8 +13,10 @@ Builds a random-weight model (hf_paged.frontends.bench shapes), fills the engine
 
 4. times mixed steps (the batch's decode tokens plus one new prompt, run eagerly, without CUDA graphs).
 
-Run: python benchmarks/profile_engine.py [--model qwen3-0.6b] [--batch 256] [--prompt 512] [--compile none|layers|full]
-Tensor parallelism: torchrun --nproc-per-node 2 benchmarks/profile_engine.py --model llama-8b --model-dir DIR --tp
+Run: python benchmarks/tools/profile_engine.py [--model qwen3-0.6b] [--batch 256] [--prompt 512]
+    [--compile none|layers|full]
+Tensor parallelism: torchrun --nproc-per-node 2 benchmarks/tools/profile_engine.py --model llama-8b --model-dir DIR
+    --tp
 """
 
 import argparse
@@ -24,7 +27,7 @@ import warnings
 import torch
 
 from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
-from hf_paged.frontends.bench import load_or_build
+from hf_paged.frontends.bench_workloads import load_or_build
 
 
 def _steady(engine: ContinuousBatcher, async_on: bool, steps: int, outputs: bool) -> tuple[float, float]:

@@ -1,8 +1,8 @@
 """Greedy outputs on 2 GPUs equal 1 GPU: accelerate device_map, and tensor parallelism under torchrun.
 
-    python benchmarks/multi_gpu_check.py save /tmp/m            # a random-weight fp32 Llama (4 layers)
-    python benchmarks/multi_gpu_check.py device_map /tmp/m      # layers split over cuda:0 and cuda:1
-    torchrun --nproc-per-node 2 benchmarks/multi_gpu_check.py tp /tmp/m
+    python benchmarks/tools/multi_gpu_check.py save /tmp/m            # a random-weight fp32 Llama (4 layers)
+    python benchmarks/tools/multi_gpu_check.py device_map /tmp/m      # layers split over cuda:0 and cuda:1
+    torchrun --nproc-per-node 2 benchmarks/tools/multi_gpu_check.py tp /tmp/m
 
 Each check prints the fraction of output tokens equal to the 1-GPU run (fp32; tensor parallelism sums in
 another order, so a near-tie may flip) and whether the ranks agree exactly.

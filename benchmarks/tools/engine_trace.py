@@ -9,13 +9,15 @@ per step: the weights once, every attended KV byte, over the copy bandwidth, plu
 over the matmul rate), GPU ms over floor, and the GPU's idle time before the steps (the device waiting for the
 host). The sum of the per-step floors is the bench's floor up to its wave model.
 
-Run: python benchmarks/engine_trace.py [--workload nano] [--model qwen3-0.6b] [--no-prefix-caching]
+Run: python benchmarks/tools/engine_trace.py [--workload nano] [--model qwen3-0.6b] [--no-prefix-caching]
      [--cascade-attention auto|on|off]
 On a CPU (a smoke test): --device cpu --model tiny (times are wall clock around each phase, synchronous).
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged import ContinuousBatcher, EngineConfig, SamplingParams
-from hf_paged.frontends.bench import ON_OFF, WORKLOADS, build_model, make_workload, measure_ceilings
+from hf_paged.frontends.bench import ON_OFF
+from hf_paged.frontends.bench_workloads import WORKLOADS, build_model, make_workload, measure_ceilings
 
 
 @dataclass
@@ -53,7 +56,7 @@ def trace(engine: ContinuousBatcher, workload, cuda: bool) -> tuple[list[StepRec
     """The run's step records, and marks at the start and end of its ``generate`` call."""
     records: list[StepRecord] = []
     runner = engine.runner
-    execute, launch, bucket_fn = runner.execute, engine._launch, runner._bucket
+    execute, launch, bucket_fn = runner.execute, engine._launch, runner.graph_bucket
     chosen: list = [None]
 
     def mark():
@@ -87,7 +90,7 @@ def trace(engine: ContinuousBatcher, workload, cuda: bool) -> tuple[list[StepRec
         records[-1].end = mark()
         return launched
 
-    runner.execute, engine._launch, runner._bucket = timed_execute, timed_launch, timed_bucket
+    runner.execute, engine._launch, runner.graph_bucket = timed_execute, timed_launch, timed_bucket
     try:
         params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
         engine.reset_prefix_cache()
@@ -99,7 +102,7 @@ def trace(engine: ContinuousBatcher, workload, cuda: bool) -> tuple[list[StepRec
         if cuda:
             torch.cuda.synchronize()
     finally:
-        runner.execute, engine._launch, runner._bucket = execute, launch, bucket_fn
+        runner.execute, engine._launch, runner.graph_bucket = execute, launch, bucket_fn
     return records, begin, end
 
 
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{g['gpu'] / max(g['floor'], 1e-9):.2f} | {g['idle']:.1f} | {g['gpu'] / g['steps']:.3f} | {buckets} |"
         )
     if args.profile and cuda:
-        from step_kernels import _kernel_table  # noqa: PLC0415 (benchmarks/ is the script's directory)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/tools/step_kernels.py
+        from step_kernels import kernel_table  # noqa: PLC0415
 
         engine.reset_prefix_cache()
         torch.cuda.synchronize()
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.generate(workload.prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
         print(f"\n### The kernels of one more run ({len(records)} forwards), µs in the whole run\n")
-        print(_kernel_table(prof, 1, 40).replace("a step", "in the run"))
+        print(kernel_table(prof, 1, 40).replace("a step", "in the run"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Compiled generate with a compileable PagedCache (``max_cache_len``), eager PagedCache and compiled StaticCache.
 
-Random-weight model (CUDA: the Qwen3-0.6B shape in bf16, ``hf_paged.frontends.bench.SHAPES``; ``--device cpu``: the
-tiny shape in fp32), random prompts without padding, EOS ignored, greedy, seeded. Systems, each called twice (the
+Random-weight model (CUDA: the Qwen3-0.6B shape in bf16, ``hf_paged.frontends.bench_workloads.SHAPES``;
+``--device cpu``: the tiny shape in fp32), random prompts without padding, EOS ignored, greedy, seeded. Systems, each called twice (the
 first call compiles; the second is measured):
 - ``paged-eager``: ``PagedCache(model)`` (not compileable: the eager path, the reference for the logits);
 - ``paged-compiled``: ``PagedCache(model, max_cache_len=prompt + new tokens)``: generate compiles its decode steps;
@@ -15,8 +15,8 @@ compiled graph (no recompile). Reports ms per decode step (median interval betwe
 processor), peak memory above the weights during the second call (the cache included) and the share of equal
 tokens, as a markdown table.
 
-Run: ``python benchmarks/cache_compile_check.py [--points 8x1024 32x512] [--new-tokens 128]``; ``--device cpu`` for
-a smoke run of the whole path on a tiny model.
+Run: ``python benchmarks/tools/cache_compile_check.py [--points 8x1024 32x512] [--new-tokens 128]``;
+``--device cpu`` for a smoke run of the whole path on a tiny model.
 """
 
 import argparse
@@ -32,7 +32,7 @@ from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
 import hf_paged
 from hf_paged import PagedCache
-from hf_paged.frontends.bench import build_model
+from hf_paged.frontends.bench_workloads import build_model
 
 SYSTEMS = ("paged-eager", "paged-compiled", "static-compiled")
 
@@ -149,7 +149,8 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/cache_compile_check.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        print("benchmarks/tools/cache_compile_check.py needs a CUDA GPU (or --device cpu for a smoke run)",
+              file=sys.stderr)
         return 2
     shape = "qwen3-0.6b" if args.device == "cuda" else "tiny"
     model = build_model(shape, device=args.device)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"{shape}, {args.dtype} random weights, greedy, {args.new_tokens} new "
         f"tokens, no padding; second of two calls; logits tolerance {args.atol}. "
-        "`python benchmarks/cache_compile_check.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`",
+        "`python benchmarks/tools/cache_compile_check.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`",
         "",
         "| batch x prompt | system | compiled | ms/step | peak alloc GiB | graphs (1st call / 2nd) "
         "| max logit diff vs paged-eager | tokens equal | check |",

@@ -1,13 +1,12 @@
 """Sweep the paged prefill kernel's tiles on this card, in a CUDA graph, beside causal SDPA on contiguous K/V.
 
-The default tiles (kernels/prefill.py ``_default_tiles``: 128 x 32 over 4 warps, 4 stages, key-major K loads when K/V
-come through the block table; 128 x 64 over 8 warps, 3 stages for fresh prompts' contiguous K/V) were the fastest of
-an H200 sweep that had no 8-warp 32-key setting; compiled for sm_90 both spill registers (ptxas -v, RESULTS.md,
-fourteenth session). This times each setting of a grid through ``kernels.prefill.PREFILL_TILES`` at the shapes the
+The default tiles (kernels/prefill.py ``default_tiles``: 128 x 32 over 4 warps, 4 stages, key-major K loads when K/V
+come through the block table; 128 x 64 over 8 warps, 3 stages for fresh prompts' contiguous K/V) are the fastest of
+this sweep on an H200. This times each setting of a grid, passed to the launcher as ``tiles``, at the shapes the
 engine prefills: fresh prompts (4 x 1024, and 32 x 128 as in the short workload) of the Qwen3-0.6B (16 q / 8 kv heads)
 and Llama-3.1-8B (32 / 8) shapes, K/V read through the block table or from the new-token tensors.
 
-    python benchmarks/prefill_sweep.py [--out FILE]
+    python benchmarks/tools/prefill_sweep.py [--out FILE]
 
 Prints µs per call (median of graph replays), TFLOP/s, and SDPA's µs on the same shape. Runs only on CUDA.
 """
@@ -59,14 +58,14 @@ def main(argv=None) -> int:
         for shape, contig in columns:
             hq, hkv, prompts, length = shape
             query, k_cache, v_cache, tables, seq_lens, cu, key, value = inputs[shape]
-            prefill.PREFILL_TILES = None if setting is None else {contig: setting}
             out = torch.empty_like(query)
             kv = dict(key=key, value=value) if contig else {}
 
             def run(query=query, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_lens=seq_lens, cu=cu,
-                    out=out, kv=kv, length=length):  # fmt: skip
+                    out=out, kv=kv, length=length, setting=setting):  # fmt: skip
                 prefill.paged_prefill_triton(query, k_cache, v_cache, tables, seq_lens, cu, HEAD_DIM**-0.5,
-                                             max_query_len=length, max_seq_len=length, out=out, **kv)  # fmt: skip
+                                             max_query_len=length, max_seq_len=length, out=out, tiles=setting,
+                                             **kv)  # fmt: skip
 
             try:
                 us = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3
@@ -74,7 +73,6 @@ def main(argv=None) -> int:
                 cells.append(f"{us:.1f} ({flops / (us * 1e-6) / 1e12:.0f})")
             except Exception as exc:  # e.g. out of resources
                 cells.append(f"failed: {type(exc).__name__}")
-        prefill.PREFILL_TILES = None
         label = "defaults" if setting is None else " / ".join(map(str, setting))
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
