@@ -55,7 +55,6 @@ import torch
 import transformers
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-import hf_paged
 from hf_paged import PagedCache
 from hf_paged.core.model_info import ModelInfo
 from hf_paged.frontends.bench_record import emit_table, make_record, write_record

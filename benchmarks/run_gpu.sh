@@ -16,10 +16,11 @@
 # Suites (time on one H200):
 #   tests          tests-kernels, tests-cache and tests-engine: a GPU each on a host of 3 or more, else in turn
 #                  (~9 min on one GPU: call the three one by one there if a call is 10 minutes)
-#   tests-kernels  tests/kernels on CUDA, every direct launch checked against Triton's own lookup      (~4 min)
+#   tests-kernels  tests/kernels on CUDA, every direct launch checked against Triton's own lookup      (~5 min)
 #   tests-cache    tests/cache on CUDA: PagedCache with the Triton kernels, compiled generate            (~2 min)
-#   tests-engine   tests/engine and tests/serving on CUDA: CUDA graphs, start-up warm-up, async scheduling,
-#                  every direct launch checked (the engine fuzzer runs in tests-fuzz)                   (~5 min)
+#   tests-engine   tests/engine on CUDA: CUDA graphs, start-up warm-up, async scheduling, every direct launch
+#                  checked (the engine fuzzer runs in tests-fuzz; tests/serving runs on the CPU, data-parallel
+#                  replicas on GPUs in benchmarks/tools/multi_gpu_check.py)                             (~5 min)
 #   tests-fuzz     the engine fuzzer (CI's bounded profile) and the PagedCache fuzzer (20 operations, seeds 0
 #                  and 1) on CUDA, where they meet CUDA graphs and the CUDA-only launch paths          (~8 min)
 #   kernels        benchmarks/kernels.py: decode, shared-prefix decode and prefill beside SDPA           (~1 min)
@@ -221,7 +222,7 @@ run_suite() {  # run_suite SUITE: one suite, its results under $out
             ;;
         tests-kernels) HF_PAGED_CHECK_LAUNCH=1 pytest_cuda tests-kernels 540 tests/kernels ;;
         tests-cache) pytest_cuda tests-cache 300 tests/cache ;;
-        tests-engine) HF_PAGED_CHECK_LAUNCH=1 pytest_cuda tests-engine 540 tests/engine tests/serving \
+        tests-engine) HF_PAGED_CHECK_LAUNCH=1 pytest_cuda tests-engine 540 tests/engine \
             --ignore=tests/engine/test_engine_fuzz.py ;;
         tests-fuzz)
             HF_PAGED_CHECK_LAUNCH=1 pytest_cuda tests-engine-fuzz 300 tests/engine/test_engine_fuzz.py

@@ -1,8 +1,8 @@
 """``hf-paged serve`` beside ``transformers serve --continuous-batching`` on one GPU: same model, same requests.
 
 1. A random-weight bf16 model of a ``hf_paged.frontends.bench_workloads.SHAPES`` shape (vocabulary resized to the
-   tokenizer), saved with a tokenizer (``--tokenizer DIR``; default: the embedded SmolLM2's, converted from its GGUF) to
-   ``--model-dir``, so both servers load the same folder.
+   tokenizer), saved with a tokenizer (``--tokenizer DIR``; default: the embedded SmolLM2's, converted from its
+   GGUF) to ``--model-dir``, so both servers load the same folder.
 2. Each system in turn, alone on the card: its server as a subprocess on ``--port``, ``/health`` polled, then
    ``benchmarks/serve.py`` (chat endpoint, text prompts of ``--input-len`` words, ``--output-len`` tokens asked,
    Poisson arrivals) at each ``--request-rates`` entry (``inf``: all at once = saturation), then SIGTERM.

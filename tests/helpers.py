@@ -114,7 +114,8 @@ needs_serve = pytest.mark.skipif(
 
 def needs_cuda(what: str) -> pytest.MarkDecorator:
     """Skip unless CUDA is available; ``what`` says what the test needs CUDA for."""
-    return pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs CUDA: {what} (device machine)")
+    reason = f"needs CUDA: {what}; runs on the device machine (benchmarks/run_gpu.sh tests)"
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
 
 
 def assert_engine_drained(engine) -> None:

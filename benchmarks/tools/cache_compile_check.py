@@ -1,8 +1,8 @@
 """Compiled generate with a compileable PagedCache (``max_cache_len``), eager PagedCache and compiled StaticCache.
 
 Random-weight model (CUDA: the Qwen3-0.6B shape in bf16, ``hf_paged.frontends.bench_workloads.SHAPES``;
-``--device cpu``: the tiny shape in fp32), random prompts without padding, EOS ignored, greedy, seeded. Systems, each called twice (the
-first call compiles; the second is measured):
+``--device cpu``: the tiny shape in fp32), random prompts without padding, EOS ignored, greedy, seeded. Systems,
+each called twice (the first call compiles; the second is measured):
 - ``paged-eager``: ``PagedCache(model)`` (not compileable: the eager path, the reference for the logits);
 - ``paged-compiled``: ``PagedCache(model, max_cache_len=prompt + new tokens)``: generate compiles its decode steps;
 - ``static-compiled``: ``cache_implementation="static"``, transformers' compiled baseline.
@@ -149,8 +149,10 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/tools/cache_compile_check.py needs a CUDA GPU (or --device cpu for a smoke run)",
-              file=sys.stderr)
+        print(
+            "benchmarks/tools/cache_compile_check.py needs a CUDA GPU (or --device cpu for a smoke run)",
+            file=sys.stderr,
+        )
         return 2
     shape = "qwen3-0.6b" if args.device == "cuda" else "tiny"
     model = build_model(shape, device=args.device)

@@ -84,9 +84,9 @@ class ModelInfo:
                 f"memory_fraction={memory_fraction} of free memory on {self.devices[0]} ({budget} bytes) holds no KV "
                 f"block of {per_block} bytes; pass num_blocks= or a larger memory_fraction"
             )
-        return self._same_on_every_rank(budget // per_block)
+        return self.same_on_every_rank(budget // per_block)
 
-    def _same_on_every_rank(self, num_blocks: int) -> int:
+    def same_on_every_rank(self, num_blocks: int) -> int:
         """Under tensor parallelism every rank must have the same pool (same schedule): the smallest one."""
         import torch.distributed as dist
 

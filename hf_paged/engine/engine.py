@@ -93,7 +93,7 @@ class ContinuousBatcher(StepPipeline):
                 config.gpu_memory_utilization, cuda_graphs_on(config.use_cuda_graphs, info.devices),
                 info.max_model_len or 8192, fuse_projections=fuse,
             )  # fmt: skip
-            num_blocks = info._same_on_every_rank(self.memory_profile.num_blocks)  # tensor parallelism: the least
+            num_blocks = info.same_on_every_rank(self.memory_profile.num_blocks)  # tensor parallelism: the least
         else:
             num_blocks = info.num_blocks_for(config.num_blocks, config.block_size, config.memory_fraction or 0.5)
         self.model = model
@@ -157,6 +157,12 @@ class ContinuousBatcher(StepPipeline):
             if config.max_num_batched_tokens <= self.runner.mixed_sizes[-1]:
                 torch.cuda.empty_cache()  # every step replays a graph: the warm-up's cached activations go back
             self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
+
+    @property
+    def rank_sync(self) -> RankSync:
+        """This process's tensor-parallel rank and the broadcast of rank 0's tokens (one rank: a no-op); the serving
+        layer reads it to decide which rank fronts the requests."""
+        return self._sync
 
     @property
     def pool(self) -> BlockPool:

@@ -151,7 +151,7 @@ def profile_num_blocks(
             )
         )
     num_blocks = min(b.num_blocks for b in budgets if per_block.get(torch.device(b.device)))
-    num_blocks = info._same_on_every_rank(num_blocks)
+    num_blocks = info.same_on_every_rank(num_blocks)
     profile = MemoryProfile(num_blocks, budgets)
     if num_blocks < 1:
         raise ValueError(

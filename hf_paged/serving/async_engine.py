@@ -194,9 +194,9 @@ class AsyncEngine(StreamingFront):
             if not isinstance(self._batcher, ContinuousBatcher):
                 raise TypeError(f"the `engine` function must return a ContinuousBatcher, got "
                                 f"{type(self._batcher).__name__}")  # fmt: skip
-            if self._batcher._sync.rank != 0:
+            if self._batcher.rank_sync.rank != 0:
                 raise ValueError(f"under tensor parallelism only rank 0 runs an AsyncEngine (this is rank "
-                                 f"{self._batcher._sync.rank}); the other ranks call follow(batcher)")  # fmt: skip
+                                 f"{self._batcher.rank_sync.rank}); the other ranks call follow(batcher)")  # fmt: skip
         except BaseException as err:
             self._startup_error = err
             return
@@ -209,7 +209,7 @@ class AsyncEngine(StreamingFront):
 
     def _serve(self, batcher: ContinuousBatcher) -> None:
         """Apply the callers' commands, run a step, send its deltas; sleep while there is nothing to run."""
-        sync = batcher._sync
+        sync = batcher.rank_sync
         while True:
             with self._cond:
                 while not self._inbox and not batcher.has_unfinished_requests():

@@ -47,7 +47,7 @@ def follow(batcher: ContinuousBatcher) -> None:
     Raises:
         ValueError: not under tensor parallelism, or called on rank 0 (which runs the AsyncEngine).
     """
-    sync = batcher._sync
+    sync = batcher.rank_sync
     if not sync.enabled or sync.rank == 0:
         raise ValueError("follow() runs on the tensor-parallel ranks other than 0 (torchrun, tp_plan='auto'); "
                          f"this process is rank {sync.rank} of a {'tensor-parallel' if sync.enabled else 'single'} "

@@ -302,6 +302,11 @@ def test_engine_forks_detokenize_independently(smollm2):
     assert_engine_drained(engine)
 
 
+@pytest.mark.skipif(
+    DEVICE == "cuda",
+    reason="the CPU's stamp: a CPU step's tokens exist when it is launched; on CUDA they are stamped when the step's "
+    "copy to the host completes. Runs on the CPU (CI)",
+)
 def test_async_scheduling_stamps_the_first_token_when_it_was_sampled():
     """A deferred step's tokens are applied after the next forward; the first-token time is when they were
     sampled (on the CPU: at once), not when they were applied."""
