@@ -7,8 +7,8 @@ A record holds one run's figures with what it takes to reproduce and compare the
      "commit": "<git rev-parse HEAD>" or null, "command": "hf-paged bench --workload nano ...",
      "workload": {...}, "systems": [...]}          # benchmarks/generate.py writes "rows" instead of "systems"
 
-``commit`` is the ``git rev-parse HEAD`` of the tree hf_paged was imported from; where that tree is no git
-checkout (a copy on a benchmark machine), ``$HF_PAGED_COMMIT``; else null.
+``commit`` is ``$HF_PAGED_COMMIT`` when set (a copy of a tree on a benchmark machine, whose own ``.git``, if any,
+may be stale), else the ``git rev-parse HEAD`` of the tree hf_paged was imported from, else null.
 """
 
 import datetime
@@ -19,9 +19,11 @@ from pathlib import Path
 
 
 def source_commit() -> str | None:
-    """The commit of the tree hf_paged runs from, ``$HF_PAGED_COMMIT`` without one, else None."""
+    """``$HF_PAGED_COMMIT`` when set, else the commit of the git checkout hf_paged runs from, else None."""
     import hf_paged
 
+    if os.environ.get("HF_PAGED_COMMIT"):
+        return os.environ["HF_PAGED_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(hf_paged.__file__).resolve().parent,
                               capture_output=True, text=True, timeout=10, check=False)  # fmt: skip
@@ -29,7 +31,7 @@ def source_commit() -> str | None:
         done = None
     if done is not None and done.returncode == 0 and done.stdout.strip():
         return done.stdout.strip()
-    return os.environ.get("HF_PAGED_COMMIT") or None
+    return None
 
 
 def versions() -> dict[str, str | None]:

@@ -54,9 +54,10 @@ def add_parser(commands) -> None:
         type=positive_int,
         default=1,
         metavar="N",
-        help="N engine replicas, one process per GPU (replica i on GPU i), behind this one server; each request goes "
-        "to the least-loaded replica. Meant for N GPUs and a model that fits one; on the CPU the replicas share the "
-        "cores. Default: 1 (one engine in the server process)",
+        help="N engine replicas, one process per GPU (replica i on GPU i), behind this one server; a request goes to "
+        "the replica that was sent its prompt's prefix before, unless that one is much busier than the least-loaded. "
+        "Meant for N GPUs and a model that fits one; on the CPU the replicas share the cores. Default: 1 (one engine "
+        "in the server process)",
     )
     serve.add_argument(
         "--engine-process",

@@ -100,15 +100,14 @@ def test_a_system_summary_is_one_table_row_and_one_record_entry(tmp_path):
     assert loaded["systems"][1]["startup_s"] is None and loaded["systems"][2]["runs"] == 0
 
 
-def test_the_record_commit_is_the_checkout_head_else_the_environment_variable(monkeypatch, tmp_path):
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
-    if head.returncode == 0:  # a git checkout: its HEAD, whatever the variable says
-        monkeypatch.setenv("HF_PAGED_COMMIT", "abc123")
-        assert source_commit() == head.stdout.strip()
-    monkeypatch.setenv("PATH", str(tmp_path))  # no git: the copy of a tree on a benchmark machine
-    monkeypatch.setenv("HF_PAGED_COMMIT", "abc123")
+def test_the_record_commit_is_the_environment_variable_else_the_checkout_head(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_PAGED_COMMIT", "abc123")  # named by the caller: wins over a (possibly stale) checkout
     assert source_commit() == "abc123"
     monkeypatch.delenv("HF_PAGED_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert source_commit() == head.stdout.strip()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git and no variable: unknown
     assert source_commit() is None
 
 
