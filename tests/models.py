@@ -51,6 +51,18 @@ def tiny_model(
     return model
 
 
+def tiny_falcon(attn: str = "paged") -> torch.nn.Module:
+    """A tiny multi-query Falcon: its attention computes itself, outside transformers' attention interface."""
+    config = transformers.FalconConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, alibi=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
 def cache_kwarg() -> str:
     """The name generate() takes the cache by: `cache` where models take it so (5.2x), else `past_key_values`."""
     import inspect

@@ -51,6 +51,7 @@ from hf_paged.cache.rows import Row, RowBook
 from hf_paged.core.block_pool import BlockPool
 from hf_paged.core.context import ForwardContext
 from hf_paged.core.model_info import ModelInfo
+from hf_paged.core.support import check_paged_attention_reached
 
 _DEFAULT_MEMORY_FRACTION = 0.3
 
@@ -161,6 +162,8 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
         ):
             raise ValueError(f"`max_cache_len` must be a positive int or None, got {max_cache_len!r}")
         info = ModelInfo.from_model(model)
+        if getattr(model.config, "_attn_implementation", None) == "paged":
+            check_paged_attention_reached(model, info.num_layers)
         # A growing pool starts with one block (pools are never empty) and may grow to _max_num_blocks.
         self._max_num_blocks = info.num_blocks_for(None, block_size, memory_fraction) if num_blocks is None else None
         num_blocks = info.num_blocks_for(num_blocks, block_size, memory_fraction) if num_blocks is not None else 1

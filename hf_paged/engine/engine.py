@@ -28,6 +28,7 @@ import torch
 
 from hf_paged.core.block_pool import BlockPool
 from hf_paged.core.model_info import ModelInfo
+from hf_paged.core.support import check_paged_attention_reached
 from hf_paged.engine.beam_search import BeamState
 from hf_paged.engine.config import EngineConfig, cuda_graphs_on, on_cuda_by_default
 from hf_paged.engine.distributed import RankSync
@@ -85,6 +86,7 @@ class ContinuousBatcher(StepPipeline):
             import hf_paged.core.attention  # noqa: F401  (registers "paged")
 
             model.set_attn_implementation("paged")
+        check_paged_attention_reached(model, info.num_layers)
         self.memory_profile: MemoryProfile | None = None  # how the pool was sized, when profiled
         fuse = config.fuse_projections if info.tp_size == 1 else False  # for the profiling forward's runner too
         if config.num_blocks is None and config.memory_fraction is None and info.devices[0].type == "cuda":

@@ -311,6 +311,21 @@ def test_decode_steps_reuse_the_device_block_tables():
     assert_cache_released(cache)
 
 
+def test_paged_attention_that_a_layer_never_calls_is_refused():
+    """A model set to attn_implementation="paged" whose first layer computes attention itself (as remote code or
+    a family outside transformers' attention interface does): PagedCache refuses it at construction, naming the
+    module, instead of letting generate run a layer that never reads the blocks."""
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+
+    def own_attention(hidden_states, *args, **kwargs):
+        return attention.o_proj(torch.zeros_like(hidden_states)), None
+
+    attention.forward = own_attention
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: 1 of its 2 attention layers call .*\(LlamaAttention "):
+        PagedCache(model, num_blocks=16, block_size=8)
+
+
 @pytest.mark.parametrize("sinks", ["parameter", "attribute", "none"])
 def test_paged_attention_refuses_attention_sinks(sinks):
     """Sink logits (gpt-oss) are refused by name whether the attention module holds them as a parameter or as a plain

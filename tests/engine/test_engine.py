@@ -3,7 +3,7 @@
 import pytest
 import torch
 from helpers import assert_engine_drained
-from models import DEVICE, cache_kwarg, char_tokenizer
+from models import DEVICE, cache_kwarg, char_tokenizer, tiny_falcon
 from models import tiny_model as _tiny_model
 from transformers import DynamicCache
 
@@ -373,3 +373,32 @@ def test_generate_freezes_the_heap_it_found_for_the_call(monkeypatch):
     engine = schedule = None
     gc.collect()
     assert ref() is None
+
+
+def _tiny_bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4)).eval()
+
+
+@pytest.mark.parametrize("family", ["falcon", "bloom"])
+def test_a_model_whose_attention_ignores_paged_is_refused(family):
+    """Falcon and BLOOM (ALiBi) compute attention themselves, so attn_implementation="paged" never reaches them: the
+    engine would attend over the packed batch without the past K/V (Falcon: wrong tokens; BLOOM: a crash deep in
+    its ALiBi). It refuses at construction, naming the module."""
+    model, name = (tiny_falcon(), "Falcon") if family == "falcon" else (_tiny_bloom(), "Bloom")
+    with pytest.raises(ValueError, match=rf"{name}ForCausalLM: 0 of its 2 attention layers call .*{name}Attention"):
+        ContinuousBatcher(model, num_blocks=16, block_size=8)
+
+
+def test_every_layer_of_a_supported_model_reaches_paged():
+    from hf_paged.core.support import paged_attention_callers
+
+    model = tiny_model("llama")
+    assert len(paged_attention_callers(model)) == model.config.num_hidden_layers
+    from transformers import AttentionInterface
+
+    from hf_paged.core.attention import paged_attention_forward
+
+    assert AttentionInterface._global_mapping["paged"] is paged_attention_forward  # the probe put it back

@@ -1,0 +1,62 @@
+"""Whether a model's attention layers reach ``attn_implementation="paged"``: no silent fallback.
+
+Setting an attention implementation only changes what transformers' attention interface returns; a model whose
+attention modules compute attention themselves (Falcon, BLOOM, MPT and other families outside the interface)
+keeps running its own code. Under the engine such a model attends over the packed batch without any past K/V and
+returns wrong tokens without an error. ``check_paged_attention_reached`` runs one forward of one token and counts
+the modules that call the "paged" function; a model where fewer modules call it than it has layers is refused with
+the modules that did not, and what to use instead.
+"""
+
+import torch
+
+from hf_paged.core.attention import ATTN_NAME, paged_attention_forward
+
+
+def paged_attention_callers(model: torch.nn.Module) -> set[int]:
+    """The ids of the modules that call the "paged" attention function in a one-token forward of ``model``.
+
+    The forward runs without a cache and without a forward context, so the function takes its plain-attention
+    path and nothing is written anywhere.
+    """
+    from transformers import AttentionInterface
+
+    device = model.get_input_embeddings().weight.device
+    callers: set[int] = set()
+
+    def counting(module, *args, **kwargs):
+        callers.add(id(module))
+        return paged_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register(ATTN_NAME, counting)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    finally:
+        AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    return callers
+
+
+def check_paged_attention_reached(model: torch.nn.Module, num_layers: int) -> None:
+    """Raise ``ValueError`` unless ``num_layers`` modules of ``model`` call attn_implementation="paged".
+
+    Args:
+        model: a transformers model whose ``config._attn_implementation`` is "paged".
+        num_layers: the decoder layers the K/V pool holds, one attention call each.
+
+    Raises:
+        ValueError: the model's attention does not go through transformers' attention interface; names the
+            attention modules that did not call it.
+    """
+    callers = paged_attention_callers(model)
+    if len(callers) >= num_layers:
+        return
+    missed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")
+                     and id(m) not in callers})  # fmt: skip
+    where = f" ({', '.join(missed)} computes attention itself)" if missed else ""
+    raise ValueError(
+        f"{type(model).__name__}: {len(callers)} of its {num_layers} attention layers call "
+        f"attn_implementation='paged'{where}: the model does not use transformers' attention interface, so hf_paged "
+        "cannot give it paged K/V and would compute wrong tokens. Run it with model.generate and transformers' own "
+        "cache (DynamicCache) instead."
+    )
