@@ -5,12 +5,17 @@ attention modules compute attention themselves (Falcon, BLOOM, MPT and other fam
 keeps running its own code. Under the engine such a model attends over the packed batch without any past K/V and
 returns wrong tokens without an error. ``check_paged_attention_reached`` runs one forward of one token and counts
 the modules that call the "paged" function; a model where fewer modules call it than it has layers is refused with
-the modules that did not, and what to use instead.
+the modules that did not, and what to use instead. A model that passes is not probed again.
 """
+
+import weakref
 
 import torch
 
 from hf_paged.core.attention import ATTN_NAME, paged_attention_forward
+
+# Models that passed the check: the probe runs once a model, not once a cache or engine built over it.
+_REACHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def paged_attention_callers(model: torch.nn.Module) -> set[int]:
@@ -48,8 +53,11 @@ def check_paged_attention_reached(model: torch.nn.Module, num_layers: int) -> No
         ValueError: the model's attention does not go through transformers' attention interface; names the
             attention modules that did not call it.
     """
+    if model in _REACHED:
+        return
     callers = paged_attention_callers(model)
     if len(callers) >= num_layers:
+        _REACHED.add(model)
         return
     missed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")
                      and id(m) not in callers})  # fmt: skip

@@ -131,6 +131,7 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
     (copy-on-write), prefix hits, arrivals and preemption. With cascade on, a decode step replays the plain (fused)
     decode graph unless its rows share a prefix, then the "cascade" graph."""
     import hf_paged.core.attention as attention_module
+    from hf_paged.core.context import get_forward_context
 
     calls = {"write_kv": 0, "fused": 0, "layers": 0}
     separate_write = [True]
@@ -149,7 +150,8 @@ def test_decode_steps_write_kv_in_the_decode_kernel_call(graphs, cascade, monkey
         return paged_attention(*args, **kwargs)
 
     def counting_layer(*args, **kwargs):
-        calls["layers"] += 1
+        ctx = get_forward_context()
+        calls["layers"] += ctx is not None and ctx.paged  # a layer of a paged forward (not the start-up probe's)
         return context_attention(*args, **kwargs)
 
     monkeypatch.setattr(attention_module, "write_kv", counting_write_kv)
