@@ -22,7 +22,7 @@ _HOOKED = "_hf_paged_hooks"
 def install_hooks(model: torch.nn.Module) -> None:
     """Hook the decoder (the module that receives the cache and the 2D mask) once per model, and give the model the
     ``create_masks_for_generate`` through which generate's eager input preparation plans decode steps ahead."""
-    decoder = getattr(model, "base_model", model)
+    decoder = _decoder(model)
     if getattr(decoder, _HOOKED, False):
         return
     decoder.register_forward_pre_hook(_pre_forward, with_kwargs=True)
@@ -33,6 +33,17 @@ def install_hooks(model: torch.nn.Module) -> None:
     model.create_masks_for_generate = functools.partial(
         _create_masks_for_generate, getattr(model, "create_masks_for_generate", None)
     )
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that receives the cache: the one holding the decoder layers (``layers``), found from the base
+    model down, since some heads call it directly (OPTForCausalLM calls ``model.decoder``, never ``model``); the
+    base model where no module has such a list (GPT-2's blocks are ``h``)."""
+    base = getattr(model, "base_model", model)
+    for module in base.modules():
+        if isinstance(getattr(module, "layers", None), torch.nn.ModuleList):
+            return module
+    return base
 
 
 def _create_masks_for_generate(model_function, **kwargs):

@@ -31,6 +31,23 @@ def _reference_impl(family: str) -> str:
     return "eager" if family == "gemma2" else "sdpa"
 
 
+@pytest.mark.parametrize("attn", ["paged", "sdpa"])
+def test_opt_whose_head_calls_its_decoder_directly_matches_dynamic_cache(attn):
+    """OPTForCausalLM calls ``model.decoder``, never ``model``: the cache's hook sits on the module that holds the
+    decoder layers, so greedy and beam search (left padding, block boundaries) match DynamicCache."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                       word_embed_proj_dim=32, max_position_embeddings=128, pad_token_id=0)  # fmt: skip
+    model = OPTForCausalLM(config).eval()
+    model.set_attn_implementation(attn)
+    for kwargs in (dict(max_new_tokens=14), dict(max_new_tokens=6, num_beams=3)):
+        expected = _generate(model, _dynamic(model), do_sample=False, **kwargs)
+        cache = PagedCache(model, num_blocks=64, block_size=8)
+        assert torch.equal(_generate(model, cache, do_sample=False, **kwargs), expected), kwargs
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("attn", ["paged", "ref"])
 def test_greedy_matches_dynamic_cache(family, attn):

@@ -83,6 +83,7 @@ def test_greedy_equals_model_generate(reference, config):
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
     if config["num_blocks"] == 14:
         assert engine.metrics().num_preemptions > 0
+    assert_engine_drained(engine)
         assert (engine.metrics().num_swapped_out_blocks > 0) == (config.get("preemption_mode") == "swap")
     assert_engine_drained(engine)
 
@@ -402,3 +403,25 @@ def test_every_layer_of_a_supported_model_reaches_paged():
     from hf_paged.core.attention import paged_attention_forward
 
     assert AttentionInterface._global_mapping["paged"] is paged_attention_forward  # the probe put it back
+
+
+def test_opt_greedy_equals_generate_under_preemption():
+    """OPT (learned positions with an offset, a head that calls its decoder directly): the engine's greedy tokens
+    equal model.generate's for each prompt, with a pool small enough to preempt."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                       word_embed_proj_dim=32, max_position_embeddings=128, pad_token_id=0)  # fmt: skip
+    model = OPTForCausalLM(config).eval()
+    prompts = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 9, 11, 12, 13, 14, 15], [20, 21, 22], list(range(30, 47))]
+    expected = [
+        model.generate(input_ids=torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
+        for p in prompts
+    ]
+    engine = ContinuousBatcher(model, num_blocks=9, block_size=8, max_num_batched_tokens=16)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [e.tolist() for e in expected]
+    assert engine.metrics().num_preemptions > 0
+    assert_engine_drained(engine)
