@@ -83,7 +83,6 @@ def test_greedy_equals_model_generate(reference, config):
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
     if config["num_blocks"] == 14:
         assert engine.metrics().num_preemptions > 0
-    assert_engine_drained(engine)
         assert (engine.metrics().num_swapped_out_blocks > 0) == (config.get("preemption_mode") == "swap")
     assert_engine_drained(engine)
 
