@@ -6,6 +6,7 @@ A front (``AsyncEngine`` for one engine thread, ``DataParallelEngine`` for repli
 (on the engine thread or in a replica process, wherever the text is detokenised).
 """
 
+import abc
 import collections
 from dataclasses import dataclass
 
@@ -109,7 +110,7 @@ class RequestStream:
             pass
 
 
-class StreamingFront:
+class StreamingFront(abc.ABC):
     """What every asyncio front shares: ``generate`` on top of the front's ``stream``, the caller-side checks of a
     request, and ``async with`` ending in the front's ``shutdown``.
 
@@ -124,13 +125,13 @@ class StreamingFront:
             pass
         return stream.output
 
+    @abc.abstractmethod
     def abort_quietly(self, request_id: str) -> bool:
         """Abort a request if it is in flight (a RequestStream whose consumer left); False if it is not."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check_serving(self) -> None:
         """Raise EngineDeadError or RuntimeError if the front accepts no new requests."""
-        raise NotImplementedError
 
     def checked_request(self, prompt, params: SamplingParams | None) -> tuple[SamplingParams, str | None, list[int]]:
         """What ``stream()`` does first, in the caller's context: (params, prompt text, token ids) of a request the
