@@ -82,6 +82,8 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``hf-paged serve``: build the engine the flags ask for and serve it until a signal; the exit status."""
+    if args.data_parallel > 1:  # settings first: a wrong flag is reported whatever is installed
+        _data_parallel_device(args)
     try:
         from hf_paged.frontends import serve
     except ModuleNotFoundError as err:
@@ -190,15 +192,9 @@ def uses_engine_process(args: argparse.Namespace) -> bool:
     return torch.cuda.is_available()
 
 
-def _data_parallel_engine(args: argparse.Namespace, num_fronts: int = 0):
-    """``--data-parallel N``: N replica processes, each loading the model onto its own GPU (or the CPU); with
-    ``num_fronts`` pipes for that many API-server processes."""
-    import functools
-
+def _data_parallel_device(args: argparse.Namespace) -> str:
+    """The replicas' device type for ``--data-parallel N``, checked against the visible GPUs."""
     import torch
-
-    from hf_paged.frontends import models
-    from hf_paged.serving.data_parallel import DataParallelEngine
 
     n = args.data_parallel
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -210,6 +206,19 @@ def _data_parallel_engine(args: argparse.Namespace, num_fronts: int = 0):
         raise UsageError(f"--data-parallel {n} needs {n} GPUs, but {torch.cuda.device_count()} are visible"
                          + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
                          + f"; pass --data-parallel {torch.cuda.device_count()} or fewer")  # fmt: skip
+    return device
+
+
+def _data_parallel_engine(args: argparse.Namespace, num_fronts: int = 0):
+    """``--data-parallel N``: N replica processes, each loading the model onto its own GPU (or the CPU); with
+    ``num_fronts`` pipes for that many API-server processes."""
+    import functools
+
+    from hf_paged.frontends import models
+    from hf_paged.serving.data_parallel import DataParallelEngine
+
+    n = args.data_parallel
+    device = _data_parallel_device(args)
     # A GGUF model is converted here, once, rather than by every replica at the same time.
     gguf = models.default_model_path() if args.model in (None, models.DEFAULT_MODEL) else args.model
     if gguf.endswith(".gguf") and os.path.isfile(gguf) and not models.converted_dir(gguf, None).is_dir():
