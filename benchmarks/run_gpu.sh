@@ -28,6 +28,9 @@
 #                  prefix caching on vs off (Qwen3-0.6B), sharegpt (Llama-3.1-8B); a process a workload, dealt
 #                  over the GPUs                                                                       (~9 min)
 #   engine-qwen / engine-llama   the Qwen3-0.6B workloads / the Llama-3.1-8B one                   (~6 / ~3 min)
+#   engine-models  hf-paged bench, sharegpt-like (64 requests) on the shapes of gpt-oss-20b (sinks), DeepSeek-V2-Lite
+#                  (MLA), Gemma-3-4B and Mixtral-8x7B, each beside transformers' continuous batching; a process
+#                  a model, dealt over the GPUs                                           (~8 min on 2 GPUs)
 #   generate       benchmarks/generate.py, the whole grid (2 shapes x 4 points x 3 modes x 4 systems), a
 #                  process a (shape, point), dealt over the GPUs: one call on 8 GPUs
 #   generate-qwen / generate-llama   one shape's 4 points: one call on 4 GPUs
@@ -40,8 +43,8 @@
 # commit, command and figures; NAME.baseline.* for BASELINE_SRC's runs). Set HF_PAGED_COMMIT where the tree is
 # not a git checkout, so that its records name their commit.
 set -uo pipefail
-SUITES=(tests tests-kernels tests-cache tests-engine tests-fuzz kernels engine engine-qwen engine-llama generate
-    generate-qwen generate-llama generate-quick serve)
+SUITES=(tests tests-kernels tests-cache tests-engine tests-fuzz kernels engine engine-qwen engine-llama engine-models
+    generate generate-qwen generate-llama generate-quick serve)
 BUDGET_S=${BUDGET_S:-560}  # a dealt suite's processes all end by then: a call is 600 s
 
 # The engine table's workloads and the generate grid's points, as jobs: NAME TIMEOUT PROGRAM ARGUMENTS...
@@ -53,6 +56,10 @@ ENGINE_QWEN=(
     "nano 150 bench --workload nano --systems hf_paged --repeats 3"
     "prefix 150 bench --workload prefix --systems hf_paged,hf_paged_no_prefix --repeats 3"
 )
+ENGINE_MODELS=() HF_CB="--systems hf_paged,hf_cb --baseline-repeats 1"
+for shape in mixtral-8x7b gpt-oss-20b deepseek-v2-lite gemma-3-4b; do
+    ENGINE_MODELS+=("$shape 270 bench --model $shape --workload sharegpt --num-requests 64 --repeats 1 $HF_CB")
+done
 GRID="--modes greedy samples4 beams4 --systems dynamic static paged paged-compiled --new-tokens 32 --repeats 3"
 GENERATE_QWEN=() GENERATE_LLAMA=()
 for point in 64x512 32x512 8x1024 1x512; do
@@ -240,6 +247,7 @@ run_suite() {  # run_suite SUITE: one suite, its results under $out
         engine) deal engine "${ENGINE_LLAMA[@]}" "${ENGINE_QWEN[@]}" ;;
         engine-qwen) deal engine-qwen "${ENGINE_QWEN[@]}" ;;
         engine-llama) deal engine-llama "${ENGINE_LLAMA[@]}" ;;
+        engine-models) deal engine-models "${ENGINE_MODELS[@]}" ;;
         # Qwen points light to heavy, then Llama points heavy to light: on 4 GPUs each gets a light and a heavy one.
         generate) deal generate "${GENERATE_QWEN[@]}" "${GENERATE_LLAMA[@]}" ;;
         generate-qwen) deal generate-qwen "${GENERATE_QWEN[@]}" ;;

@@ -1,7 +1,8 @@
 """The benchmark's models, workloads and physical floor (no GPU needed to build them).
 
 Models: random-weight bf16 models built from configs (no hub; like ``vllm bench --load-format dummy``), in the
-shapes of Qwen3-0.6B and Llama-3.1-8B, plus a tiny shape for CPU smoke runs.
+shapes of Qwen3-0.6B and Llama-3.1-8B, of gpt-oss-20b, DeepSeek-V2-Lite, Gemma-3-4B and Mixtral-8x7B (their
+attention and expert layouts), plus a tiny shape for CPU smoke runs.
 
 Workloads: random prompt ids, EOS ignored, seeded:
 - nano: 256 requests, prompt U[100, 1024], output U[100, 1024] (nano-vllm's bench);
@@ -30,6 +31,28 @@ SHAPES = {
     "llama-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
         vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)),
+    # attention sinks, sliding window on every other layer, 32 experts (4 active); bf16 experts instead of MXFP4
+    "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=24, hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072)),
+    # multi-head latent attention (kv_lora_rank 512 + rope 64 per token), 64 routed experts (6 active)
+    "deepseek-v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=27, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, vocab_size=102400, max_position_embeddings=163840, topk_method="greedy", n_group=1,
+        topk_group=1)),
+    # five sliding-window layers (1024) to one global layer, head_dim 256
+    "gemma-3-4b": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=34, hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, sliding_window=1024, query_pre_attn_scalar=256, vocab_size=262208,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4,
+        max_position_embeddings=131072)),
+    # 8 experts (2 active) of Llama-2-7B's width: 47B parameters, 94 GB in bf16
+    "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768)),
     "tiny": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=1024, max_position_embeddings=4096)),
@@ -152,13 +175,15 @@ def measure_ceilings(device: str = "cuda") -> tuple[float, float]:
 
 
 def floor_seconds(model, workload: Workload, bandwidth: float, flops: float, max_concurrency: int) -> float:
-    """Time no engine can beat: weights once per decode step + every attended KV byte + prefill FLOPs."""
+    """Time no engine can beat: weights once per decode step + every attended KV byte + prefill FLOPs.
+
+    Mixture-of-experts models: every expert counts as read each decode step (a batch of many rows routes to all of
+    them) but only the active experts' FLOPs count in the prefill. MLA models keep one latent row a token a layer.
+    Sliding-window layers count every key (the floor is then a little too easy).
+    """
     config = model.config
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = params * 2
-    num_kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = 2 * config.num_hidden_layers * num_kv_heads * head_dim * 2
     kv_read = 0
     for prompt, out_len in zip(workload.prompts, workload.output_lens, strict=True):
         # output token t attends len(prompt) + t keys
@@ -166,5 +191,26 @@ def floor_seconds(model, workload: Workload, bandwidth: float, flops: float, max
     # Fewest decode steps: the requests run in waves of max_concurrency; each wave lasts its longest output.
     lens = sorted(workload.output_lens, reverse=True)
     steps = sum(lens[i] for i in range(0, len(lens), max_concurrency))
-    prefill_flops = 2 * params * workload.num_prompt_tokens
-    return (steps * weight_bytes + kv_read * kv_bytes_per_token) / bandwidth + prefill_flops / flops
+    prefill_flops = 2 * active_parameters(model) * workload.num_prompt_tokens
+    return (steps * weight_bytes + kv_read * kv_bytes_per_token(config)) / bandwidth + prefill_flops / flops
+
+
+def kv_bytes_per_token(config) -> int:
+    """bf16 K/V bytes one token keeps over all layers: K and V per KV head, or one MLA latent row."""
+    if getattr(config, "kv_lora_rank", None):
+        return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * 2
+
+
+def active_parameters(model) -> int:
+    """Parameters a token runs through: the routed experts count by the share of them a token picks."""
+    config = model.config
+    num_experts = next((getattr(config, k) for k in ("n_routed_experts", "num_local_experts", "num_experts")
+                        if getattr(config, k, None)), None)  # fmt: skip
+    params = sum(p.numel() for p in model.parameters())
+    if not num_experts:
+        return params
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name or name.endswith(".experts"))
+    return params - routed + routed * config.num_experts_per_tok // num_experts

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_paged.frontends.bench import format_table, main, summarize
 from hf_paged.frontends.bench_record import make_record, source_commit, write_record
@@ -131,3 +132,21 @@ def test_engine_trace_and_step_kernels_run_on_the_cpu(capsys):
     assert "### tiny, mixed: decode batch 2 + a 12-token prompt" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         _script("step_kernels").main(["--device", "cpu", "--sizes", "256", "--chunk", "12"])
+
+
+def test_the_floor_counts_the_active_experts_and_one_latent_row_for_mla():
+    import transformers
+
+    from hf_paged.frontends.bench_workloads import active_parameters, kv_bytes_per_token
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=1)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    routed = 2 * 4 * 3 * 32 * 48  # layers x experts x (gate, up, down) x hidden x intermediate
+    assert active_parameters(model) == total - routed + routed // 4
+    assert kv_bytes_per_token(config) == 2 * 2 * 2 * 8 * 2  # K and V x layers x KV heads x head_dim x bf16
+    mla = transformers.DeepseekV2Config(num_hidden_layers=3, kv_lora_rank=16, qk_rope_head_dim=8)
+    assert kv_bytes_per_token(mla) == 3 * (16 + 8) * 2
