@@ -96,6 +96,7 @@ def run(
     max_prompt_tokens: int | None = None,
     max_body_bytes: int | None = None,
     shutdown_timeout_s: float = 30.0,
+    tool_call_parser: str | None = "auto",
 ) -> tuple[int, int | None]:
     """Start one API server per socket over ``engine``'s processes and supervise them until a signal or until
     every API server or every engine process has died; then stop everything (see the module docstring).
@@ -103,7 +104,7 @@ def run(
     Args:
         engine: a DataParallelEngine built with ``num_fronts=len(sockets)``; it is shut down before returning.
         sockets: from ``bind``; closed in this process once the API servers hold them.
-        model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes, shutdown_timeout_s: as
+        model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes, shutdown_timeout_s, tool_call_parser: as
             ``hf_paged.frontends.serve.run`` takes them, for every API server.
 
     Returns:
@@ -117,7 +118,8 @@ def run(
     ctx = multiprocessing.get_context("spawn")
     observations = FrontObservations.shared(ctx, len(sockets))
     settings = dict(model_name=model_name, api_key=api_key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
-                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)  # fmt: skip
+                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                    tool_call_parser=tool_call_parser)  # fmt: skip
     # Only this process holds the write end: if it dies (even by SIGKILL), every API server reads EOF and shuts down,
     # and then the engine processes, whose pipes have all closed, exit.
     lifeline, lifeline_write = ctx.Pipe(duplex=False)
@@ -241,12 +243,11 @@ def front_main(idx: int, sock: socket.socket, handoff: FrontHandoff, observation
             if sig != signal.SIGINT:  # else a Ctrl-C arriving after the launcher's SIGTERM would cut the drain short
                 super().handle_exit(sig, frame)
 
-    from hf_paged.frontends.serve import create_app
+    from hf_paged.frontends.serve import create_app, make_server
 
     engine = DataParallelEngine.attach(handoff)
     app = create_app(engine, observations=observations, **settings)
-    config = uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info")
-    server = Server(config)
+    server = make_server(app, shutdown_timeout_s, server_cls=Server, log_level="info")
 
     def watch_launcher() -> None:
         while not server.started and not server.should_exit:

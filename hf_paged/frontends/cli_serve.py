@@ -23,6 +23,7 @@ from hf_paged.frontends.cli_engine import (
     make_engine,
     positive_int,
 )
+from hf_paged.frontends.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
 def add_parser(commands) -> None:
@@ -47,6 +48,9 @@ def add_parser(commands) -> None:
                        help="longest prompt accepted (400 beyond); default: the model's context")  # fmt: skip
     serve.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20,
                        help="largest request body accepted (413 beyond); default: %(default)s")  # fmt: skip
+    serve.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default="auto",
+                       help="the format of tool calls in the model's output, parsed into `tool_calls` when a chat "
+                       "sends `tools`: 'auto' = the one the chat template writes; default: %(default)s")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds the requests in flight get on SIGTERM before they are aborted")  # fmt: skip
     serve.add_argument(
@@ -127,6 +131,7 @@ def _server_options(args: argparse.Namespace) -> dict:
         max_prompt_tokens=args.max_prompt_tokens,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -1,23 +1,15 @@
-"""The OpenAI API as hf_paged speaks it: request bodies, their SamplingParams, responses, stream chunks, errors.
-
-Request bodies are pydantic models of the fields OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` take,
-plus vLLM's extras (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty``, ``skip_special_tokens``, ``include_stop_str_in_output``). Unknown fields are ignored (as
-vLLM does: clients send new fields before servers know them); known fields hf_paged cannot honour are refused
-with a 400 that names them, never silently dropped. Every value check lives in ``SamplingParams``; its message
-is passed on with the OpenAI name of the field. No FastAPI import here: the server (``serve.py``) does HTTP.
+"""The OpenAI API as hf_paged answers it: errors, response bodies, stream chunks (the requests:
+``openai_requests.py``). No FastAPI import here: the server (``serve.py``) does HTTP.
 """
 
 import itertools
 import re
 import time
 import uuid
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
 from hf_paged.engine.outputs import StreamDelta
-from hf_paged.engine.params import SamplingParams
+from hf_paged.frontends.tool_calls import ToolCallStream, parse_tool_calls
 
 # SamplingParams field -> the request field a client sent
 _FIELD_NAMES = {"max_new_tokens": "max_tokens"}
@@ -45,172 +37,6 @@ def bad_value(err: Exception) -> APIError:
     return APIError(400, message, param=param)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    # null is accepted wherever OpenAI accepts it, and means the default (some clients send every field).
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None  # default 1.0
-    top_p: float | None = None  # default 1.0
-    n: int | None = None  # default 1
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None  # default 0.0
-    frequency_penalty: float | None = None  # default 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    top_k: int | None = None  # vLLM: -1 or 0 = off
-    min_p: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    repetition_penalty: float | None = None
-    skip_special_tokens: bool | None = None  # default True
-    include_stop_str_in_output: bool | None = None
-
-    @property
-    def width(self) -> int:
-        """``n``: choices per prompt."""
-        return 1 if self.n is None else self.n
-
-    @property
-    def streams(self) -> bool:
-        return bool(self.stream)
-
-    def check_supported(self) -> None:
-        """Refuse what hf_paged would otherwise ignore."""
-        if self.logit_bias:
-            raise APIError(400, "`logit_bias` is not supported by hf_paged", param="logit_bias")
-        if self.stream_options is not None and not self.streams:
-            raise APIError(400, "`stream_options` is only allowed with `stream: true`", param="stream_options")
-
-    def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The request's SamplingParams; a bad value raises ``APIError`` 400 naming the field."""
-        given = {name: value for name, value in self if value is not None}
-        top_k = given.get("top_k", 0)
-        try:
-            return SamplingParams(
-                n=self.width,
-                max_new_tokens=max_new_tokens,
-                min_tokens=given.get("min_tokens", 0),
-                temperature=given.get("temperature", 1.0),
-                top_k=0 if top_k == -1 else top_k,
-                top_p=given.get("top_p", 1.0),
-                min_p=given.get("min_p", 0.0),
-                seed=self.seed,
-                repetition_penalty=given.get("repetition_penalty", 1.0),
-                presence_penalty=given.get("presence_penalty", 0.0),
-                frequency_penalty=given.get("frequency_penalty", 0.0),
-                stop_token_ids=tuple(self.stop_token_ids or ()),
-                stop=() if self.stop is None else self.stop,
-                ignore_eos=given.get("ignore_eos", False),
-                logprobs=logprobs,
-                skip_special_tokens=given.get("skip_special_tokens", True),
-                include_stop_str_in_output=given.get("include_stop_str_in_output", False),
-            )
-        except (ValueError, TypeError) as err:
-            raise bad_value(err) from None
-
-
-class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: one prompt or a batch (each gets ``n`` choices, indexed prompt-major)."""
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise APIError(400, "`echo` is not supported by hf_paged", param="echo")
-        if self.suffix:
-            raise APIError(400, "`suffix` is not supported by hf_paged", param="suffix")
-        if self.best_of is not None and self.best_of != self.width:
-            raise APIError(400, f"`best_of` must equal `n` ({self.width}) or be omitted, got {self.best_of}",
-                           param="best_of")  # fmt: skip
-
-    def prompts(self) -> list:
-        """The prompts of the request: strings or token-id lists."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        if not prompt:
-            return [[]]  # an empty prompt: the engine's check answers
-        return list(prompt)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """The message's text: a string, or its ``{"type": "text"}`` parts joined."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"only text content parts are supported, got a part of type {part.get('type')!r}",
-                               param="messages")  # fmt: skip
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
-
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if not self.messages:
-            raise APIError(400, "`messages` must hold at least one message", param="messages")
-        if self.tools:
-            raise APIError(400, "`tools` are not supported by hf_paged", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"`response_format` {self.response_format.get('type')!r} is not supported by hf_paged;"
-                                " only 'text'", param="response_format")  # fmt: skip
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
-
-    def max_tokens_asked(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
-        try:
-            return super().sampling_params(max_new_tokens, logprobs)
-        except APIError as err:
-            if err.param == "logprobs":  # chat asks for alternatives with `top_logprobs`
-                err.param = "top_logprobs"
-                err.message = err.message.replace("`logprobs`", "`top_logprobs`")
-            raise
-
-
 _ID_STEM = uuid.uuid4().hex[:16]  # one random draw per process; a counter after it (os.urandom can be slow)
 _ID_COUNTER = itertools.count()
 
@@ -233,13 +59,19 @@ class Formatter:
     """Builds response bodies and stream chunks of one endpoint ("completion" or "chat") for one request."""
 
     def __init__(self, kind: str, model: str, tokenizer, num_logprobs: int | None = None,
-                 include_usage: bool = False):  # fmt: skip
+                 include_usage: bool = False, tool_parser: str | None = None,
+                 response_id: str | None = None):  # fmt: skip
+        """``tool_parser``: a chat whose output may hold tool calls in that format (hf_paged.frontends.tool_calls);
+        ``response_id``: the client's ``request_id`` (else a new id)."""
         self.kind = kind
+        self.tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its text, calls held back
         self.num_logprobs = num_logprobs or 0  # alternatives per token, when log-probs are asked
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage
-        self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        self.id = f"{prefix}-{response_id}" if response_id else new_id(prefix)
         self.created = int(time.time())
         self._started: set[int] = set()  # chat choices whose first chunk (with the role) went out
 
@@ -260,6 +92,12 @@ class Formatter:
             choice["text"] = text
         else:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.tool_parser is not None:
+                content, calls = parse_tool_calls(self.tool_parser, text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": [c.as_openai() for c in calls]}  # fmt: skip
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choice["logprobs"] = self._logprobs(token_ids, logprobs)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = stop_reason
@@ -267,20 +105,30 @@ class Formatter:
 
     def chunk(self, index: int, delta: StreamDelta) -> dict | None:
         """One SSE chunk for a delta of choice ``index``; None when it carries nothing to send."""
-        if not delta.text and delta.finish_reason is None and not (delta.logprobs and delta.token_ids):
+        text, calls, finish_reason = delta.text, [], delta.finish_reason
+        if self.tool_parser is not None:  # text from a call's opener on is held back until the end
+            stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
+            text = stream.feed(delta.text)
+            if finish_reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        if not text and finish_reason is None and not (delta.logprobs and delta.token_ids):
             return None
         body = self._head("text_completion" if self.kind == "completion" else "chat.completion.chunk")
         choice: dict[str, Any] = {"index": index}
         if self.kind == "completion":
-            choice["text"] = delta.text
+            choice["text"] = text
         else:
-            message = {"content": delta.text}
+            message: dict[str, Any] = {"content": text}
             if index not in self._started:  # the role rides on the first chunk that carries content
                 self._started.add(index)
-                message = {"role": "assistant", "content": delta.text}
+                message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
             choice["delta"] = message
         choice["logprobs"] = self._logprobs(delta.token_ids, delta.logprobs)
-        choice["finish_reason"] = delta.finish_reason
+        choice["finish_reason"] = finish_reason
         if delta.finish_reason is not None:
             choice["stop_reason"] = delta.stop_reason
         body["choices"] = [choice]

@@ -16,7 +16,9 @@ runs in this one process and is what limits the served throughput when hundreds 
 ``--api-server-count N`` (hf_paged.frontends.api_servers) runs N such processes over the engine processes.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
-with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+with ``data: [DONE]``; chats parse tool calls, ``hf_paged.frontends.tool_calls``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus), and (``serve_routes.py``) ``/tokenize``, ``/detokenize``,
+``/version``, ``/ping``, ``/v1/models/{id}``, ``/docs``.
 
 Every request is checked before the engine sees it, and answered OpenAI-style
 (``{"error": {"message", "type", "param", "code"}}``):
@@ -28,15 +30,17 @@ Every request is checked before the engine sees it, and answered OpenAI-style
   answers), a request that could never fit the KV pool;
 - 404: a ``model`` other than the one served;
 - 413: a body over ``--max-body-bytes``;
-- 503: ``--max-queue`` requests are already in flight (``Retry-After: 1``), or the engine has stopped.
+- 503: ``--max-queue`` requests are already in flight (``Retry-After: 1``), or the engine has stopped; a request
+  of more prompts than ``--max-queue`` is a 400 (retrying cannot help), checked before any per-prompt work.
 
 A client that disconnects mid-request has its request aborted and its blocks freed. On SIGTERM uvicorn stops
-accepting connections, waits up to ``--shutdown-timeout`` seconds for the requests in flight, then the engine
-aborts what is left.
+accepting connections, the requests in flight get ``--shutdown-timeout`` seconds, then the engine aborts what is
+left and their streams end with a finish_reason "abort" chunk and ``[DONE]`` (``make_server``).
 """
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import json
 import logging
@@ -49,15 +53,11 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from hf_paged.engine.request import RequestOutput
-from hf_paged.frontends.openai_api import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Formatter,
-    bad_value,
-    usage,
-)
+from hf_paged.frontends.openai_api import APIError, Formatter, bad_value, usage
+from hf_paged.frontends.openai_requests import ChatCompletionRequest, CompletionRequest, render_chat
 from hf_paged.frontends.serve_metrics import FrontObservations, Metrics
+from hf_paged.frontends.serve_routes import add_routes
+from hf_paged.frontends.tool_calls import KEEPS_SPECIAL_TOKENS, choose_parser
 from hf_paged.serving.async_engine import AsyncEngine
 from hf_paged.serving.data_parallel import DataParallelEngine
 from hf_paged.serving.streaming import EngineDeadError, RequestStream
@@ -75,6 +75,7 @@ def create_app(
     max_prompt_tokens: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     observations: FrontObservations | None = None,
+    tool_call_parser: str | None = "auto",
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; shutting the app down shuts the engine down.
 
@@ -87,22 +88,35 @@ def create_app(
         max_body_bytes: largest request body accepted (413 beyond).
         observations: where this app counts its requests' latencies for /metrics (one of several API servers'
             rows: ``hf_paged.frontends.api_servers``); None: its own.
+        tool_call_parser: the format of tool calls in the model's output (``hf_paged.frontends.tool_calls.PARSERS``),
+            or "auto": the one the chat template writes.
     """
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: ContinuousBatcher(model, tokenizer=...)")
+    choose_parser(tool_call_parser, None)  # a wrong name fails here, not at the first request
     inputs = engine.inputs
     max_model_len = inputs.max_model_len
     metrics = Metrics(observations)
 
     tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_paged-tokenizer")
 
+    stopping: list[asyncio.Future] = []  # the engine's shutdown, once started
+
+    async def drain(timeout_s: float) -> None:
+        """Shut the engine down once: the requests in flight get ``timeout_s``, then they end "abort"."""
+        if not stopping:
+            stopping.append(asyncio.ensure_future(engine.shutdown(drain_timeout_s=timeout_s)))
+        await stopping[0]
+
     @asynccontextmanager
     async def lifespan(app):
         yield
         tokenizer_thread.shutdown(wait=False)
-        await engine.shutdown()
+        await drain(0.0)
 
-    app = FastAPI(title="hf_paged", lifespan=lifespan)
+    # The API docs are served by add_routes, behind the key (FastAPI's own would answer anyone).
+    app = FastAPI(title="hf_paged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.drain = drain
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -136,27 +150,39 @@ def create_app(
         if parsed.model is not None and parsed.model != model_name:
             raise APIError(404, f"the model {parsed.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
-        parsed.check_supported()
+        check = getattr(parsed, "check_supported", None)
+        if check is not None:
+            check()
         return parsed
 
     def admit(num_requests: int) -> None:
+        if num_requests > max_queue:  # would never be admitted: retrying cannot help
+            raise APIError(400, f"the request has {num_requests} prompts; this server runs at most {max_queue} "
+                                "requests at once", param="prompt")  # fmt: skip
         if engine.num_unfinished + num_requests > max_queue:
             raise APIError(503, f"the server is at its limit of {max_queue} requests in flight; retry later",
                            type="server_error", code="overloaded")  # fmt: skip
 
-    async def tokenize(prompt, param: str) -> list[int]:
+    async def run_tokenizer(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, *args)
+
+    async def tokenize(prompt, param: str, encode=None) -> list[int]:
         """Token ids of a text, token ids or a chat; refuses prompts beyond ``max_prompt_tokens`` or the context.
 
         Text and chats are tokenised on the tokenizer's own thread: the Rust tokenizer releases the GIL, so the event
         loop streams the other requests meanwhile (480 chats arriving at once cost ~1 s of loop time otherwise). One
         thread: a fast tokenizer's call mutates its padding/truncation state and fails ("Already borrowed") when two
-        threads call it at once."""
+        threads call it at once. ``encode``: ``encode(prompt) -> token ids`` for a text or chat (the request's
+        options), else the engine's own tokenisation."""
         try:
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 _, token_ids = inputs.tokenize(prompt)
+            elif encode is not None:
+                token_ids = await run_tokenizer(encode, prompt)
             else:
-                loop = asyncio.get_running_loop()
-                _, token_ids = await loop.run_in_executor(tokenizer_thread, inputs.tokenize, prompt)
+                _, token_ids = await run_tokenizer(inputs.tokenize, prompt)
+        except APIError:
+            raise
         except Exception as err:  # ValueError/TypeError, or the chat template refusing the messages (jinja)
             raise APIError(400, str(err), param=param) from None
         limit = max_prompt_tokens if max_prompt_tokens is not None else max_model_len
@@ -217,24 +243,53 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = await read_body(request, CompletionRequest)
-        prompts = [await tokenize(p, "prompt") for p in body.prompts()]
+        texts = body.prompts()
+        admit(len(texts))  # before any per-prompt work: a body of a million prompts costs one check
+        special = body.add_special_tokens
+
+        def encode(text: str) -> list[int]:
+            return list(engine.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+        prompts = [await tokenize(p, "prompt", encode) for p in texts]
+        prompts = [body.truncate(p, max_model_len) for p in prompts]
         params = [body.sampling_params(max_new_tokens(body.max_tokens, len(p), body.width), body.logprobs)
                   for p in prompts]  # fmt: skip
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        fmt = Formatter("completion", model_name, engine.tokenizer, body.logprobs, include_usage)
+        fmt = Formatter("completion", model_name, engine.tokenizer, body.logprobs, include_usage,
+                        response_id=body.request_id)  # fmt: skip
         streams = submit(prompts, params, fmt.id)
         return await answer(request, fmt, streams, body.width, [len(p) for p in prompts], body.streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
-        token_ids = await tokenize(body.chat(), "messages")
+        admit(1)
+        parser = None
+        if body.tool_mode() == "auto":
+            parser = choose_parser(tool_call_parser, body.chat_template or engine.tokenizer.chat_template)
+            if parser is None:
+                raise APIError(400, "`tools` need a chat template that writes tool calls; this model's shows no known "
+                                    "format: start the server with --tool-call-parser", param="tools")  # fmt: skip
+        options = body.template_options()
+
+        def encode(messages) -> list[int]:
+            token_ids = render_chat(engine.tokenizer, messages, options)
+            if body.add_special_tokens:
+                return engine.tokenizer.build_inputs_with_special_tokens(token_ids)
+            return token_ids
+
+        token_ids = body.truncate(await tokenize(body.template_messages(), "messages", encode), max_model_len)
         params = body.sampling_params(max_new_tokens(body.max_tokens_asked(), len(token_ids), body.width),
                                       body.num_logprobs())  # fmt: skip
+        if parser in KEEPS_SPECIAL_TOKENS and body.skip_special_tokens is None:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the call's marker is a special token
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        fmt = Formatter("chat", model_name, engine.tokenizer, body.num_logprobs(), include_usage)
+        fmt = Formatter("chat", model_name, engine.tokenizer, body.num_logprobs(), include_usage, tool_parser=parser,
+                        response_id=body.request_id)  # fmt: skip
         streams = submit([token_ids], [params], fmt.id)
         return await answer(request, fmt, streams, body.width, [len(token_ids)], body.streams)
+
+    add_routes(app, engine, model_name, max_model_len, authorize, read_body, run_tokenizer)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -389,18 +444,43 @@ def run(
     max_prompt_tokens: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_timeout_s: float = 30.0,
+    tool_call_parser: str | None = "auto",
 ) -> None:
     """Serve ``engine`` with uvicorn until SIGINT/SIGTERM (see ``create_app`` for the arguments).
 
     On the signal uvicorn stops accepting connections and gives the requests in flight ``shutdown_timeout_s``
     seconds; then the app's shutdown aborts what is left in the engine and stops its thread.
     """
+    warn_if_open(host, api_key)
+    app = create_app(engine, model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes,
+                     tool_call_parser=tool_call_parser)  # fmt: skip
+    make_server(app, shutdown_timeout_s, host=host, port=port, log_level="info").run()
+
+
+# Seconds uvicorn waits past the engine's drain: the aborted streams' last chunk and [DONE] go out in them.
+STREAM_END_GRACE_S = 5.0
+
+
+def make_server(app: FastAPI, shutdown_timeout_s: float, server_cls=None, **config):
+    """A uvicorn server of ``app`` (from ``create_app``) whose shutdown ends every stream properly.
+
+    On SIGTERM (``should_exit``) the engine drains: the requests in flight get ``shutdown_timeout_s`` seconds, then
+    the engine aborts the rest and their streams end with a finish_reason "abort" chunk and ``[DONE]``; uvicorn
+    itself waits ``STREAM_END_GRACE_S`` longer before it cuts connections. ``config``: uvicorn.Config's arguments;
+    ``server_cls``: a subclass of uvicorn.Server to start from.
+    """
     import uvicorn
 
-    warn_if_open(host, api_key)
-    app = create_app(engine, model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info")
-    uvicorn.Server(config).run()
+    class DrainingServer(server_cls or uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            drained = asyncio.ensure_future(app.state.drain(shutdown_timeout_s))
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                await drained
+
+    config = uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout_s + STREAM_END_GRACE_S, **config)
+    return DrainingServer(config)
 
 
 def warn_if_open(host: str, api_key: str | None) -> None:

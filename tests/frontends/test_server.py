@@ -9,7 +9,6 @@ cannot parse, a shutdown that hangs.
 """
 
 import asyncio
-import contextlib
 import http.client
 import json
 import socket
@@ -18,21 +17,24 @@ import threading
 import time
 
 import pytest
-from helpers import assert_engine_drained, http_request, needs_serve, needs_smollm2
-from models import DEVICE, tiny_model
-
-from hf_paged import ContinuousBatcher, SamplingParams
-from hf_paged.serving.async_engine import AsyncEngine
+from helpers import needs_serve, needs_smollm2
+from server_harness import (
+    AUTH,
+    CONTEXT,
+    KEY,
+    MAX_BODY_BYTES,
+    MAX_PROMPT_TOKENS,
+    MODEL,
+    TIMEOUT_S,
+    Server,
+    batcher,
+    greedy,
+    openai_client,
+    serving,
+    sse,
+)
 
 pytestmark = [needs_serve, needs_smollm2]
-
-MODEL = "tiny-smollm2"
-KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-CONTEXT = 512  # the tiny models' max_position_embeddings
-MAX_PROMPT_TOKENS = 256
-MAX_BODY_BYTES = 64 * 1024
-TIMEOUT_S = 120  # a hang guard, not a speed target
 
 
 @pytest.fixture(scope="module")
@@ -40,57 +42,6 @@ def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-def _batcher(tokenizer) -> ContinuousBatcher:
-    model = tiny_model("llama", device=DEVICE, vocab_size=len(tokenizer), num_hidden_layers=1)
-    return ContinuousBatcher(model, tokenizer, num_blocks=256, block_size=16, max_num_seqs=48,
-                             max_num_batched_tokens=512)  # fmt: skip
-
-
-class _Server:
-    def __init__(self, port: int, engine: AsyncEngine, uvicorn_server):
-        self.port, self.engine, self.uvicorn = port, engine, uvicorn_server
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-
-    def request(self, method: str, path: str, body=None, headers=AUTH, timeout=TIMEOUT_S):
-        """(status, parsed JSON or text) of one plain HTTP request."""
-        return http_request(self.port, method, path, body, headers, timeout)
-
-    def wait_idle(self) -> None:
-        """Until every request has ended and its blocks are back (read while the engine thread sleeps)."""
-        deadline = time.monotonic() + TIMEOUT_S
-        while self.engine.num_unfinished or self.engine.batcher.has_unfinished_requests():
-            assert time.monotonic() < deadline, "the server never went idle"
-            time.sleep(0.02)
-        time.sleep(0.05)
-        assert_engine_drained(self.engine.batcher)
-
-
-@contextlib.contextmanager
-def _serving(tokenizer, **app_kwargs):
-    import uvicorn
-
-    from hf_paged.frontends.serve import create_app
-
-    engine = AsyncEngine(lambda: _batcher(tokenizer))
-    app = create_app(engine, MODEL, **app_kwargs)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield _Server(sock.getsockname()[1], engine, server)
-    finally:
-        server.should_exit = True  # what uvicorn's SIGTERM handler does
-        thread.join(TIMEOUT_S)
-        assert not thread.is_alive(), "the server did not stop"
-        assert not engine.is_running, "the engine thread did not stop"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,7 +57,7 @@ def one_intra_op_thread():
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    with _serving(tokenizer, api_key=KEY, max_queue=64, max_prompt_tokens=MAX_PROMPT_TOKENS,
+    with serving(tokenizer, api_key=KEY, max_queue=64, max_prompt_tokens=MAX_PROMPT_TOKENS,
                   max_body_bytes=MAX_BODY_BYTES) as s:  # fmt: skip
         yield s
 
@@ -114,38 +65,7 @@ def server(tokenizer):
 @pytest.fixture(scope="module")
 def offline(tokenizer):
     """The same model in a plain ContinuousBatcher: what greedy answers must equal."""
-    return _batcher(tokenizer)
-
-
-def _client(server, asynchronous=False):
-    import openai
-
-    cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
-    return cls(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
-
-
-def _greedy(offline, prompt, max_tokens):
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
-    return offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-
-
-def _sse(server, path, body):
-    """The parsed ``data:`` events of a streamed request, ``"[DONE]"`` included."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
-    try:
-        conn.request("POST", path, body=json.dumps(body | {"stream": True}), headers=AUTH)
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
-        events = []
-        for line in resp.read().decode().splitlines():
-            if line.startswith("data: "):
-                data = line[len("data: ") :]
-                events.append(data if data == "[DONE]" else json.loads(data))
-            else:
-                assert line == "", line
-        return events
-    finally:
-        conn.close()
+    return batcher(tokenizer)
 
 
 def test_models_health_and_the_api_key(server):
@@ -169,9 +89,9 @@ def test_models_health_and_the_api_key(server):
 
 
 def test_completions_and_chat_with_the_openai_client(server, offline, tokenizer):
-    client = _client(server)
+    client = openai_client(server)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    expected = _greedy(offline, messages, 12)
+    expected = greedy(offline, messages, 12)
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert chat.choices[0].message.content == expected.text and chat.choices[0].message.role == "assistant"
     assert chat.choices[0].finish_reason == expected.finish_reason
@@ -185,7 +105,7 @@ def test_completions_and_chat_with_the_openai_client(server, offline, tokenizer)
     assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == expected.text
     assert pieces[-1].choices == [] and pieces[-1].usage.completion_tokens == len(expected.token_ids)
 
-    expected = _greedy(offline, "Once upon a time", 10)
+    expected = greedy(offline, "Once upon a time", 10)
     completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
     assert completion.choices[0].text == expected.text
     streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
@@ -194,10 +114,10 @@ def test_completions_and_chat_with_the_openai_client(server, offline, tokenizer)
     batch = client.completions.create(model=MODEL, prompt=["Once upon a time", "Hello"], max_tokens=4,
                                       temperature=0, n=2)  # fmt: skip
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
-    assert batch.choices[0].text == batch.choices[1].text == _greedy(offline, "Once upon a time", 4).text
-    assert batch.choices[2].text == _greedy(offline, "Hello", 4).text
+    assert batch.choices[0].text == batch.choices[1].text == greedy(offline, "Once upon a time", 4).text
+    assert batch.choices[2].text == greedy(offline, "Hello", 4).text
     ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
-    assert ids.choices[0].text == _greedy(offline, [5, 6, 7], 4).text
+    assert ids.choices[0].text == greedy(offline, [5, 6, 7], 4).text
     nulls = {"temperature": None, "top_p": None, "n": None, "stop": None, "top_k": None, "ignore_eos": None}
     status, body = server.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4} | nulls)
     assert status == 200 and len(body["choices"]) == 1  # null means the default, as OpenAI takes it
@@ -205,7 +125,7 @@ def test_completions_and_chat_with_the_openai_client(server, offline, tokenizer)
 
 
 def test_sse_framing_role_in_the_first_content_chunk_usage_last_then_done(server):
-    events = _sse(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+    events = sse(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
                   "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}})  # fmt: skip
     assert events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
@@ -216,7 +136,7 @@ def test_sse_framing_role_in_the_first_content_chunk_usage_last_then_done(server
     assert all(c["usage"] is None and c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert len({c["id"] for c in events[:-1]}) == 1
-    events = _sse(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    events = sse(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     assert events[-1] == "[DONE]" and all("usage" not in c for c in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
@@ -224,7 +144,7 @@ def test_sse_framing_role_in_the_first_content_chunk_usage_last_then_done(server
 def test_32_concurrent_streams_with_mixed_sampling(server, offline):
     """Greedy streams equal the offline engine; sampled ones (seeded, top-k, min-p, n=2, penalties, logprobs,
     stop strings) all end properly."""
-    client = _client(server, asynchronous=True)
+    client = openai_client(server, asynchronous=True)
     questions = [f"Question {i}: name a colour." for i in range(32)]
 
     async def one(i):
@@ -268,9 +188,9 @@ def test_32_concurrent_streams_with_mixed_sampling(server, offline):
     results = asyncio.run(main())
     for kind, i, got in results:
         if kind == 0:
-            assert got == _greedy(offline, [{"role": "user", "content": questions[i]}], 8).text
+            assert got == greedy(offline, [{"role": "user", "content": questions[i]}], 8).text
         elif kind == 1:
-            assert got == _greedy(offline, questions[i], 8).text
+            assert got == greedy(offline, questions[i], 8).text
         elif kind == 2:
             assert set(got) == {0, 1} and set(got.values()) <= {"stop", "length"}
         else:
@@ -300,8 +220,8 @@ def test_a_client_that_disconnects_frees_its_request(server):
 
 
 def test_bad_input_is_answered_and_never_reaches_the_engine_while_others_stream(server, offline):
-    client = _client(server)
-    expected = _greedy(offline, "A long story", 40)
+    client = openai_client(server)
+    expected = greedy(offline, "A long story", 40)
     first_chunk = threading.Event()
     result = {}
 
@@ -359,7 +279,7 @@ def test_bad_input_is_answered_and_never_reaches_the_engine_while_others_stream(
 def test_metrics_are_prometheus_text(server):
     from prometheus_client.parser import text_string_to_metric_families
 
-    _client(server).completions.create(model=MODEL, prompt="Count", max_tokens=5, temperature=0,
+    openai_client(server).completions.create(model=MODEL, prompt="Count", max_tokens=5, temperature=0,
                                        extra_body={"ignore_eos": True})  # fmt: skip
     status, text = server.request("GET", "/metrics")
     assert status == 200
@@ -382,7 +302,7 @@ def test_metrics_are_prometheus_text(server):
 
 
 def test_overload_is_503_and_shutdown_ends_streams_in_flight(tokenizer):
-    with _serving(tokenizer, max_queue=1) as server:
+    with serving(tokenizer, max_queue=1) as server:
         body = {"prompt": "Keep going", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -413,7 +333,7 @@ def test_the_command_serves_the_default_model_and_ends_on_sigterm(default_model_
                "--max-num-batched-tokens", "256", "--shutdown-timeout", "60"]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        server = _Server(port, None, None)
+        server = Server(port, None, None)
         deadline = time.monotonic() + TIMEOUT_S
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"

@@ -1,0 +1,248 @@
+"""The server as a vLLM client meets it: every request field honoured or refused, tool calls, the utility endpoints,
+the API docs behind the key, a request of too many prompts, the end of a stream at shutdown.
+
+What can go wrong: a field accepted and silently dropped (the client believes it was applied), a chat history whose
+tool calls never reach the template, a call the client cannot parse, a body of a million prompts that holds the
+event loop, a stream cut without its last chunk, endpoints answering without the key.
+"""
+
+import http.client
+import json
+import time
+
+import pytest
+from helpers import needs_serve, needs_smollm2
+from server_harness import KEY, MAX_BODY_BYTES, MODEL, TIMEOUT_S, serving, sse
+
+from hf_paged.engine.outputs import StreamDelta
+from hf_paged.engine.request import CompletionOutput
+from hf_paged.frontends.openai_api import Formatter
+from hf_paged.frontends.openai_requests import _REFUSED, ChatCompletionRequest, CompletionRequest
+
+pytestmark = [needs_serve, needs_smollm2]
+
+# A Hermes-style template that shows what reached it: the tools, each message's tool calls and tool_call_id, and
+# one extra variable (chat_template_kwargs).
+TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+    "{% if flavour is defined %}[{{ flavour }}]{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}:"
+    "{{ c.function.arguments.city }}</tool_call>{% endfor %}{% endif %}"
+    "{% if m.tool_call_id %}(answers {{ m.tool_call_id }}){% endif %}"
+    "{% if not (loop.last and m.role == 'assistant') %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    with serving(tokenizer, api_key=KEY, max_queue=64, max_body_bytes=MAX_BODY_BYTES) as s:
+        yield s
+
+
+def _tokenize_text(server, body) -> str:
+    status, answer = server.request("POST", "/tokenize", body)
+    assert status == 200, answer
+    status, text = server.request("POST", "/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200, text
+    return text["prompt"]
+
+
+# Fields each request model declares that hf_paged acts on; every other declared field must be in _REFUSED.
+HONOURED = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "presence_penalty",
+    "frequency_penalty", "logit_bias", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
+    "repetition_penalty", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search", "length_penalty",
+    "truncate_prompt_tokens", "request_id", "response_format",
+    # completions
+    "prompt", "logprobs", "echo", "best_of", "suffix", "add_special_tokens",
+    # chat
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
+}  # fmt: skip
+
+
+def test_every_declared_field_is_honoured_or_refused():
+    """A field added to a request model without a decision fails here."""
+    for model in (CompletionRequest, ChatCompletionRequest):
+        undecided = set(model.model_fields) - HONOURED - set(_REFUSED)
+        assert not undecided, f"{model.__name__}: {sorted(undecided)} are neither honoured nor refused"
+
+
+def test_every_refused_field_is_a_400_that_names_it(server):
+    endpoints = {"/v1/completions": (CompletionRequest, {"prompt": "hi", "max_tokens": 2}),
+                 "/v1/chat/completions": (ChatCompletionRequest, CHAT)}  # fmt: skip
+    for name, (neutral, _) in _REFUSED.items():
+        value = {"modalities": ["audio"], "service_tier": "flex", "store": True, "echo": True,
+                 "spaces_between_special_tokens": False, "priority": 3, "return_tokens_as_token_ids": True,
+                 "return_token_ids": True}.get(name, {"x": 1})  # fmt: skip
+        assert value not in neutral
+        paths = [path for path, (model, _) in endpoints.items() if name in model.model_fields]
+        assert paths, f"{name} is refused but no request declares it"
+        for path in paths:
+            base = endpoints[path][1]
+            status, answer = server.request("POST", path, base | {name: value})
+            assert status == 400 and answer["error"]["param"] == name, (path, name, answer)
+            assert f"`{name}`" in answer["error"]["message"]
+            for asks_nothing in neutral:
+                status, answer = server.request("POST", path, base | {name: asks_nothing})
+                assert status == 200, (path, name, asks_nothing, answer)
+    server.wait_idle()
+
+
+def test_vllm_extras_are_honoured(server, tokenizer):
+    long_prompt = list(range(10, 60))
+    status, answer = server.request("POST", "/v1/completions",
+                                    {"prompt": long_prompt, "max_tokens": 2, "truncate_prompt_tokens": 7})  # fmt: skip
+    assert status == 200 and answer["usage"]["prompt_tokens"] == 7, answer
+    status, answer = server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "request_id": "abc"})
+    assert status == 200 and answer["id"] == "cmpl-abc"
+    beams = {"prompt": "Once", "max_tokens": 5, "n": 2, "use_beam_search": True, "length_penalty": 0.5}
+    status, answer = server.request("POST", "/v1/completions", beams)
+    assert status == 200 and len(answer["choices"]) == 2, answer
+    assert answer["choices"][0]["text"] != answer["choices"][1]["text"]  # two distinct beams
+    status, again = server.request("POST", "/v1/completions", beams)
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in answer["choices"]]  # beams are deterministic
+    status, answer = server.request("POST", "/v1/completions", {"prompt": "hi", "length_penalty": 2.0})
+    assert status == 400 and answer["error"]["param"] == "length_penalty"
+    status, answer = server.request("POST", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0})
+    assert status == 400 and answer["error"]["param"] == "truncate_prompt_tokens"
+    server.wait_idle()
+
+
+def test_the_chat_template_receives_tools_histories_and_its_options(server):
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                               "function": {"name": "get_weather",
+                                                                            "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    text = _tokenize_text(server, {"messages": history, "tools": [WEATHER], "chat_template": TEMPLATE,
+                                   "chat_template_kwargs": {"flavour": "mint"}})  # fmt: skip
+    assert text.startswith("<tools>get_weather;</tools>[mint]")
+    assert "<tool_call>get_weather:Paris</tool_call>" in text and "sunny(answers call_1)" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    cont = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello the"}]
+    text = _tokenize_text(server, {"messages": cont, "chat_template": TEMPLATE, "add_generation_prompt": False,
+                                   "continue_final_message": True})  # fmt: skip
+    assert text.endswith("assistant\nHello the")
+    # the same options reach generation: the prompt is the template's
+    for body in (
+        {"messages": history, "tools": [WEATHER], "chat_template": TEMPLATE, "max_tokens": 3},
+        {"messages": cont, "chat_template": TEMPLATE, "add_generation_prompt": False, "continue_final_message": True,
+         "max_tokens": 3},
+    ):  # fmt: skip
+        status, answer = server.request("POST", "/v1/chat/completions", body)
+        assert status == 200, answer
+        expected = server.request("POST", "/tokenize", {k: v for k, v in body.items() if k != "max_tokens"})[1]
+        assert answer["usage"]["prompt_tokens"] == expected["count"]
+    bad = [
+        (CHAT | {"continue_final_message": True}, "continue_final_message"),
+        (CHAT | {"add_generation_prompt": False, "continue_final_message": True}, "continue_final_message"),
+        (CHAT | {"tool_choice": "auto"}, "tool_choice"),
+        (CHAT | {"tools": [WEATHER], "tool_choice": "required", "chat_template": TEMPLATE}, "tool_choice"),
+        (CHAT | {"tools": [WEATHER]}, "tools"),  # SmolLM2's template writes no tool calls: no parser to read them
+        (CHAT | {"tools": [{"type": "function"}], "chat_template": TEMPLATE}, "tools"),
+    ]
+    for body, param in bad:
+        status, answer = server.request("POST", "/v1/chat/completions", body)
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
+    server.wait_idle()
+
+
+def test_tool_calls_in_the_output_become_tool_calls_whole_and_streamed():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    fmt = Formatter("chat", MODEL, None, tool_parser="hermes")
+    body = fmt.response([(0, CompletionOutput(0, [1, 2], text, "stop"))], {})
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # streamed in pieces that split the opener: the content goes out, the call comes whole with the last chunk
+    fmt = Formatter("chat", MODEL, None, tool_parser="hermes")
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
+    ends = [None] * (len(pieces) - 1) + ["stop"]
+    chunks = [fmt.chunk(0, StreamDelta(p, [1], end)) for p, end in zip(pieces, ends, strict=True)]
+    deltas = [c["choices"][0] for c in chunks if c is not None]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert content.strip() == "Let me check." and "<tool" not in content
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert deltas[-1]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert deltas[-1]["delta"]["tool_calls"][0]["index"] == 0
+    # a call cut by max_tokens does not parse: the text stays content, finish_reason "length"
+    fmt = Formatter("chat", MODEL, None, tool_parser="hermes")
+    body = fmt.response([(0, CompletionOutput(0, [1], text[:-30], "length"))], {})
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": text[:-30]}
+
+
+def test_utility_endpoints_and_the_docs_need_the_key(server, tokenizer):
+    status, answer = server.request("POST", "/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and answer["tokens"] == tokenizer("Hello world")["input_ids"] and answer["count"] == 2
+    assert server.request("POST", "/detokenize", {"tokens": answer["tokens"]}) == (200, {"prompt": "Hello world"})
+    status, answer = server.request("POST", "/detokenize", {"tokens": [10**7]})
+    assert status == 400 and answer["error"]["param"] == "tokens"
+    status, answer = server.request("POST", "/tokenize", {"prompt": "a", "messages": CHAT["messages"]})
+    assert status == 400
+    status, answer = server.request("GET", "/version")
+    assert status == 200 and answer["version"]
+    assert server.request("GET", "/ping", headers={})[0] == 200
+    assert server.request("POST", "/ping", headers={})[0] == 200
+    status, card = server.request("GET", f"/v1/models/{MODEL}")
+    assert status == 200 and card["id"] == MODEL
+    assert server.request("GET", "/v1/models/other")[0] == 404
+    for path in ("/docs", "/redoc", "/openapi.json", "/version", "/v1/models/" + MODEL):
+        status, answer = server.request("GET", path, headers={})
+        assert status == 401, (path, answer)
+    status, schema = server.request("GET", "/openapi.json")
+    assert status == 200 and "/v1/chat/completions" in schema["paths"]
+    assert server.request("GET", "/docs")[0] == 200
+
+
+def test_a_body_of_more_prompts_than_the_queue_is_a_400_at_once(server):
+    body = json.dumps({"prompt": [[5]] * 12_000, "max_tokens": 1})
+    assert len(body) < MAX_BODY_BYTES
+    start = time.monotonic()
+    status, answer = server.request("POST", "/v1/completions", body)
+    assert status == 400 and "12000 prompts" in answer["error"]["message"], answer
+    assert time.monotonic() - start < 10  # no per-prompt work: a hang guard, not a speed target
+    assert server.engine.num_unfinished == 0
+
+
+def test_a_stream_still_running_at_the_shutdown_timeout_ends_with_abort_and_done(tokenizer):
+    with serving(tokenizer, shutdown_timeout_s=0.0) as server:
+        body = {"prompt": "Keep going", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.readline()  # the first event: the request is in flight
+        server.uvicorn.should_exit = True  # SIGTERM
+        events = [line[len("data: ") :] for line in resp.read().decode().splitlines() if line]
+        conn.close()
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])["choices"][0]
+    assert last["finish_reason"] == "abort", last
+
+
+def test_a_chat_with_tools_streams_what_it_answers_whole(server):
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "chat_template": TEMPLATE,
+            "max_tokens": 16, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    status, whole = server.request("POST", "/v1/chat/completions", body)
+    assert status == 200, whole
+    events = sse(server, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert streamed == (whole["choices"][0]["message"]["content"] or "")
+    assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    server.wait_idle()
