@@ -97,6 +97,7 @@ def run(
     max_body_bytes: int | None = None,
     shutdown_timeout_s: float = 30.0,
     tool_call_parser: str | None = "auto",
+    metric_names: str = "hf_paged",
 ) -> tuple[int, int | None]:
     """Start one API server per socket over ``engine``'s processes and supervise them until a signal or until
     every API server or every engine process has died; then stop everything (see the module docstring).
@@ -104,8 +105,8 @@ def run(
     Args:
         engine: a DataParallelEngine built with ``num_fronts=len(sockets)``; it is shut down before returning.
         sockets: from ``bind``; closed in this process once the API servers hold them.
-        model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes, shutdown_timeout_s, tool_call_parser: as
-            ``hf_paged.frontends.serve.run`` takes them, for every API server.
+        model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes, shutdown_timeout_s, tool_call_parser,
+            metric_names: as ``hf_paged.frontends.serve.run`` takes them, for every API server.
 
     Returns:
         ``(exit status, signal)``: ``(0, SIGTERM or SIGINT)`` after a signal, ``(1, None)`` when every API server or
@@ -119,7 +120,7 @@ def run(
     observations = FrontObservations.shared(ctx, len(sockets))
     settings = dict(model_name=model_name, api_key=api_key, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                    tool_call_parser=tool_call_parser)  # fmt: skip
+                    tool_call_parser=tool_call_parser, metric_names=metric_names)  # fmt: skip
     # Only this process holds the write end: if it dies (even by SIGKILL), every API server reads EOF and shuts down,
     # and then the engine processes, whose pipes have all closed, exit.
     lifeline, lifeline_write = ctx.Pipe(duplex=False)

@@ -51,6 +51,9 @@ def add_parser(commands) -> None:
     serve.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default="auto",
                        help="the format of tool calls in the model's output, parsed into `tool_calls` when a chat "
                        "sends `tools`: 'auto' = the one the chat template writes; default: %(default)s")  # fmt: skip
+    serve.add_argument("--metric-names", choices=("hf_paged", "vllm"), default="hf_paged",
+                       help="/metrics names: hf_paged_* or vLLM's vllm:* (dashboards made for vLLM read them); "
+                       "default: %(default)s")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds the requests in flight get on SIGTERM before they are aborted")  # fmt: skip
     serve.add_argument(
@@ -132,6 +135,7 @@ def _server_options(args: argparse.Namespace) -> dict:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
+        metric_names=args.metric_names,
     )
 
 

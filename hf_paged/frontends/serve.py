@@ -76,6 +76,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     observations: FrontObservations | None = None,
     tool_call_parser: str | None = "auto",
+    metric_names: str = "hf_paged",
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; shutting the app down shuts the engine down.
 
@@ -90,13 +91,14 @@ def create_app(
             rows: ``hf_paged.frontends.api_servers``); None: its own.
         tool_call_parser: the format of tool calls in the model's output (``hf_paged.frontends.tool_calls.PARSERS``),
             or "auto": the one the chat template writes.
+        metric_names: /metrics names: "hf_paged" (``hf_paged_*``) or "vllm" (vLLM's ``vllm:*``).
     """
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: ContinuousBatcher(model, tokenizer=...)")
     choose_parser(tool_call_parser, None)  # a wrong name fails here, not at the first request
     inputs = engine.inputs
     max_model_len = inputs.max_model_len
-    metrics = Metrics(observations)
+    metrics = Metrics(observations, model_name, metric_names)
 
     tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_paged-tokenizer")
 
@@ -230,8 +232,10 @@ def create_app(
         try:
             outputs = await _unless_disconnected(request, _collect(streams))
         except Exception as err:  # a failed step (the engine serves on)
+            metrics.front.aborted(len(streams))
             raise APIError(500, f"generation failed: {err}", type="server_error") from None
         if outputs is None:  # the client left: its requests were aborted
+            metrics.front.aborted(len(streams))
             return Response(status_code=499)
         for output in outputs:
             metrics.front.observe(output)
@@ -377,10 +381,12 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
     """
     tasks: list[asyncio.Future] = []
     num_completion = 0
+    num_observed = 0  # streams that ended with their final output; the others count as aborted at the end
     try:
         async for prompt_idx, item in _merged(streams, tasks):
             if item is None:
                 metrics.front.observe(streams[prompt_idx].output)
+                num_observed += 1
                 continue
             if isinstance(item, Exception):  # a failed step: OpenAI streams end with an error event
                 error = item if isinstance(item, APIError) else APIError(500, str(item), type="server_error")
@@ -396,6 +402,7 @@ async def _sse(fmt: Formatter, streams: list[RequestStream], n: int, num_prompt_
                 yield f"data: {json.dumps(fmt.usage_chunk(usage(sum(num_prompt_tokens), num_completion, cached)))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
+        metrics.front.aborted(len(streams) - num_observed)
         for task in tasks:
             task.cancel()
         for stream in streams:
@@ -445,6 +452,7 @@ def run(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_timeout_s: float = 30.0,
     tool_call_parser: str | None = "auto",
+    metric_names: str = "hf_paged",
 ) -> None:
     """Serve ``engine`` with uvicorn until SIGINT/SIGTERM (see ``create_app`` for the arguments).
 
@@ -453,7 +461,7 @@ def run(
     """
     warn_if_open(host, api_key)
     app = create_app(engine, model_name, api_key, max_queue, max_prompt_tokens, max_body_bytes,
-                     tool_call_parser=tool_call_parser)  # fmt: skip
+                     tool_call_parser=tool_call_parser, metric_names=metric_names)  # fmt: skip
     make_server(app, shutdown_timeout_s, host=host, port=port, log_level="info").run()
 
 

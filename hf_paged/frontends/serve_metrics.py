@@ -10,6 +10,10 @@ vLLM's buckets) and finished requests by reason. Each API server counts its own 
 float64 (bucket counts, sum), in shared memory when there are several (``hf-paged serve --api-server-count N``):
 every row has one writer, and /metrics from any API server sums the rows, so the histograms are global too.
 ``hf_paged_api_server_requests{api_server}`` says how many requests each API server accepted.
+
+Every metric carries a ``model_name`` label, as vLLM's do. With ``metric_names="vllm"`` (``hf-paged serve
+--metric-names vllm``) the names take vLLM's ``vllm:`` prefix instead of ``hf_paged_``, so that dashboards made
+for vLLM (``vllm:num_requests_running``, ``vllm:request_success_total``, ...) read this server as they are.
 """
 
 import bisect
@@ -28,10 +32,11 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 _HISTOGRAMS = (  # (name, help, bucket upper bounds); each takes len(buckets) + 1 counts (+Inf) and a sum in a row
-    ("hf_paged_time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS),
-    ("hf_paged_time_per_output_token_seconds", "Time per output token after the first", _TPOT_BUCKETS),
-    ("hf_paged_e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS),
+    ("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS),
+    ("time_per_output_token_seconds", "Time per output token after the first", _TPOT_BUCKETS),
+    ("e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS),
 )
+METRIC_PREFIXES = {"hf_paged": "hf_paged_", "vllm": "vllm:"}
 _TTFT, _TPOT, _E2E = range(3)
 _FINISH_REASONS = ("stop", "length", "abort", "unknown")
 
@@ -66,6 +71,7 @@ class FrontObservations:
         self.num_fronts = num_fronts
         self.front_idx = front_idx
         self._row = front_idx * ROW_WIDTH
+        self.naming = ("hf_paged_", "")  # (metric name prefix, model_name label): set by Metrics
 
     @classmethod
     def local(cls) -> "FrontObservations":
@@ -84,8 +90,10 @@ class FrontObservations:
         self.array[self._row + _ACCEPTED] += num_requests
 
     def observe(self, output: RequestOutput | None) -> None:
-        """A finished request's latencies and its sequences' finish reasons."""
+        """A finished request's latencies and its finish reason (one a request, whatever its ``n``): "abort" if a
+        sequence was aborted, else "length" if one was cut, else "stop"."""
         if output is None or output.metrics is None:
+            self.aborted(1)
             return
         m = output.metrics
         if m.time_to_first_token is not None:
@@ -95,9 +103,13 @@ class FrontObservations:
             self._observe(_TPOT, tpot)
         if m.finished_time is not None:
             self._observe(_E2E, m.finished_time - m.arrival_time)
-        for c in output.outputs:
-            reason = c.finish_reason if c.finish_reason in _FINISH_REASONS else "unknown"
-            self.array[self._row + _REASONS + _FINISH_REASONS.index(reason)] += 1
+        reasons = {c.finish_reason for c in output.outputs}
+        reason = next((r for r in ("abort", "length", "stop") if r in reasons), "unknown")
+        self.array[self._row + _REASONS + _FINISH_REASONS.index(reason)] += 1
+
+    def aborted(self, num_requests: int) -> None:
+        """Requests that ended before their final output: the client left, or the stream failed."""
+        self.array[self._row + _REASONS + _FINISH_REASONS.index("abort")] += num_requests
 
     def _observe(self, histogram: int, value: float) -> None:
         buckets = _HISTOGRAMS[histogram][2]
@@ -109,21 +121,24 @@ class FrontObservations:
         return sum(self.array[offset::ROW_WIDTH])
 
     def collect(self):
+        prefix, model = self.naming
         for (name, help_, buckets), start in zip(_HISTOGRAMS, _STARTS, strict=True):
             cumulative, pairs = 0.0, []
             for idx, bound in enumerate((*buckets, float("inf"))):
                 cumulative += self._summed(start + idx)
                 pairs.append((floatToGoString(bound), cumulative))
-            yield HistogramMetricFamily(name, help_, buckets=pairs, sum_value=self._summed(start + len(buckets) + 1))
-        finished = CounterMetricFamily("hf_paged_request_success", "Finished requests by finish reason",
-                                       labels=["finished_reason"])  # fmt: skip
+            family = HistogramMetricFamily(prefix + name, help_, labels=["model_name"])
+            family.add_metric([model], pairs, sum_value=self._summed(start + len(buckets) + 1))
+            yield family
+        finished = CounterMetricFamily(prefix + "request_success", "Finished requests by finish reason",
+                                       labels=["model_name", "finished_reason"])  # fmt: skip
         for idx, reason in enumerate(_FINISH_REASONS):
-            finished.add_metric([reason], self._summed(_REASONS + idx))
+            finished.add_metric([model, reason], self._summed(_REASONS + idx))
         yield finished
-        accepted = CounterMetricFamily("hf_paged_api_server_requests", "Requests the API server handed to the engine",
-                                       labels=["api_server"])  # fmt: skip
+        accepted = CounterMetricFamily(prefix + "api_server_requests", "Requests the API server handed to the engine",
+                                       labels=["model_name", "api_server"])  # fmt: skip
         for idx in range(self.num_fronts):
-            accepted.add_metric([str(idx)], self.array[idx * ROW_WIDTH + _ACCEPTED])
+            accepted.add_metric([model, str(idx)], self.array[idx * ROW_WIDTH + _ACCEPTED])
         yield accepted
 
 
@@ -132,33 +147,42 @@ class _EngineCollector:
 
     def __init__(self):
         self.stats: ServingStats | None = None
+        self.naming = ("hf_paged_", "")  # (metric name prefix, model_name label): set by Metrics
 
     def collect(self):
         stats = self.stats
         if stats is None:
             return
+        prefix, model = self.naming
+
+        def family(cls, name, help_, value=None, labels=()):
+            metric = cls(prefix + name, help_, labels=["model_name", *labels])
+            if value is not None:
+                metric.add_metric([model], value)
+            return metric
+
         m = stats.metrics
-        yield GaugeMetricFamily("hf_paged_num_requests_running", "Requests holding KV blocks", stats.num_running)
-        yield GaugeMetricFamily("hf_paged_num_requests_waiting", "Requests queued for admission", stats.num_waiting)
-        yield GaugeMetricFamily("hf_paged_kv_cache_usage_perc", "Share of KV blocks in use (0-1)",
-                                m.num_used_blocks / m.num_blocks if m.num_blocks else 0.0)  # fmt: skip
-        yield GaugeMetricFamily("hf_paged_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / looked"
-                                " up", m.prefix_hit_rate)  # fmt: skip
-        yield CounterMetricFamily("hf_paged_num_preemptions", "Preemptions since start", m.num_preemptions)
-        yield CounterMetricFamily("hf_paged_prompt_tokens", "Prompt tokens of accepted requests", m.num_prompt_tokens)
-        yield CounterMetricFamily("hf_paged_generation_tokens", "Generated tokens", m.num_generated_tokens)
+        yield family(GaugeMetricFamily, "num_requests_running", "Requests holding KV blocks", stats.num_running)
+        yield family(GaugeMetricFamily, "num_requests_waiting", "Requests queued for admission", stats.num_waiting)
+        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Share of KV blocks in use (0-1)",
+                     m.num_used_blocks / m.num_blocks if m.num_blocks else 0.0)  # fmt: skip
+        yield family(GaugeMetricFamily, "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / looked "
+                     "up", m.prefix_hit_rate)  # fmt: skip
+        yield family(CounterMetricFamily, "num_preemptions", "Preemptions since start", m.num_preemptions)
+        yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens of accepted requests", m.num_prompt_tokens)
+        yield family(CounterMetricFamily, "generation_tokens", "Generated tokens", m.num_generated_tokens)
         replicas = getattr(stats, "replicas", None)  # a DataParallelEngine's: the balance between its replicas
         if replicas is not None:
-            alive = GaugeMetricFamily("hf_paged_replica_alive", "1 while the data-parallel replica serves, 0 once it "
-                                      "has died", labels=["replica"])  # fmt: skip
-            routed = CounterMetricFamily("hf_paged_replica_requests_routed", "Requests sent to the replica",
-                                         labels=["replica"])  # fmt: skip
-            running = GaugeMetricFamily("hf_paged_replica_num_requests_running", "Requests holding KV blocks",
-                                        labels=["replica"])  # fmt: skip
-            usage = GaugeMetricFamily("hf_paged_replica_kv_cache_usage_perc", "Share of the replica's KV blocks in "
-                                      "use (0-1)", labels=["replica"])  # fmt: skip
+            alive = family(GaugeMetricFamily, "replica_alive", "1 while the data-parallel replica serves, 0 once it "
+                           "has died", labels=["replica"])  # fmt: skip
+            routed = family(CounterMetricFamily, "replica_requests_routed", "Requests sent to the replica",
+                            labels=["replica"])  # fmt: skip
+            running = family(GaugeMetricFamily, "replica_num_requests_running", "Requests holding KV blocks",
+                             labels=["replica"])  # fmt: skip
+            usage = family(GaugeMetricFamily, "replica_kv_cache_usage_perc", "Share of the replica's KV blocks in "
+                           "use (0-1)", labels=["replica"])  # fmt: skip
             for idx, replica in enumerate(replicas):
-                label = [str(idx)]
+                label = [model, str(idx)]
                 alive.add_metric(label, 0.0 if replica is None else 1.0)
                 routed.add_metric(label, stats.num_routed[idx])
                 if replica is not None:
@@ -171,9 +195,14 @@ class _EngineCollector:
 class Metrics:
     """The server's Prometheus registry (its own, so several apps can live in one process)."""
 
-    def __init__(self, observations: FrontObservations | None = None):
+    def __init__(self, observations: FrontObservations | None = None, model_name: str = "",
+                 metric_names: str = "hf_paged"):  # fmt: skip
+        """``metric_names``: "hf_paged" (names ``hf_paged_*``) or "vllm" (vLLM's ``vllm:*``)."""
+        if metric_names not in METRIC_PREFIXES:
+            raise ValueError(f"`metric_names` must be one of {list(METRIC_PREFIXES)}, got {metric_names!r}")
         self.registry = CollectorRegistry()
         self.engine = _EngineCollector()
         self.front = observations if observations is not None else FrontObservations.local()
+        self.engine.naming = self.front.naming = (METRIC_PREFIXES[metric_names], model_name)
         self.registry.register(self.engine)
         self.registry.register(self.front)

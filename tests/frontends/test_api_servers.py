@@ -276,7 +276,7 @@ def test_concurrent_streams_equal_the_offline_engine_and_both_api_servers_serve(
     assert grew("hf_paged_e2e_request_latency_seconds_count") == 20  # both API servers' requests, in either's answer
     assert grew("hf_paged_time_to_first_token_seconds_count") == 20
     finished = sum(grew("hf_paged_request_success_total", r) for r in ("stop", "length", "abort", "unknown"))
-    assert finished == 12 + 4 * 2 + 4 * 2 and grew("hf_paged_request_success_total", "abort") == 0  # per sample
+    assert finished == 20 and grew("hf_paged_request_success_total", "abort") == 0  # a request each, whatever its n
     routed = [grew("hf_paged_replica_requests_routed_total", str(r)) for r in range(len(server.engine_pids))]
     assert sum(routed) == 20 and min(routed) > 0, routed
     assert after[("hf_paged_generation_tokens_total", None)] > 0

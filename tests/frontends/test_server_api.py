@@ -12,7 +12,7 @@ import time
 
 import pytest
 from helpers import needs_serve, needs_smollm2
-from server_harness import KEY, MAX_BODY_BYTES, MODEL, TIMEOUT_S, serving, sse
+from server_harness import AUTH, KEY, MAX_BODY_BYTES, MODEL, TIMEOUT_S, serving, sse
 
 from hf_paged.engine.outputs import StreamDelta
 from hf_paged.engine.request import CompletionOutput
@@ -246,3 +246,49 @@ def test_a_chat_with_tools_streams_what_it_answers_whole(server):
     assert streamed == (whole["choices"][0]["message"]["content"] or "")
     assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     server.wait_idle()
+
+
+def _samples(server, headers=AUTH) -> dict:
+    """/metrics as {(sample name, its labels as a sorted tuple): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = server.request("GET", "/metrics", headers=headers)
+    assert status == 200, text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+
+
+def test_metrics_count_requests_and_aborts_with_the_model_name(server):
+    def finished(reason):
+        key = ("hf_paged_request_success_total", (("finished_reason", reason), ("model_name", MODEL)))
+        return _samples(server).get(key, 0.0)
+
+    before = {r: finished(r) for r in ("length", "abort")}
+    status, answer = server.request("POST", "/v1/completions", {"prompt": "hi", "n": 3, "max_tokens": 3})
+    assert status == 200 and len(answer["choices"]) == 3
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+    body = {"prompt": "Keep going", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=AUTH)
+    resp = conn.getresponse()
+    resp.readline()
+    conn.close()  # the client leaves mid-stream
+    server.wait_idle()
+    deadline = time.monotonic() + TIMEOUT_S
+    while finished("abort") == before["abort"]:
+        assert time.monotonic() < deadline, "the abandoned stream was never counted"
+        time.sleep(0.05)
+    assert finished("abort") == before["abort"] + 1
+    assert finished("length") == before["length"] + 1  # one request of three samples
+    assert all(dict(labels).get("model_name") == MODEL for _, labels in _samples(server))
+
+
+def test_metrics_under_vllm_names(tokenizer):
+    with serving(tokenizer, metric_names="vllm") as server:
+        status, _ = server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={})
+        assert status == 200
+        names = {name for name, _ in _samples(server, headers={})}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):  # fmt: skip
+        assert name in names, name
+    assert not any(name.startswith("hf_paged_") for name in names)
