@@ -136,6 +136,7 @@ def paged_attention(
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], int32/int64: write key/value here first; -1 = skip
     min_keys_per_split: int | None = None,
     bind: list | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (gpt-oss); None = none
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -163,6 +164,9 @@ def paged_attention(
     table: the caller guarantees that every row with a query holds the same physical blocks there. A device value
     (0 = none); ``max_prefix_len`` is its host-side bound (sizes the prefix kernel's grid; default max_seq_len).
 
+    ``sinks`` (gpt-oss): each query head's sink logit joins the softmax's denominator only (kernels/reference.py);
+    every path honours it, once per head (the split decode's merge, the cascade's final merge).
+
     Returns:
         out: [num_tokens, num_heads, head_dim], query's dtype.
     """
@@ -183,12 +187,14 @@ def paged_attention(
             if seq_lens.numel():  # it gathers every column of the table: only those the longest row reaches
                 block_tables = block_tables[:, : max(1, -(-int(seq_lens.max()) // k_cache.shape[1]))]
             result = paged_decode_ref(
-                query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=soft_cap, prefix_len=prefix_len
-            )
+                query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=soft_cap, prefix_len=prefix_len,
+                sinks=sinks,
+            )  # fmt: skip
             return result if out is None else out.copy_(result)
         return paged_attention_ref(
-            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap, out
-        )
+            query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap, out,
+            sinks=sinks,
+        )  # fmt: skip
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if seq_lens.numel() else 0
     if max_seq_len is None:
@@ -204,14 +210,14 @@ def paged_attention(
                 max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
                 prefix_len=prefix_len, max_prefix_len=max_prefix_len,
                 new_key=None if slot_mapping is None else key, new_value=None if slot_mapping is None else value,
-                slot_mapping=slot_mapping, min_keys_per_split=min_keys_per_split, bind=bind,
+                slot_mapping=slot_mapping, min_keys_per_split=min_keys_per_split, bind=bind, sinks=sinks,
             )  # fmt: skip
         if slot_mapping is not None:
             _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return _triton().prefill.paged_prefill_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
-            out=out, key=key, value=value,
+            out=out, key=key, value=value, sinks=sinks,
         )  # fmt: skip
 
 
@@ -226,13 +232,14 @@ def paged_decode(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     prefix_len: torch.Tensor | None = None,  # [1], int32: keys every row shares (cascade); None = none
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (gpt-oss); None = none
 ) -> torch.Tensor:
     """Decode attention (one new token per sequence) for CUDA graphs and torch.compile: no host sync.
 
     Same semantics as ``paged_attention`` with ``cu_seqlens_q = arange(num_seqs + 1)``. ``max_seq_len`` is a
     static host-side bound (it sizes the CUDA kernel's split grid; correctness never depends on it). CUDA: the
     split-K Triton kernel as the custom op ``torch.ops.hf_paged.paged_decode``; otherwise ``paged_decode_ref``,
-    which torch.compile traces whole. ``prefix_len``: shared-prefix decode, as in ``paged_attention``.
+    which torch.compile traces whole. ``prefix_len``: shared-prefix decode, and ``sinks``, as in ``paged_attention``.
 
     Returns:
         out: [num_seqs, num_heads, head_dim], query's dtype.
@@ -240,7 +247,7 @@ def paged_decode(
     if query.is_cuda:
         return torch.ops.hf_paged.paged_decode(
             query, k_cache, v_cache, block_tables, seq_lens, float(scale), int(max_seq_len),
-            int(sliding_window) if sliding_window else 0, float(soft_cap) if soft_cap else 0.0, prefix_len,
+            int(sliding_window) if sliding_window else 0, float(soft_cap) if soft_cap else 0.0, prefix_len, sinks,
         )  # fmt: skip
     if prefix_len is not None and sliding_window is not None and sliding_window > 0:
         raise ValueError(
@@ -248,5 +255,6 @@ def paged_decode(
             "sliding-window layers"
         )
     return paged_decode_ref(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, prefix_len=prefix_len
-    )
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, prefix_len=prefix_len,
+        sinks=sinks,
+    )  # fmt: skip

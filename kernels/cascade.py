@@ -24,6 +24,8 @@ program returns at once and no prefix partial is read (the result is exactly the
 
 Not covered (the caller passes no prefix): sliding-window layers (their window already bounds what each row
 reads, and a window cutting through the prefix would need a per-row lower bound here). Soft capping is applied.
+Attention sinks are not applied here: this kernel's partials hold keys only, and the sink joins once, where every
+partial of a row meets (the merge, or the one-split fold; kernels/split_decode.py).
 
 Bytes model (KV bytes read per decode step; Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, so a key
 costs 8 * 128 * 2 B * 2 (K and V) = 4 KiB per layer). The bench's "prefix" workload: ~200 decode rows sharing a

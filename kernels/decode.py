@@ -52,6 +52,7 @@ def paged_decode_triton(
     min_keys_per_split: int | None = None,
     bind: list | None = None,
     tile_settings: tuple[int, int, int] | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
 ) -> torch.Tensor:
     """Decode attention: each sequence's last token over its paged context (flash-decoding).
 
@@ -92,6 +93,9 @@ def paged_decode_triton(
             function (an eager decode step's layers after the first).
         tile_settings: For tests and benchmarks/tools/decode_sweep.py: force the split kernel's (keys per tile,
             stages, warps) for every kind of call; None takes the tuned settings (kernels/decode_plan.py).
+        sinks: Each query head's sink logit (gpt-oss; kernels/reference.py), any float dtype, taken as fp32: it joins
+            the softmax's denominator once per head, in the merge, or in the split kernel when one split writes
+            ``out``. None: no sinks (the kernels compile without them).
 
     Returns:
         out: [num_seqs, num_heads, head_dim] in query's dtype.
@@ -116,6 +120,7 @@ def paged_decode_triton(
             None if slot_mapping is None else (slot_mapping.shape, slot_mapping.dtype, slot_mapping.device),
         ),
         new_value is None, slot_mapping is None,
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
         scale, sliding_window, soft_cap, tile_settings,
     )  # fmt: skip
     plan = PLANS.get(signature)
@@ -128,7 +133,7 @@ def paged_decode_triton(
         # raises on anything wrong
         check_args(
             query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
-            num_prefix_splits, new_key, new_value, slot_mapping,
+            num_prefix_splits, new_key, new_value, slot_mapping, sinks,
         )  # fmt: skip
         if plan is None:
             plan = DecodePlan(
@@ -137,6 +142,9 @@ def paged_decode_triton(
             )  # fmt: skip
             PLANS.put(signature, plan)
     num_seqs, num_heads, head_dim, num_kv_heads = plan.num_seqs, plan.num_heads, plan.head_dim, plan.num_kv_heads
+    has_sinks = sinks is not None
+    if has_sinks:
+        sinks = sinks.float().contiguous()  # the same tensor when it already is
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:
@@ -196,6 +204,8 @@ def paged_decode_triton(
     fused = new_key is not None
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
+    if not has_sinks:  # a placeholder pointer: never read without HAS_SINKS (the one a DecodeBinding passes)
+        sinks = query
 
     def launch_prefix(split_offset: int, launch_dependents: bool = False) -> None:
         cascade.PREFIX(
@@ -218,7 +228,7 @@ def paged_decode_triton(
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
-        new_key, new_value, slot_mapping,
+        new_key, new_value, slot_mapping, sinks,
         *plan.strides, *out_strides, *partial_strides, *plan.new_kv_strides,
         num_splits, num_prefix_splits,
         *decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
@@ -228,6 +238,7 @@ def paged_decode_triton(
         fused,  # FUSED_WRITE
         *plan.prefix_split_rule,  # PREFIX_BLOCK_N, PREFIX_MIN_TILES
         prefix_pdl,  # WAIT_PREFIX
+        has_sinks,  # HAS_SINKS
     )  # fmt: skip
     split_decode.SPLIT(grid, *args, num_warps=num_warps, num_stages=num_stages, launch_pdl=prefix_pdl)
     if bind is not None and write_out and not has_prefix:
@@ -235,7 +246,9 @@ def paged_decode_triton(
             grid, args, split_decode.BOUND_POSITIONS, num_warps=num_warps, num_stages=num_stages
         )
         if bound is not None:
-            bind.append(DecodeBinding(bound, query, k_cache, v_cache, new_key if fused else None, new_value, out))
+            bind.append(DecodeBinding(
+                bound, query, k_cache, v_cache, new_key if fused else None, new_value, out, has_sinks
+            ))  # fmt: skip
     if fold_prefix:
         return out
     if has_prefix:
@@ -245,13 +258,14 @@ def paged_decode_triton(
     num_partials_pad = next_power_of_2(num_partials)
     split_decode.MERGE(
         (num_seqs, num_heads),
-        partial_acc, partial_lse, prefix_len, out,
+        partial_acc, partial_lse, prefix_len, out, sinks,
         *partial_strides, *out_strides,
         num_splits, num_prefix_splits,
         num_partials_pad,  # NUM_SPLITS_PAD
         head_dim, plan.head_dim_pad,
         has_prefix,  # HAS_PREFIX
         pdl,  # WAIT_PRIMARY
+        has_sinks,  # HAS_SINKS
         num_warps=min(MERGE_MAX_NUM_WARPS, max(1, num_partials_pad * plan.head_dim_pad // MERGE_VALUES_PER_WARP)),
         num_stages=3,  # Triton's default on CUDA
         launch_pdl=pdl,
@@ -266,17 +280,18 @@ class DecodeBinding:
     query / pool / new-K/V tensors of one layout. ``launch`` checks that a layer's tensors have the layout the kept
     launch was made for (shapes, strides, dtype, 16-byte alignment, the current device) and relaunches the kernel
     with them: no argument checks, split choice or launch-key computation (the host time an eager step pays once a
-    layer). A layer that differs (another pool geometry, a sliding window, a misaligned view) gets None and takes
-    ``paged_decode_triton``.
+    layer). A layer that differs (another pool geometry, a sliding window, a misaligned view, sinks where the kept
+    launch had none or the reverse) gets None and takes ``paged_decode_triton``.
     """
 
-    def __init__(self, bound, query, k_cache, v_cache, new_key, new_value, out):
+    def __init__(self, bound, query, k_cache, v_cache, new_key, new_value, out, has_sinks=False):
         self._bound = bound
         self._device = torch.cuda.current_device()
         self._query_layout = (query.shape, query.stride(), query.dtype)
         self._cache_layout = (k_cache.shape, k_cache.stride(), v_cache.stride(), k_cache.dtype)
         self._out_stride = out.stride()
         self._fused = new_key is not None
+        self._has_sinks = has_sinks
         self._new_kv_layout = None
         if self._fused:
             self._new_kv_layout = (new_key.shape, new_key.stride(), new_value.stride(), new_key.dtype)
@@ -288,6 +303,7 @@ class DecodeBinding:
         v_cache: torch.Tensor,
         new_key: torch.Tensor | None,  # [num_seqs, num_kv_heads, head_dim], as at the bind (or None, as there)
         new_value: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,  # [num_heads], any float dtype; given iff the kept launch had sinks
     ) -> torch.Tensor | None:
         """The layer's decode output [num_seqs, num_heads, head_dim], or None (nothing launched) when its tensors do
         not fit the kept launch."""
@@ -295,10 +311,18 @@ class DecodeBinding:
             (query.shape, query.stride(), query.dtype) != self._query_layout
             or (k_cache.shape, k_cache.stride(), v_cache.stride(), k_cache.dtype) != self._cache_layout
             or (new_key is not None) != self._fused
+            or (sinks is not None) != self._has_sinks
             or torch.cuda.current_device() != self._device
         ):
             return None
         pointers = query.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+        if self._has_sinks:
+            if sinks.shape != query.shape[1:2] or not sinks.is_floating_point() or sinks.device != query.device:
+                return None
+            sinks = sinks.float().contiguous()
+            pointers |= sinks.data_ptr()
+        else:
+            sinks = query  # the placeholder the bind launched with (never read without HAS_SINKS)
         if self._fused:
             if (new_key.shape, new_key.stride(), new_value.stride(), new_key.dtype) != self._new_kv_layout:
                 return None
@@ -308,5 +332,5 @@ class DecodeBinding:
         out = torch.empty_like(query)
         if (pointers | out.data_ptr()) & 15 or out.stride() != self._out_stride:
             return None
-        self._bound.launch(query, k_cache, v_cache, out, new_key, new_value)
+        self._bound.launch(query, k_cache, v_cache, out, new_key, new_value, sinks)
         return out

@@ -76,7 +76,7 @@ def choose_num_splits(
 
 def check_args(
     query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
-    num_prefix_splits, new_key=None, new_value=None, slot_mapping=None,
+    num_prefix_splits, new_key=None, new_value=None, slot_mapping=None, sinks=None,
 ) -> None:  # fmt: skip
     """Raise ValueError naming the argument on anything ``paged_decode_triton`` does not accept."""
     if query.dim() != 3:
@@ -145,6 +145,13 @@ def check_args(
                 f"slot_mapping must be int32/int64 [num_seqs={num_seqs}] on {query.device}, got {slot_mapping.dtype} "
                 f"{list(slot_mapping.shape)} on {slot_mapping.device}"
             )
+    if sinks is not None and (
+        tuple(sinks.shape) != (num_heads,) or not sinks.is_floating_point() or sinks.device != query.device
+    ):
+        raise ValueError(
+            f"sinks must be a float tensor [num_heads={num_heads}] on {query.device}, got {sinks.dtype} "
+            f"{tuple(sinks.shape)} on {sinks.device}"
+        )
     if prefix_len is not None:
         if prefix_len.dtype != torch.int32 or prefix_len.numel() != 1 or prefix_len.device != query.device:
             raise ValueError(

@@ -44,6 +44,7 @@ def paged_decode_op(
     sliding_window: int,  # <= 0: none
     soft_cap: float,  # <= 0: none
     prefix_len: torch.Tensor | None = None,  # [1], int32: keys every row shares (cascade); None = none
+    sinks: torch.Tensor | None = None,  # [num_heads], float: sink logits (gpt-oss); None = none
 ) -> torch.Tensor:
     """``paged_decode_triton`` as an op (see kernels/decode.py); returns a new [num_seqs, num_heads, head_dim]."""
     from .decode import paged_decode_triton
@@ -52,12 +53,13 @@ def paged_decode_op(
         return paged_decode_triton(
             query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len,
             sliding_window=sliding_window if sliding_window > 0 else None, soft_cap=soft_cap if soft_cap > 0 else None,
-            prefix_len=prefix_len,
+            prefix_len=prefix_len, sinks=sinks,
         )  # fmt: skip
 
 
 @paged_decode_op.register_fake
 def _paged_decode_fake(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, sliding_window, soft_cap, prefix_len=None
-):
+    query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, sliding_window, soft_cap, prefix_len=None,
+    sinks=None,
+):  # fmt: skip
     return torch.empty_like(query)

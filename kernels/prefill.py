@@ -25,8 +25,8 @@ scale is positive, else the exact update of the masked tiles (the fused one need
 K/V are read through the block table, except that with ``key=/value=`` a fresh prompt (no cached
 context) reads them from the contiguous new-token tensors instead.
 
-One kernel and its launcher: the module is over 500 lines because the kernel is (three key ranges, two grid forms,
-the contiguous-K/V path), and its launcher's checks belong beside it.
+One kernel and its launcher (its argument checks are in kernels/prefill_checks.py): the module is over 500 lines
+because the kernel is (three key ranges, two grid forms, the contiguous-K/V path, sinks).
 
 Grid: ``(programs, num_kv_heads)`` over one flat axis of tile slots for the whole batch (as vLLM's unified
 attention), in one of two forms chosen from the shapes alone (never the lengths), so that a CUDA graph captured with
@@ -58,11 +58,10 @@ import triton
 import triton.language as tl
 
 from .launch import Launcher, cdiv, next_power_of_2
+from .prefill_checks import check_args
 
 __all__ = ["paged_prefill_triton"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 # The exact tile map (see "Grid" in the module docstring) for batches of up to this many sequences: each program holds
 # a [next_power_of_2(num_seqs)] scan of cu_seqlens_q in registers. Larger batches take the binary-search grid.
 SCAN_MAX_SEQS = 1024
@@ -275,6 +274,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,  # [num_seqs], int32
     cu_seqlens_q_ptr,  # [num_seqs + 1], int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    sinks_ptr,  # [num_heads], fp32: HAS_SINKS: each query head's sink logit (else any pointer)
     # strides
     stride_query_t,
     stride_query_h,
@@ -307,6 +307,7 @@ def _paged_prefill_kernel(
     K_ROW_MAJOR: tl.constexpr,
     EXACT_SOFTMAX: tl.constexpr,  # scale <= 0: no fused update of the interior tiles
     CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
+    HAS_SINKS: tl.constexpr,  # a sink logit per query head joins the softmax's denominator (gpt-oss)
     SEQS_PAD: tl.constexpr,  # power of two >= num_seqs: the exact tile map; 0 = the binary-search bound grid
 ):
     # Tile slots (see "Grid" in the module docstring). Causal: later tiles attend to more keys, and chunks sit after
@@ -332,11 +333,11 @@ def _paged_prefill_kernel(
             q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
             _attend_slot(
                 query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-                stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block, stride_cache_offset,
-                stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h, stride_table_s,
-                stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len,
+                sinks_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block,
+                stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h,
+                stride_table_s, stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len,
                 (slot - first_tile) * BLOCK_M, kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
-                HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV,
+                HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS,
             )  # fmt: skip
     else:
         # The bound grid, one slot a program, no loop (batches of few sequences). seq_idx: the last sequence whose
@@ -360,11 +361,11 @@ def _paged_prefill_kernel(
             return
         _attend_slot(
             query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-            stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block, stride_cache_offset,
-            stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h, stride_table_s,
-            stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len, row_start, kv_head,
-            HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR,
-            EXACT_SOFTMAX, CONTIG_KV,
+            sinks_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block,
+            stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h,
+            stride_table_s, stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len, row_start,
+            kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32,
+            K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS,
         )  # fmt: skip
 
 
@@ -378,6 +379,7 @@ def _attend_slot(
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     stride_query_t,
     stride_query_h,
     stride_out_t,
@@ -411,6 +413,7 @@ def _attend_slot(
     K_ROW_MAJOR: tl.constexpr,
     EXACT_SOFTMAX: tl.constexpr,
     CONTIG_KV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One slot: rows [row_start, row_start + BLOCK_M) of sequence seq_idx, for one KV head."""
     num_rows = q_len * GROUP
@@ -476,6 +479,15 @@ def _attend_slot(
             BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, False,
         )  # fmt: skip
 
+    if HAS_SINKS:
+        # The head's sink logit (natural log, neither scaled nor capped) is one more softmax term without a value:
+        # it joins l_i only. In the log2 domain of m_i; m_i is finite for real rows, -inf for padding rows.
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # [BLOCK_M]; head < num_heads on every row
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf on a padding row
+        alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
+        acc = acc * alpha[:, None]
     # Every real row sees at least its own key, so l_i > 0 there; padding rows (l_i == 0) are not stored.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D], fp32
@@ -532,6 +544,7 @@ def paged_prefill_triton(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
     tiles: tuple[int, int, int, int, bool] | None = None,
     spare_slots: int = SCAN_SPARE_SLOTS,
     tokens_per_spare_slot: int = SCAN_TOKENS_PER_SPARE_SLOT,
@@ -570,6 +583,9 @@ def paged_prefill_triton(
             ``query`` (the tensors write_kv stored), last dim contiguous. When given, a fresh prompt
             (seq_len == q_len) reads its K/V from these contiguous rows instead of through the block
             table; other sequences still read the cache. Both or neither.
+        sinks: [num_heads], any float dtype (taken as fp32): each query head's sink logit, which joins the
+            softmax's denominator only (gpt-oss; kernels/reference.py). None: no sinks (the kernel compiles
+            without them).
         tiles: For tests and benchmarks/tools/prefill_sweep.py: force (BLOCK_M, BLOCK_N, num_warps, num_stages,
             k_row_major); None takes ``default_tiles``. BLOCK_M still shrinks for short queries.
         spare_slots, tokens_per_spare_slot, scan_max_seqs: For tests: the grid's tuning (SCAN_SPARE_SLOTS,
@@ -582,77 +598,17 @@ def paged_prefill_triton(
     Raises:
         ValueError: on a shape, dtype, layout or device mismatch, or an unsupported head_dim.
     """
-    if query.dim() != 3:
-        raise ValueError(f"query must be 3-D [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(
-            f"k_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
-        )
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(
-            f"v_cache must match k_cache in shape and strides, got {tuple(v_cache.shape)} / {v_cache.stride()} "
-            f"vs {tuple(k_cache.shape)} / {k_cache.stride()}"
-        )
+    check_args(
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, out, key, value,
+        sinks,
+    )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} must equal the cache head_dim {cache_head_dim}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    if query.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"query dtype must be one of {list(_FLOAT_DTYPES)}, got {query.dtype}")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(
-            f"k_cache/v_cache dtype must equal query dtype {query.dtype}, got {k_cache.dtype} / {v_cache.dtype}"
-        )
-    if query.stride(2) != 1 or k_cache.stride(3) != 1:
-        raise ValueError(
-            f"query and k_cache/v_cache need a contiguous last dim, "
-            f"got strides {query.stride()} and {k_cache.stride()}"
-        )
-    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
-        raise ValueError(
-            f"block_tables must be 2-D int32 [num_seqs, max_blocks_per_seq], "
-            f"got {block_tables.dtype} of shape {tuple(block_tables.shape)}"
-        )
+    block_size, num_kv_heads = k_cache.shape[1:3]
     num_seqs = block_tables.shape[0]
-    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_seqs,):
-        raise ValueError(
-            f"seq_lens must be int32 of shape [num_seqs={num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
-        )
-    if cu_seqlens_q.dtype != torch.int32 or tuple(cu_seqlens_q.shape) != (num_seqs + 1,):
-        raise ValueError(
-            f"cu_seqlens_q must be int32 of shape [num_seqs + 1={num_seqs + 1}], "
-            f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}"
-        )
-    for name, t in (
-        ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens),
-        ("cu_seqlens_q", cu_seqlens_q),
-    ):  # fmt: skip
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device}, but query is on {query.device}")
-    if max_query_len < 0 or max_seq_len < 0:
-        raise ValueError(f"max_query_len and max_seq_len must be >= 0, got {max_query_len} and {max_seq_len}")
-    if (key is None) != (value is None):
-        raise ValueError("key and value must be given together (contiguous K/V of the new tokens) or not at all")
-    if key is not None:
-        want = (num_tokens, num_kv_heads, head_dim)
-        for name, t in (("key", key), ("value", value)):
-            if tuple(t.shape) != want or t.dtype != query.dtype or t.device != query.device or t.stride(2) != 1:
-                raise ValueError(
-                    f"{name} must be {want} {query.dtype} on {query.device} with a contiguous last dim "
-                    f"(rows aligned with query), got {tuple(t.shape)} {t.dtype} on {t.device} "
-                    f"with strides {t.stride()}"
-                )
+    if sinks is not None:
+        sinks = sinks.float().contiguous()  # the same tensor when it already is
     if out is None:
         out = torch.zeros_like(query)  # like the reference: rows of no sequence read as 0, never garbage
-    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(2) != 1:
-        raise ValueError(
-            f"out must be {tuple(query.shape)} {query.dtype} on {query.device} with a contiguous last dim, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
-        )
     if num_seqs == 0 or num_tokens == 0 or max_query_len == 0 or max_seq_len == 0:
         return out
 
@@ -687,6 +643,7 @@ def paged_prefill_triton(
     PREFILL(
         grid,
         query, k_cache, v_cache, key, value, block_tables, seq_lens, cu_seqlens_q, out,
+        seq_lens if sinks is None else sinks,  # sinks_ptr: never read without HAS_SINKS
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         key.stride(0) if contig_kv else 0, key.stride(1) if contig_kv else 0,
@@ -703,6 +660,7 @@ def paged_prefill_triton(
         k_row_major,  # K_ROW_MAJOR
         not scale > 0,  # EXACT_SOFTMAX: the fused update folds the scale into max(scores): needs scale > 0
         contig_kv,  # CONTIG_KV
+        sinks is not None,  # HAS_SINKS
         seqs_pad,  # SEQS_PAD
         num_warps=num_warps,
         num_stages=num_stages,

@@ -16,6 +16,9 @@ Attention semantics shared by the references and the Triton kernels:
   positions j with ``j <= p`` and, with a sliding window W, ``p - j < W`` (transformers' convention:
   the window counts the token itself).
 - scores = (q . k) * scale; with a soft cap C, scores = C * tanh(scores / C); softmax in fp32.
+- Attention sinks (gpt-oss): ``sinks[h]``, one logit per query head, joins the softmax's denominator only, unscaled
+  and uncapped: ``out = sum_j exp(s_j - m) v_j / (exp(sinks[h] - m) + sum_j exp(s_j - m))``,
+  ``m = max(sinks[h], max_j s_j)``. A row with no visible key gets zeros.
 - GQA: query head h reads KV head ``h // (num_heads // num_kv_heads)``.
 """
 
@@ -74,6 +77,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (see the module docstring)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (gather + softmax).
 
@@ -111,7 +115,7 @@ def paged_attention_ref(
         if sliding_window is not None and sliding_window > 0:
             allowed &= (q_pos - k_pos) < sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = _softmax_with_sinks(scores, sinks, head_axis=0)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 
@@ -126,6 +130,7 @@ def paged_decode_ref(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     prefix_len: torch.Tensor | None = None,  # [1], int32: keys below it are read through row 0's table (cascade)
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (see the module docstring)
 ) -> torch.Tensor:
     """Decode attention (one new token per sequence, the last of its context) with static shapes and no host sync.
 
@@ -164,8 +169,22 @@ def paged_decode_ref(
     if sliding_window is not None and sliding_window > 0:
         allowed &= (q_pos - k_pos) < sliding_window
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    # A padding row (seq_len 0) has no allowed key: its softmax is NaN, zeroed here.
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    # A padding row (seq_len 0) has no allowed key: its softmax is NaN, zeroed here (with sinks the sink takes it all).
+    probs = _softmax_with_sinks(scores, sinks, head_axis=1).nan_to_num(0.0)
     # Slots past a row's length are read but never written (NaN, inf or stale): their zero weight must not meet them.
     v = v.masked_fill(~allowed[:, :, None, None], 0.0)
     return torch.einsum("shk,skhd->shd", probs, v).to(query.dtype)
+
+
+def _softmax_with_sinks(
+    scores: torch.Tensor,  # [..., num_keys], fp32, masked keys -inf; dim head_axis is num_heads
+    sinks: torch.Tensor | None,  # [num_heads]
+    head_axis: int,
+) -> torch.Tensor:
+    """softmax over the keys; with sinks, each head's sink logit is one more column, dropped after the softmax (as
+    transformers' gpt-oss eager attention does), so it joins the denominator only."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink_shape = (-1,) + (1,) * (scores.dim() - head_axis - 1)  # num_heads, then a 1 for each later dim
+    sink_col = sinks.to(device=scores.device, dtype=scores.dtype).view(sink_shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]

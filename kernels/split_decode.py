@@ -28,6 +28,10 @@ kernel runs first and the split kernel folds its partials into its own online so
 launch); on SM90+ the split kernel then reads its own keys while the prefix kernel runs, waiting only before the fold
 (``WAIT_PREFIX``). ``prefix_len`` is read on the device, so with 0 the kernels do exactly the plain decode.
 
+With ``HAS_SINKS`` (gpt-oss) each query head's sink logit joins the softmax's denominator once, where the row's whole
+softmax meets: in the merge (a term ``exp2(sink - lse_max)`` with no value), or with one split in the split kernel
+after its last key and the prefix fold. Partials never contain it, so neither a split nor a prefix split counts it.
+
 The split is per sequence (each sequence divides its own length, and uses only as many of the grid's splits as give
 each ``MIN_TILES_PER_SPLIT`` tiles), so the grid's split count never affects correctness: a CUDA graph captured with
 a bound that is too small still computes the right answer.
@@ -64,6 +68,7 @@ def _paged_decode_kernel(
     new_k_ptr,  # [num_seqs, num_kv_heads, head_dim]: FUSED_WRITE: each row's new key (its last position's)
     new_v_ptr,  # [num_seqs, num_kv_heads, head_dim]: FUSED_WRITE: each row's new value
     slot_ptr,  # [num_seqs], int32/int64: FUSED_WRITE: the slot the new K/V go to (-1 = not written)
+    sinks_ptr,  # [num_heads], fp32: HAS_SINKS and WRITE_OUT: each query head's sink logit
     # strides
     stride_qs,
     stride_qh,
@@ -127,6 +132,9 @@ def _paged_decode_kernel(
     # HAS_PREFIX and WRITE_OUT, launched with PDL after the shared-prefix kernel: wait for its partials before
     # reading them.
     WAIT_PREFIX: tl.constexpr,
+    # A sink logit per query head joins the softmax's denominator (gpt-oss): here when WRITE_OUT, else in the merge,
+    # so that it counts once per head, not once per split.
+    HAS_SINKS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -285,6 +293,15 @@ def _paged_decode_kernel(
                 acc = acc * alpha[:, None] + w_p[:, None] * a_p
                 m_i = m_new
 
+    if HAS_SINKS and WRITE_OUT:  # after the prefix fold: the row's whole softmax is in (m_i, l_i, acc)
+        # The sink (natural log, neither scaled nor capped) is one more term without a value: it joins l_i only.
+        sink = tl.load(sinks_ptr + head_idx, mask=g_mask, other=float("-inf")) * 1.4426950408889634  # [GROUP_PAD]
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded query rows
+        alpha = tl.exp2(m_i - m_safe)  # [GROUP_PAD]; 0 for a row without keys (seq_len 0): out stays 0
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     # l_i == 0 only for an empty split (no tiles): acc is 0 there, so out / lse become 0 / -inf.
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -315,6 +332,7 @@ def _merge_splits_kernel(
     partial_lse_ptr,  # [num_seqs, num_heads, num_splits + num_prefix_splits], fp32 (log2 domain)
     prefix_len_ptr,  # [1], int32; read only when HAS_PREFIX
     out_ptr,  # [num_seqs, num_heads, head_dim]
+    sinks_ptr,  # [num_heads], fp32; read only when HAS_SINKS
     # strides
     stride_pas,
     stride_pah,
@@ -335,6 +353,7 @@ def _merge_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     WAIT_PRIMARY: tl.constexpr,  # launched with PDL: wait until the decode kernel's partials are in memory
+    HAS_SINKS: tl.constexpr,  # the head's sink logit joins the denominator, once (the splits leave it out)
 ):
     if WAIT_PRIMARY:
         tl.extra.cuda.gdc_wait()
@@ -356,10 +375,15 @@ def _merge_splits_kernel(
         other=float("-inf"),
     )
     lse_max = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head_idx) * 1.4426950408889634  # natural log -> the partials' log2 domain
+        lse_max = tl.maximum(lse_max, sink)
     # All splits empty (seq_len == 0): -inf - -inf would be NaN; shift by 0 so every weight is 0.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp2(lse - lse_max)  # [NUM_SPLITS_PAD]
     denom = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - lse_max)  # a term without a value; a row without keys gets 0 / that = 0
 
     # acc: [NUM_SPLITS_PAD, HEAD_DIM_PAD]; a split without keys (lse -inf) wrote no acc: not loaded, 0.
     acc = tl.load(
@@ -383,5 +407,6 @@ def _merge_splits_kernel(
 SPLIT = Launcher(_paged_decode_kernel)
 MERGE = Launcher(_merge_splits_kernel)
 # The split kernel's arguments that a DecodeBinding (kernels/decode.py) takes anew at each launch: query, k_cache,
-# v_cache, out, new_key, new_value (the other arguments describe the step: tables, lengths, slots, strides, constants).
-BOUND_POSITIONS = (0, 1, 2, 6, 9, 10)
+# v_cache, out, new_key, new_value, sinks (the other arguments describe the step: tables, lengths, slots, strides,
+# constants).
+BOUND_POSITIONS = (0, 1, 2, 6, 9, 10, 12)

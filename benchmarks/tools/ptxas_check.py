@@ -97,7 +97,7 @@ def compile_prefill(prefill, contig_kv: bool, group: int, seqs_pad: int | None) 
     block_m, block_n, num_warps, num_stages, k_row_major = default_tiles(torch.bfloat16, 128, contig_kv)
     constexprs = dict(HEAD_DIM=128, BLOCK_SIZE=16, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=128,
                       HAS_WINDOW=False, HAS_SOFT_CAP=False, DOT_FP32=False, K_ROW_MAJOR=k_row_major,
-                      EXACT_SOFTMAX=False, CONTIG_KV=contig_kv)  # fmt: skip
+                      EXACT_SOFTMAX=False, CONTIG_KV=contig_kv, HAS_SINKS=False)  # fmt: skip
     if seqs_pad is not None:
         constexprs["SEQS_PAD"] = seqs_pad
     signature, attrs = _signature(fn, constexprs)

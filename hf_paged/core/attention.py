@@ -11,7 +11,10 @@
   It packs the real query tokens to
   ``[num_tokens, num_heads, head_dim]`` and calls ``paged_attention`` over the block tables. K/V are never
   gathered. Outside a paged forward (e.g. the model is used with a DynamicCache, or without cache) it falls back
-  to torch SDPA on the given K/V.
+  to torch SDPA on the given K/V, or, for a logit soft-cap or attention sinks (which SDPA lacks), to the direct
+  computation of transformers' eager attention.
+- attention sinks (gpt-oss: ``module.sinks``, one logit per query head that joins the softmax's denominator only)
+  go to every kernel call as ``sinks``; the kernels add them once per head (hf_paged.kernels.reference).
 - mask function "paged" (``AttentionMaskInterface``): no mask inside a paged forward (the kernels
   take lengths, not masks); the SDPA boolean mask otherwise, for the fallback.
 
@@ -69,6 +72,7 @@ def _planned_decode_attention(
     """A planned decode step: ``key``/``value`` are the pools, already written; one ``paged_decode`` over the
     static block tables and lengths. Traceable: no host sync, nothing read from tensors on the host."""
     _check_paged_module(module, dropout)
+    sinks = _module_sinks(module)
     batch_size, num_heads, query_len, head_dim = query.shape
     if query_len != 1:
         raise RuntimeError(f"bug in hf_paged: a planned decode step got {query_len} query columns, expected 1")
@@ -82,16 +86,12 @@ def _planned_decode_attention(
         ctx.max_seq_len,
         sliding_window=sliding_window or None,
         soft_cap=softcap or None,
+        sinks=sinks,
     )  # [batch_size, num_heads, head_dim]
     return out.view(batch_size, 1, num_heads, head_dim), None
 
 
 def _check_paged_module(module: torch.nn.Module, dropout: float) -> None:
-    if _has_sinks(module):
-        raise ValueError(
-            f"attn_implementation='paged' does not support attention sinks ({type(module).__name__}.sinks); "
-            "use attn_implementation='sdpa' or 'eager' with PagedCache for this model"
-        )
     if dropout and module.training:
         raise ValueError(f"attn_implementation='paged' is inference-only; got dropout={dropout} in training mode")
 
@@ -107,6 +107,7 @@ def _context_attention(
     if ctx is None or not ctx.paged:
         return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
     _check_paged_module(module, dropout)
+    sinks = _module_sinks(module)
     batch_size, num_heads, query_len, head_dim = query.shape
     ctx = ctx.on(query.device)
     if scaling is None:
@@ -137,16 +138,18 @@ def _context_attention(
             out = paged_decode(
                 query.view(batch_size, num_heads, head_dim), key, value, ctx.block_tables[:, :width], ctx.seq_lens,
                 scaling, ctx.max_seq_len, sliding_window=sliding_window or None, soft_cap=softcap or None,
+                sinks=sinks,
             )  # fmt: skip
             return out.view(batch_size, 1, num_heads, head_dim), None
         q = query.view(batch_size, num_heads, head_dim)
         binding = ctx.decode_binding
-        kind = (scaling, sliding_window, softcap, slots is None)
+        kind = (scaling, sliding_window, softcap, slots is None, sinks is None)
         # The first layer's launch, kept (kernels.decode.DecodeBinding), serves every layer of the same kind: its
-        # tables, lengths and slots are this step's, so a layer with the same scale, window, cap and fused write
-        # only brings its own tensors. A layer of another kind takes the full path (and binds nothing).
+        # tables, lengths and slots are this step's, so a layer with the same scale, window, cap, fused write and
+        # presence of sinks only brings its own tensors (its sinks among them). A layer of another kind takes the
+        # full path (and binds nothing).
         if binding and binding[0] == kind:
-            out = binding[1].launch(q, key, value, new_key, new_value)
+            out = binding[1].launch(q, key, value, new_key, new_value, sinks)
             if out is not None:
                 return out.view(batch_size, 1, num_heads, head_dim), None
         bind = [] if binding is None and ctx.prefix_len is None else None
@@ -156,6 +159,7 @@ def _context_attention(
             sliding_window=sliding_window or None, soft_cap=softcap or None,
             prefix_len=ctx.prefix_len if not sliding_window else None, max_prefix_len=ctx.max_prefix_len,
             key=new_key, value=new_value, slot_mapping=slots, min_keys_per_split=EAGER_MIN_KEYS_PER_SPLIT, bind=bind,
+            sinks=sinks,
         )  # fmt: skip
         if bind is not None:
             ctx.decode_binding = (kind, bind[0]) if bind else False
@@ -198,7 +202,7 @@ def _context_attention(
         paged_attention(
             q[:num_seqs], key, value, ctx.block_tables, ctx.decode_seq_lens, ctx.decode_cu_seqlens_q, scaling,
             max_query_len=1, max_seq_len=ctx.max_seq_len, sliding_window=window, soft_cap=cap, out=out[:num_seqs],
-            prefix_len=prefix_len, max_prefix_len=ctx.max_prefix_len,
+            prefix_len=prefix_len, max_prefix_len=ctx.max_prefix_len, sinks=sinks,
         )  # fmt: skip
         cu_seqlens_q = ctx.prefill_cu_seqlens_q  # the decode rows are empty sequences there: left as written
     if ctx.max_query_len != 1:
@@ -221,6 +225,7 @@ def _context_attention(
         prefix_len=prefix_len,
         max_prefix_len=ctx.max_prefix_len,
         slot_mapping=fused_write,  # a decode step: written by the decode kernel (else None: written above)
+        sinks=sinks,
     )  # [num_tokens, num_heads, head_dim]
     if ctx.token_idx is not None:
         full = out.new_zeros(batch_size * query_len, num_heads, head_dim)
@@ -233,32 +238,49 @@ def _context_attention(
 _context_attention_disabled = torch.compiler.disable(_context_attention)
 
 
-def _has_sinks(module: torch.nn.Module) -> bool:
-    """Whether the attention module has sink logits (gpt-oss), without ``getattr``'s slow miss on a Module."""
-    if "sinks" in module._parameters or "sinks" in module._buffers:
-        return module._parameters.get("sinks", module._buffers.get("sinks")) is not None
-    return module.__dict__.get("sinks") is not None
+def _module_sinks(module: torch.nn.Module) -> torch.Tensor | None:
+    """The attention module's sink logits [num_heads] (gpt-oss), held as a parameter, a buffer or a plain attribute;
+    None without. Dict lookups only: ``getattr``'s miss on a Module is slow, and this runs per layer per step."""
+    sinks = module._parameters.get("sinks")
+    if sinks is None:
+        sinks = module._buffers.get("sinks")
+        if sinks is None:
+            sinks = module.__dict__.get("sinks")
+    return sinks
 
 
 def _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs):
-    """Plain attention on contiguous K/V [B, Hkv, kv_len, D] with transformers' boolean mask."""
-    if softcap is None:
+    """Plain attention on contiguous K/V [B, Hkv, kv_len, D] with transformers' boolean mask: SDPA, or, for what SDPA
+    lacks (a logit soft-cap, attention sinks), the direct computation of transformers' eager attention (gpt-oss's
+    with sinks: the sink logit is one more softmax column, dropped after the softmax)."""
+    sinks = _module_sinks(module)
+    if softcap is None and sinks is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
-    # SDPA has no logit soft-cap: a direct computation, as transformers' eager path does.
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
+    # [batch_size, num_heads, query_len, kv_len]
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    scores = softcap * torch.tanh(scores / softcap)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is None:
+        # transformers leaves out a plain causal mask for SDPA (its is_causal): causal, the queries the last keys
+        query_len, kv_len = scores.shape[-2:]
+        if query_len > 1 and getattr(module, "is_causal", True):
+            allowed = torch.ones(query_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - query_len)
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1)
+    else:
+        sink_col = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1).float(), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(query.dtype), value).transpose(1, 2).contiguous(), None
 
 
 def paged_mask(*args, **kwargs):

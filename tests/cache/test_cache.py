@@ -343,28 +343,6 @@ def test_paged_attention_that_a_layer_never_calls_is_refused():
         PagedCache(model, num_blocks=16, block_size=8)
 
 
-@pytest.mark.parametrize("sinks", ["parameter", "attribute", "none"])
-def test_paged_attention_refuses_attention_sinks(sinks):
-    """Sink logits (gpt-oss) are refused by name whether the attention module holds them as a parameter or as a plain
-    attribute; ``sinks = None`` is no sink, and generate runs."""
-    model = tiny_model("llama")
-    attention = model.model.layers[0].self_attn
-    if sinks == "parameter":
-        attention.sinks = torch.nn.Parameter(torch.zeros(model.config.num_attention_heads))
-    elif sinks == "attribute":
-        attention.sinks = torch.zeros(model.config.num_attention_heads)
-    else:
-        attention.sinks = None
-    cache = PagedCache(model, num_blocks=16, block_size=8)
-    if sinks == "none":
-        assert torch.equal(
-            _generate(model, cache, max_new_tokens=3), _generate(model, _dynamic(model), max_new_tokens=3)
-        )
-        return
-    with pytest.raises(ValueError, match=r"does not support attention sinks \(LlamaAttention.sinks\)"):
-        _generate(model, cache, max_new_tokens=3)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda("the fused decode kernel"))])
 def test_decode_steps_write_kv_in_the_attention_call(monkeypatch, device):
     """Eager decode with "paged" attention: update() leaves each layer's new K/V to the attention, which writes and

@@ -54,10 +54,10 @@ def test_key_of_unspecialized_ints_keeps_only_their_class():
     acc, lse = torch.zeros(2, 4, 5, 8), torch.zeros(2, 4, 5)
 
     def args(num_splits, stride_bts, num_prefix_splits=2):
-        return (q, kc, kc, tables, lens, lens, q, acc, lse, q, q, lens, *q.stride(), *kc.stride(), *kc.stride(),
+        return (q, kc, kc, tables, lens, lens, q, acc, lse, q, q, lens, q, *q.stride(), *kc.stride(), *kc.stride(),
                 stride_bts, 1, *q.stride(), *acc.stride(), *lse.stride(), *(0,) * 6, num_splits, num_prefix_splits,
                 0.5, 0.0, 0.0, 0, 2, 16, 8, 16, 4, 64, False, False, False, False, False, 1, False, False, False,
-                64, 4, False)  # fmt: skip
+                64, 4, False, False)  # fmt: skip
 
     key_fn = launch.make_key_fn(_paged_decode_kernel, args(5, 3))
     assert key_fn(*args(5, 3)) == key_fn(*args(7, 40))  # num_splits and stride_bts are do_not_specialize
