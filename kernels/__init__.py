@@ -17,6 +17,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers the custom ops torch.ops.hf_paged.*)
 from .launch import on_device
+from .mla import mla_decode, mla_decode_ref, mla_prefill, mla_prefill_ref  # latent attention (MLA)
 from .reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, write_kv_ref
 
 __all__ = [
@@ -30,6 +31,10 @@ __all__ = [
     "copy_blocks_ref",
     "paged_attention_ref",
     "paged_decode_ref",
+    "mla_decode",
+    "mla_prefill",
+    "mla_decode_ref",
+    "mla_prefill_ref",
 ]
 
 _triton_modules: SimpleNamespace | None = None

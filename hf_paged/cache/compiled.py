@@ -234,7 +234,7 @@ class PlannedSteps:
             max_blocks_per_seq = -(-self._max_cache_len // self.block_size)
             self._static = StaticStep(batch_size, max_blocks_per_seq, self.block_size, device, owner=self)
         if self._marked_pool is not self.kv.k_cache[0]:  # new pool tensors (first use, or grown at a prefill)
-            for t in (*self.kv.k_cache, *self.kv.v_cache):
+            for t in self.kv.owned_tensors():  # shared layers' entries and V views are these tensors
                 torch._dynamo.mark_static_address(t)
             self._marked_pool = self.kv.k_cache[0]
         return self._static

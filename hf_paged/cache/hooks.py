@@ -96,8 +96,7 @@ def _pre_forward(module, args, kwargs):
             _begin_eager_planned_forward(module, cache)
             return None
         return args, {**kwargs, PLANNED_CONTEXT_KWARG: cache._static.ctx}
-    _plan_forward(module, cache, args, kwargs)
-    return None
+    return _plan_forward(module, cache, args, kwargs)
 
 
 def _begin_eager_planned_forward(module, cache: ForwardPlanner) -> None:
@@ -132,7 +131,8 @@ def _end_eager_planned_forward(module) -> None:
 
 
 @torch.compiler.disable  # host planning: under torch.compile a graph break (a planned step never gets here)
-def _plan_forward(module, cache: ForwardPlanner, args, kwargs) -> None:
+def _plan_forward(module, cache: ForwardPlanner, args, kwargs) -> tuple | None:
+    """Plan the forward and make its context current; returns the decoder's (args, kwargs) where they change."""
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     if input_ids is not None:
@@ -147,6 +147,13 @@ def _plan_forward(module, cache: ForwardPlanner, args, kwargs) -> None:
         input_ids, shape, mask, position_ids if isinstance(position_ids, torch.Tensor) else None
     )
     module._hf_paged_token = set_forward_context(ctx)
+    keep = kwargs.get("logits_to_keep")
+    if type(keep) is int and keep != 0 and ctx.paged:
+        # Decoders with KV-sharing layers (Gemma 3n, Gemma 4) run those layers on the last `logits_to_keep`
+        # positions only; the "paged" attention reads the forward's plan, which covers every new token: keep them
+        # all (0) in the decoder. The head still keeps only the requested logits.
+        return args, {**kwargs, "logits_to_keep": 0}
+    return None
 
 
 def _post_forward(module, args, kwargs, output):

@@ -29,7 +29,8 @@ class KVWriter:
         shape = key_states.shape
         if type(layer_idx) is not int or not 0 <= layer_idx < kv.num_layers or len(shape) != 4:
             self._check_layer(key_states, layer_idx)
-        if shape[1] != kv.num_kv_heads or shape[3] != kv.head_dim:
+        spec = kv.layers[layer_idx]
+        if shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim or spec.kv_layer != layer_idx:
             self._check_layer(key_states, layer_idx)
         k_cache, v_cache = kv.k_cache[layer_idx], kv.v_cache[layer_idx]
         batch_size, num_kv_heads, query_len, head_dim = shape
@@ -47,13 +48,11 @@ class KVWriter:
             )
         kv = self.kv
         shape = key_states.shape
-        if (  # the checks of _check_layer, inline: this runs once per layer per forward
-            type(layer_idx) is not int
-            or not 0 <= layer_idx < kv.num_layers
-            or len(shape) != 4
-            or shape[1] != kv.num_kv_heads
-            or shape[3] != kv.head_dim
-        ):
+        if type(layer_idx) is not int or not 0 <= layer_idx < kv.num_layers or len(shape) != 4:
+            self._check_layer(key_states, layer_idx)
+        spec = kv.layers[layer_idx]
+        # the checks of _check_layer, inline: this runs once per layer per forward
+        if shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim or spec.kv_layer != layer_idx:
             self._check_layer(key_states, layer_idx)
         k_cache, v_cache = kv.k_cache[layer_idx], kv.v_cache[layer_idx]
         if ctx.slot_mapping.device != k_cache.device:  # device_map: this layer lives on another device
@@ -78,20 +77,33 @@ class KVWriter:
     _update_from_context_disabled = torch.compiler.disable(_update_from_context)
 
     def _check_layer(self, key_states: torch.Tensor, layer_idx: int) -> None:
-        """The layer and its K/V shape must be those of the model the pool was built for."""
+        """The layer and its K/V shape must be those of the model the pool was built for, and the layer must own
+        its K/V (a layer that shares an earlier layer's K/V takes them from the model, never through update)."""
         kv = self.kv
-        built_for = (
-            f"PagedCache was built for a model with {kv.num_layers} attention layers of {kv.num_kv_heads} KV heads "
-            f"of head_dim {kv.head_dim}"
-        )
+        spec = kv.layers[layer_idx] if type(layer_idx) is int and 0 <= layer_idx < kv.num_layers else None
+        if len({(s.num_kv_heads, s.head_dim) for s in kv.layers}) == 1:
+            shapes = f"of {kv.layers[0].num_kv_heads} KV heads of head_dim {kv.layers[0].head_dim}"
+        elif spec is not None:
+            shapes = (
+                f"of per-layer shapes (layer {layer_idx}: {spec.num_kv_heads} KV heads of head_dim {spec.head_dim})"
+            )
+        else:
+            shapes = "of per-layer shapes"
+        built_for = f"PagedCache was built for a model with {kv.num_layers} attention layers {shapes}"
         fix = "; use a PagedCache built for this model: PagedCache(model, ...)"
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < kv.num_layers:
             raise ValueError(
                 f"{built_for}, but this forward updates layer_idx {layer_idx!r} (allowed: 0 to "
                 f"{kv.num_layers - 1}){fix}"
             )
+        if spec.kv_layer != layer_idx:
+            raise ValueError(
+                f"layer {layer_idx} shares the K/V of layer {spec.kv_layer} (the config's KV sharing), so it must "
+                "not write K/V, but this forward calls update() for it; PagedCache follows the config's "
+                "kv_sharing_modes / num_kv_shared_layers, which this model's attention does not"
+            )
         shape = tuple(key_states.shape)
-        if len(shape) != 4 or shape[1] != kv.num_kv_heads or shape[3] != kv.head_dim:
+        if len(shape) != 4 or shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim:
             got = f"num_kv_heads {shape[1]}, head_dim {shape[3]}" if len(shape) == 4 else f"{len(shape)} dims"
             raise ValueError(
                 f"{built_for}, but layer {layer_idx} of this forward has key states of shape {shape} "

@@ -4,7 +4,8 @@
     out = model.generate(**inputs, past_key_values=cache)
     cache = PagedCache(model, max_cache_len=prompt_len + max_new_tokens)  # compileable: generate compiles decode
 
-Layout: every layer's K and V pools are [num_blocks, block_size, num_kv_heads, head_dim] (hf_paged.core.kv_pool).
+Layout: every layer's K and V pools are [num_blocks, block_size, num_kv_heads, head_dim] with the layer's own shape; a
+layer that shares another's K/V reads that layer's pools (hf_paged.core.kv_pool).
 Each batch row of ``generate`` is a sequence of the block pool (hf_paged.core.block_pool); all layers share its
 block table. Slots follow the slot formula of ``hf_paged.core.planner.slot_mapping`` (written there only):
 ``slot = block_id * block_size + offset``, ``slot < 0`` for padding, which takes no slot.
@@ -50,6 +51,7 @@ from hf_paged.cache.planning import ForwardPlanner
 from hf_paged.cache.rows import Row, RowBook
 from hf_paged.core.block_pool import BlockPool
 from hf_paged.core.context import ForwardContext
+from hf_paged.core.mla import use_paged_mla
 from hf_paged.core.model_info import ModelInfo
 from hf_paged.core.support import check_paged_attention_reached
 
@@ -162,6 +164,7 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
         ):
             raise ValueError(f"`max_cache_len` must be a positive int or None, got {max_cache_len!r}")
         info = ModelInfo.from_model(model)
+        use_paged_mla(model)  # latent-attention (MLA) layers page their latent, any attn_implementation
         if getattr(model.config, "_attn_implementation", None) == "paged":
             check_paged_attention_reached(model, info.num_layers)
         # A growing pool starts with one block (pools are never empty) and may grow to _max_num_blocks.

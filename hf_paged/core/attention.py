@@ -173,15 +173,18 @@ def _context_attention(
     prefix_len = ctx.prefix_len if window is None else None
     fused_write = None  # the engine's decode step: slot_mapping for the decode kernel's own K/V write
     if ctx.kv_caches is not None:  # engine path: no Cache object; write this layer's new K/V here
-        k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+        # writes is False for a layer that shares an earlier layer's K/V (Gemma 3n, Gemma 4): its pools are that
+        # layer's, already written this step, and its key/value (the model's shared K/V) are the same new tokens'
+        k_cache, v_cache, writes = ctx.kv_caches[module.layer_idx]
         num_kv_heads = key.shape[1]
         new_key = key.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         new_value = value.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
-        if ctx.max_query_len == 1 and ctx.decode_seq_lens is None and ctx.token_idx is None:
+        decode = ctx.max_query_len == 1 and ctx.decode_seq_lens is None and ctx.token_idx is None
+        if writes and decode:
             # A decode step (shared-prefix ones too: each row's new token lies above the shared blocks): the decode
             # kernel writes each row's new K/V and attends to it from registers, one launch a layer fewer.
             fused_write = ctx.slot_mapping  # token i is row i's new token (padding: slot -1, length 0)
-        else:
+        elif writes:
             write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping)
         key, value = k_cache, v_cache
     if query_len == 1:

@@ -44,8 +44,9 @@ class ForwardContext:
     # False: update() returns gathered contiguous K/V [batch_size, num_kv_heads, kv_len, head_dim].
     paged: bool = True
     owner: object = None  # the cache or runner that built this context
-    # Engine path (model called with use_cache=False): per-layer (k_cache, v_cache) pools; the attention
-    # function writes the layer's new K/V at slot_mapping itself. None when a PagedCache's update() does it.
+    # Engine path (model called with use_cache=False): per-layer (k_cache, v_cache, writes): the layer's pools and
+    # whether it writes its new K/V at slot_mapping itself (False for a layer that reads the K/V of an earlier
+    # layer, which wrote them). None when a PagedCache's update() writes.
     kv_caches: list | None = None
     # Mixed steps replayed from a CUDA graph: the leading single-token rows (decode tokens; row s is sequence s)
     # take the split-K decode kernel and the other sequences the prefill kernel. decode_seq_lens [num_seqs]: the

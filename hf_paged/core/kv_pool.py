@@ -1,11 +1,18 @@
 """The per-layer K/V tensors of the block pool, each on its layer's device.
 
-Layout (see hf_paged.kernels.reference): ``k_cache[layer], v_cache[layer]: [num_blocks, block_size,
-num_kv_heads, head_dim]``; ``slot = block_id * block_size + offset``. One block table serves every layer:
-block b of a sequence is block b in every layer's pool.
+Layout (see hf_paged.kernels.reference): ``k_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]``,
+``v_cache[layer]: [num_blocks, block_size, num_kv_heads, v_head_dim]``, with the layer's own shape (``LayerKV``);
+``slot = block_id * block_size + offset``. One block table serves every layer: block b of a sequence is block b in
+every layer's pool.
+
+A layer that shares another layer's K/V (Gemma 3n, Gemma 4: ``kv_layer != layer``) has no tensors of its own: its
+``k_cache``/``v_cache`` entries are the owner's tensors (the same objects). A latent layer (``v_in_k``, MLA) keeps V
+in the first ``v_head_dim`` columns of K: its ``v_cache`` entry is a view of its ``k_cache``. Growth, copy-on-write
+and swapping move each owned tensor once; shared entries and views are re-pointed after a growth.
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -13,21 +20,114 @@ from hf_paged.core.transfer import to_device
 from hf_paged.kernels import copy_blocks_layers, layer_offsets
 
 
-class KVPool:
-    """K/V block storage for ``num_layers`` layers.
+@dataclass(frozen=True)
+class LayerKV:
+    """The K/V shape of one attention layer and where it keeps them.
+
+    ``kv_layer == layer``: the layer owns its tensors. Otherwise it reads the blocks of layer ``kv_layer`` (an
+    owner, with the same shape) and never writes them. ``v_in_k``: V is the first ``v_head_dim`` columns of K (an
+    MLA latent): the layer owns only K.
+    """
+
+    num_kv_heads: int  # this rank's share under tensor parallelism
+    head_dim: int  # width of K
+    v_head_dim: int  # width of V (== head_dim except latent (MLA) layers)
+    kv_layer: int  # the layer whose blocks this layer reads: itself, or the layer it shares K/V with
+    v_in_k: bool = False  # V is the first v_head_dim columns of K's pool: no V tensor of its own
+
+    def owned_elements(self, layer: int) -> int:
+        """Elements per token slot that layer ``layer`` (described by this spec) allocates: 0 for a sharing layer."""
+        if self.kv_layer != layer:
+            return 0
+        return self.num_kv_heads * (self.head_dim + (0 if self.v_in_k else self.v_head_dim))
+
+
+def check_layer_specs(layers: list[LayerKV]) -> None:
+    """Raise ``ValueError`` unless every sharing layer names an owner of its own shape.
 
     Args:
-        num_layers: attention layers that own a pool.
+        layers: one spec per attention layer, in layer order.
+    """
+    if not layers:
+        raise ValueError("a KV pool needs at least one attention layer, got none")
+    for i, spec in enumerate(layers):
+        if min(spec.num_kv_heads, spec.head_dim, spec.v_head_dim) < 1:
+            raise ValueError(f"layer {i}'s num_kv_heads, head_dim and v_head_dim must be positive, got {spec}")
+        if spec.v_in_k and spec.v_head_dim > spec.head_dim:
+            raise ValueError(
+                f"layer {i} keeps V in K (v_in_k) but v_head_dim {spec.v_head_dim} exceeds head_dim {spec.head_dim}"
+            )
+        if not 0 <= spec.kv_layer < len(layers):
+            raise ValueError(f"layer {i}'s kv_layer must be in [0, {len(layers) - 1}], got {spec.kv_layer}")
+        owner = layers[spec.kv_layer]
+        if spec.kv_layer != i and owner.kv_layer != spec.kv_layer:
+            raise ValueError(
+                f"layer {i} shares the K/V of layer {spec.kv_layer}, which shares those of layer {owner.kv_layer}: "
+                "name the owner (a layer whose kv_layer is itself)"
+            )
+        if spec.kv_layer != i and (spec.num_kv_heads, spec.head_dim, spec.v_head_dim, spec.v_in_k) != (
+            owner.num_kv_heads,
+            owner.head_dim,
+            owner.v_head_dim,
+            owner.v_in_k,
+        ):
+            raise ValueError(f"layer {i} ({spec}) shares the K/V of layer {spec.kv_layer} of another shape ({owner})")
+
+
+class KVPool:
+    """K/V block storage for the attention layers described by ``layers``.
+
+    Invariants: ``k_cache[i] is k_cache[layers[i].kv_layer]`` (and the same for ``v_cache``); a ``v_in_k`` owner's
+    ``v_cache`` is a view of its ``k_cache``; every owned tensor has ``num_blocks`` blocks.
+
+    Args:
+        layers: one ``LayerKV`` per attention layer (``check_layer_specs`` holds).
         num_blocks: blocks per layer.
         block_size: tokens per block.
-        num_kv_heads: KV heads per layer (this rank's share under tensor parallelism).
-        head_dim: size of each head.
         dtype: storage dtype (the model's activation dtype).
-        devices: one device per layer (accelerate's device_map puts layers on different devices).
+        devices: one device per layer (accelerate's device_map puts layers on different devices); a sharing layer
+            must be on its owner's device.
     """
 
     def __init__(
         self,
+        layers: list[LayerKV],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        devices: list[torch.device],
+    ):
+        check_layer_specs(layers)
+        if len(devices) != len(layers):
+            raise ValueError(f"KVPool needs one device per layer: got {len(devices)} devices for {len(layers)} layers")
+        moved = [i for i, s in enumerate(layers) if devices[i] != devices[s.kv_layer]]
+        if moved:
+            i = moved[0]
+            raise ValueError(
+                f"layer {i} (on {devices[i]}) shares the K/V of layer {layers[i].kv_layer} (on "
+                f"{devices[layers[i].kv_layer]}): place layers that share K/V on one device"
+            )
+        self.layers = list(layers)
+        self.num_layers = len(layers)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.devices = list(devices)
+        self.k_cache: list[torch.Tensor] = [None] * self.num_layers
+        self.v_cache: list[torch.Tensor] = [None] * self.num_layers
+        for i, spec in enumerate(self.layers):
+            if spec.kv_layer == i:
+                self.k_cache[i] = torch.zeros(self._shape(spec, v=False), dtype=dtype, device=devices[i])
+                if not spec.v_in_k:
+                    self.v_cache[i] = torch.zeros(self._shape(spec, v=True), dtype=dtype, device=devices[i])
+        self._link()
+        # copy_blocks' groups of same-layout tensors (_copy_groups_by_layout): built at first use, dropped when grow()
+        # replaces the tensors
+        self._copy_groups: list[tuple] | None = None
+
+    @classmethod
+    def uniform(
+        cls,
         num_layers: int,
         num_blocks: int,
         block_size: int,
@@ -35,44 +135,97 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         devices: list[torch.device],
-    ):
-        if len(devices) != num_layers:
-            raise ValueError(f"KVPool needs one device per layer: got {len(devices)} devices for {num_layers} layers")
-        self.num_layers = num_layers
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        # copy_blocks' layer groups (_layer_groups): built at first use, dropped when grow() replaces the tensors
-        self._copy_groups: list[tuple] | None = None
+    ) -> "KVPool":
+        """A pool of ``num_layers`` layers of one shape, each owning its K and V."""
+        layers = [LayerKV(num_kv_heads, head_dim, head_dim, i) for i in range(num_layers)]
+        return cls(layers, num_blocks, block_size, dtype, devices)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV head count of a pool whose layers all have one (raises ``ValueError`` for per-layer counts)."""
+        return self._uniform("num_kv_heads")
+
+    @property
+    def head_dim(self) -> int:
+        """The head_dim of a pool whose layers all have one (raises ``ValueError`` for per-layer head dims)."""
+        return self._uniform("head_dim")
+
+    def _uniform(self, name: str) -> int:
+        values = {getattr(spec, name) for spec in self.layers}
+        if len(values) != 1:
+            raise ValueError(f"this pool's layers differ in {name} ({sorted(values)}): read pool.layers[i].{name}")
+        return values.pop()
+
+    def owns(self, layer: int) -> bool:
+        """Whether ``layer`` writes its own K/V (False: it reads the blocks of ``layers[layer].kv_layer``)."""
+        return self.layers[layer].kv_layer == layer
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool allocated, once each: owners' K, then owners' V (none for ``v_in_k`` layers)."""
+        return self._owned("k") + self._owned("v")
+
+    def _owned(self, which: str) -> list[torch.Tensor]:
+        caches = self.k_cache if which == "k" else self.v_cache
+        return [
+            caches[i]
+            for i, spec in enumerate(self.layers)
+            if spec.kv_layer == i and not (which == "v" and spec.v_in_k)
+        ]
+
+    def _shape(self, spec: LayerKV, v: bool) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, spec.num_kv_heads, spec.v_head_dim if v else spec.head_dim)
+
+    def _link(self) -> None:
+        """Point the entries that own nothing at their storage: a v_in_k V at its K, a sharing layer at its owner."""
+        for i, spec in enumerate(self.layers):
+            if spec.kv_layer == i and spec.v_in_k:
+                self.v_cache[i] = self.k_cache[i][..., : spec.v_head_dim]
+        for i, spec in enumerate(self.layers):
+            if spec.kv_layer != i:
+                self.k_cache[i] = self.k_cache[spec.kv_layer]
+                self.v_cache[i] = self.v_cache[spec.kv_layer]
+
+    def _unlink(self) -> None:
+        """Drop the entries that own nothing, so that only the owners' lists reference each tensor."""
+        for i, spec in enumerate(self.layers):
+            if spec.kv_layer != i or spec.v_in_k:
+                self.v_cache[i] = None
+            if spec.kv_layer != i:
+                self.k_cache[i] = None
 
     def grow(self, num_blocks: int) -> None:
-        """Enlarge every layer's pools to ``num_blocks`` blocks, keeping the blocks' contents; new blocks are zeros.
+        """Enlarge every owned tensor to ``num_blocks`` blocks, keeping the blocks' contents; new blocks are zeros.
 
-        One layer at a time (new tensor, copy, drop the old one), so the extra memory while growing is one layer's
-        old pools, not the whole cache's. Block ids do not change: block tables stay valid.
+        One tensor at a time (new tensor, copy, drop the old one), so the extra memory while growing is one layer's
+        old pool, not the whole cache's. Block ids do not change: block tables stay valid.
         """
         if num_blocks <= self.num_blocks:
             raise ValueError(f"`num_blocks` must exceed the current {self.num_blocks} to grow, got {num_blocks}")
         self._copy_groups = None  # first: its references would keep every old tensor alive through the loop below
+        self._unlink()  # shared entries and views would keep the old tensors alive too
         old = self.num_blocks
         for caches in (self.k_cache, self.v_cache):
             for layer, cache in enumerate(caches):
+                if cache is None:
+                    continue
                 grown = torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
                 grown[:old].copy_(cache)
                 grown[old:].zero_()  # kernels load whole tiles of a block: keep unwritten slots finite
                 caches[layer] = grown
                 del cache
         self.num_blocks = num_blocks
+        self._link()
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one block across all layers."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def layer_bytes_per_block(layers: list[LayerKV], block_size: int, dtype: torch.dtype) -> list[int]:
+        """Bytes of K and V that each layer allocates for one block (0 for a layer that shares another's)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return [block_size * spec.owned_elements(i) * size for i, spec in enumerate(layers)]
+
+    @staticmethod
+    def bytes_per_block(layers: list[LayerKV], block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one block across all layers, each owned tensor counted once."""
+        return sum(KVPool.layer_bytes_per_block(layers, block_size, dtype))
 
     @staticmethod
     def free_memory(device: torch.device) -> int:
@@ -86,34 +239,44 @@ class KVPool:
             return 8 << 30
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy blocks src -> dst in every layer (copy-on-write): one launch for all the layers of a CUDA device."""
+        """Copy blocks src -> dst in every owned tensor (copy-on-write): one launch per layout on a CUDA device."""
         if not pairs:
             return
         src = [p[0] for p in pairs]
         dst = [p[1] for p in pairs]
         if self._copy_groups is None:
-            self._copy_groups = self._layer_groups()
-        for device, k_caches, v_caches, offsets in self._copy_groups:
+            self._copy_groups = self._copy_groups_by_layout()
+        for device, firsts, seconds, offsets in self._copy_groups:
             # pinned, non-blocking: the step does not wait for the GPU here
             src_t, dst_t = to_device(src, torch.int64, device), to_device(dst, torch.int64, device)
-            copy_blocks_layers(k_caches, v_caches, src_t, dst_t, offsets)
+            copy_blocks_layers(firsts, seconds, src_t, dst_t, offsets)
 
-    def _layer_groups(self) -> list[tuple[torch.device, list[torch.Tensor], list[torch.Tensor], tuple | None]]:
-        """The layers' caches by device (accelerate's device_map may spread them): (device, k caches, v caches, their
-        offsets for the one-launch copy on CUDA, else None)."""
-        by_device: dict[torch.device, tuple[list, list]] = {}
-        for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            ks, vs = by_device.setdefault(k.device, ([], []))
-            ks.append(k)
-            vs.append(v)
-        return [(device, ks, vs, layer_offsets(ks, vs)) for device, (ks, vs) in by_device.items()]
+    def _copy_groups_by_layout(self) -> list[tuple[torch.device, list, list, tuple | None]]:
+        """The owned tensors by device and layout (the one-launch copy needs one layout), as (device, first
+        tensors, second tensors, their offsets for the one-launch copy on CUDA, else None).
+
+        ``copy_blocks_layers`` copies a pair of tensors a layer; any two tensors of one layout make a pair, so a
+        group's tensors are paired up in order and each is copied once (an odd one out is paired with itself, a
+        second copy of the same block contents).
+        """
+        by_layout: dict[tuple, list[torch.Tensor]] = {}
+        for t in self.owned_tensors():
+            by_layout.setdefault((t.device, tuple(t.shape), t.stride(), t.dtype), []).append(t)
+        groups = []
+        for (device, *_), tensors in by_layout.items():
+            firsts, seconds = tensors[0::2], tensors[1::2]
+            if len(seconds) < len(firsts):
+                seconds.append(firsts[-1])
+            groups.append((device, firsts, seconds, layer_offsets(firsts, seconds)))
+        return groups
 
     def allocate_swap(self, num_slots: int) -> None:
-        """CPU blocks for preemption by swapping: pinned when the pools are on CUDA (async copies)."""
-        shape = (num_slots, self.block_size, self.num_kv_heads, self.head_dim)
-        pin = torch.cuda.is_available() and any(k.is_cuda for k in self.k_cache)
-        self.k_swap = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
-        self.v_swap = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+        """CPU blocks for preemption by swapping, one per owned tensor: pinned when the pools are on CUDA (async
+        copies)."""
+        owned = self.owned_tensors()
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in owned)
+        # in owned_tensors() order, which grow() keeps
+        self._swap_space = [torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in owned]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU slots: pairs of (block id, CPU slot)."""
@@ -128,9 +291,8 @@ class KVPool:
             return
         first = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
         second = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-        for layer in range(self.num_layers):
-            for pool, swap in ((self.k_cache[layer], self.k_swap[layer]), (self.v_cache[layer], self.v_swap[layer])):
-                if to_cpu:  # a D2H copy on the current stream: ordered before later kernels reuse the blocks
-                    swap[second] = pool[first.to(pool.device)].to("cpu")
-                else:
-                    pool[second.to(pool.device)] = swap[first].to(pool.device, non_blocking=True)
+        for pool, swap in zip(self.owned_tensors(), self._swap_space, strict=True):
+            if to_cpu:  # a D2H copy on the current stream: ordered before later kernels reuse the blocks
+                swap[second] = pool[first.to(pool.device)].to("cpu")
+            else:
+                pool[second.to(pool.device)] = swap[first].to(pool.device, non_blocking=True)

@@ -4,11 +4,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.core.kv_pool import KVPool
+from hf_paged.core.kv_pool import KVPool, LayerKV, check_layer_specs
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # On the CPU a default pool is capped: half of the free RAM would take long to allocate and zero.
 CPU_DEFAULT_POOL_BYTES = 2 << 30
+
+__all__ = ["CPU_DEFAULT_POOL_BYTES", "SUPPORTED_LAYER_TYPES", "LayerKV", "ModelInfo"]
 
 
 @dataclass
@@ -16,9 +18,7 @@ class ModelInfo:
     """Shape of a decoder-only model's KV cache and where its layers live."""
 
     model_type: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    layers: list[LayerKV]  # one per attention layer: its K/V shape and the layer whose blocks it reads
     dtype: torch.dtype
     devices: list[torch.device]  # one per layer (accelerate's device_map may spread them)
     layer_types: list[str]
@@ -26,33 +26,29 @@ class ModelInfo:
     max_model_len: int | None
     tp_size: int = 1  # tensor-parallel degree: each rank's pools hold num_kv_heads of the config's heads
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> "ModelInfo":
         """Read the model's config and parameters.
 
         Raises:
-            ValueError: the model is encoder-decoder or has layers whose state blocks cannot hold.
+            ValueError: the model is encoder-decoder, has layers whose state blocks cannot hold, or KV heads that
+                tensor parallelism cannot split.
         """
         config = model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         _check_model_supported(config, text_config)
         num_layers = text_config.num_hidden_layers
-        num_heads = text_config.num_attention_heads
         model_type = getattr(config, "model_type", type(config).__name__)
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
         # Under transformers' tensor parallelism (tp_plan) every rank computes its share of the heads, so its
         # pools hold that share of every block; all ranks use the same block tables (paper §4.6).
         tp_size = getattr(model, "tp_size", None) or 1
-        if num_kv_heads % tp_size:
-            raise ValueError(
-                f"{model_type!r} has {num_kv_heads} KV heads, which tensor parallelism of degree {tp_size} cannot "
-                "split evenly; pick a tp degree that divides the KV heads"
-            )
         return cls(
             model_type=model_type,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads // tp_size,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
+            layers=layer_specs(text_config, num_layers, tp_size, model_type),
             dtype=_kv_dtype(model),
             devices=_layer_devices(model, num_layers),
             layer_types=list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers),
@@ -62,7 +58,8 @@ class ModelInfo:
         )
 
     def bytes_per_block(self, block_size: int) -> int:
-        return KVPool.bytes_per_block(self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        """K/V bytes of one block across all layers, each allocated tensor once (sharing layers add nothing)."""
+        return KVPool.bytes_per_block(self.layers, block_size, self.dtype)
 
     def num_blocks_for(self, num_blocks: int | None, block_size: int, memory_fraction: float) -> int:
         """``num_blocks`` if given, else as many blocks as ``memory_fraction`` of free memory holds.
@@ -98,9 +95,101 @@ class ModelInfo:
         return int(value.item())
 
     def make_kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
-        return KVPool(
-            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.devices
-        )
+        return KVPool(self.layers, num_blocks, block_size, self.dtype, self.devices)
+
+
+def layer_specs(text_config, num_layers: int, tp_size: int = 1, model_type: str = "model") -> list[LayerKV]:
+    """One ``LayerKV`` per layer, from the (text) config.
+
+    Per-layer shapes come from ``per_layer_config`` (transformers' heterogeneous configs: Gemma 4's global layers
+    have their own head_dim and KV heads); KV sharing from ``kv_sharing_modes`` or ``num_kv_shared_layers``
+    (Gemma 3n, Gemma 4: the last layers reuse the K/V of the last earlier layer of their type).
+
+    Raises:
+        ValueError: a layer's KV heads do not split over ``tp_size`` ranks, or a sharing layer has no owner.
+    """
+    configs = _per_layer_configs(text_config, num_layers)
+    owners = _kv_owners(text_config, num_layers)
+    specs = []
+    for i, (layer_config, owner) in enumerate(zip(configs, owners, strict=True)):
+        kv_lora_rank = getattr(layer_config, "kv_lora_rank", None)
+        if kv_lora_rank:  # MLA (DeepSeek-V2/V3): one row a token, [latent | roped key], V its latent (core/mla.py)
+            rope_dim = layer_config.qk_rope_head_dim
+            specs.append(LayerKV(1, kv_lora_rank + rope_dim, kv_lora_rank, owner, v_in_k=True))
+            continue
+        num_kv_heads = kv_heads(layer_config)
+        if num_kv_heads % tp_size:
+            raise ValueError(
+                f"{model_type!r} has {num_kv_heads} KV heads in layer {i}, which tensor parallelism of degree "
+                f"{tp_size} cannot split evenly; pick a tp degree that divides the KV heads"
+            )
+        head_dim = _head_dim(layer_config)
+        specs.append(LayerKV(num_kv_heads // tp_size, head_dim, head_dim, owner))
+    # a sharing layer reads its owner's blocks: describe it with the owner's shape (they are one tensor)
+    specs = [s if s.kv_layer == i else _as_sharer(specs[s.kv_layer], s.kv_layer) for i, s in enumerate(specs)]
+    check_layer_specs(specs)
+    return specs
+
+
+def _as_sharer(owner: LayerKV, owner_idx: int) -> LayerKV:
+    return LayerKV(owner.num_kv_heads, owner.head_dim, owner.v_head_dim, owner_idx, owner.v_in_k)
+
+
+def _per_layer_configs(text_config, num_layers: int) -> list:
+    """Each layer's config: transformers' per-layer views for a heterogeneous config (whose global per-layer
+    attributes raise on access), else the config itself for every layer."""
+    if getattr(text_config, "is_heterogeneous", False):
+        return [text_config.per_layer_config[i] for i in range(num_layers)]
+    return [text_config] * num_layers
+
+
+def kv_heads(config) -> int:
+    """The KV heads a layer's K/V carry into the cache, as the model computes them.
+
+    Falcon: with ``new_decoder_architecture`` its attention broadcasts K/V to every query head before the cache,
+    else ``multi_query`` means one KV head; GPT-BigCode's ``multi_query`` means one. Otherwise
+    ``num_key_value_heads`` (or ``num_kv_heads``), and without either as many as the query heads.
+    """
+    num_heads = config.num_attention_heads
+    if getattr(config, "new_decoder_architecture", False):
+        return num_heads
+    if getattr(config, "multi_query", False):
+        return 1
+    return getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or num_heads
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _kv_owners(text_config, num_layers: int) -> list[int]:
+    """The layer whose K/V each layer uses: itself, or for a layer that reuses K/V (``kv_sharing_modes[i] ==
+    "reuse"``), the last earlier layer of its type that stores them ("store"). Configs without
+    ``kv_sharing_modes`` but with ``num_kv_shared_layers`` (older transformers' Gemma 3n) share the same way: the
+    last ``num_kv_shared_layers`` layers reuse the last earlier layer of their type."""
+    layer_types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers)
+    modes = getattr(text_config, "kv_sharing_modes", None)
+    if modes is None:
+        num_shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
+        first_shared = num_layers - num_shared
+        modes = [None if i < first_shared else "reuse" for i in range(num_layers)]
+        for t in set(layer_types[first_shared:]):
+            stores = [j for j in range(first_shared) if layer_types[j] == t]
+            if stores:
+                modes[stores[-1]] = "store"
+    owners = list(range(num_layers))
+    for i, mode in enumerate(modes):
+        if mode != "reuse":
+            continue
+        stores = [j for j in range(i) if modes[j] == "store" and layer_types[j] == layer_types[i]]
+        if not stores:
+            raise ValueError(
+                f"layer {i} ({layer_types[i]}) reuses the K/V of an earlier layer, but no earlier {layer_types[i]} "
+                f"layer stores them (kv_sharing_modes {list(modes)}); hf_paged pages models whose layers compute "
+                "their K/V or reuse those of an earlier layer of the model"
+            )
+        owners[i] = stores[-1]
+    return owners
 
 
 def _check_model_supported(config, text_config) -> None:

@@ -6,6 +6,10 @@ keeps running its own code. Under the engine such a model attends over the packe
 returns wrong tokens without an error. ``check_paged_attention_reached`` runs one forward of one token and counts
 the modules that call the "paged" function; a model where fewer modules call it than it has layers is refused with
 the modules that did not, and what to use instead. A model that passes is not probed again.
+
+Latent-attention (MLA) models get their paged forward first (``hf_paged.core.mla.use_paged_mla``, which refuses the
+MLA variants it does not page): outside a paged forward, as in the probe, those modules run their original forward,
+which calls the "paged" function, so they count as paged.
 """
 
 import weakref
@@ -13,6 +17,7 @@ import weakref
 import torch
 
 from hf_paged.core.attention import ATTN_NAME, paged_attention_forward
+from hf_paged.core.mla import use_paged_mla
 
 # Models that passed the check: the probe runs once a model, not once a cache or engine built over it.
 _REACHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -53,6 +58,7 @@ def check_paged_attention_reached(model: torch.nn.Module, num_layers: int) -> No
         ValueError: the model's attention does not go through transformers' attention interface; names the
             attention modules that did not call it.
     """
+    use_paged_mla(model)  # MLA modules page their latent themselves; the probe runs their original forward
     if model in _REACHED:
         return
     callers = paged_attention_callers(model)

@@ -77,11 +77,11 @@ class MemoryProfile:
 
 
 def kv_bytes_per_device(info: ModelInfo, block_size: int) -> dict[torch.device, int]:
-    """K/V bytes of one block for the layers on each device."""
-    per_layer = KVPool.bytes_per_block(1, block_size, info.num_kv_heads, info.head_dim, info.dtype)
+    """K/V bytes of one block for the layers on each device (each allocated tensor once: a layer that shares
+    another's K/V adds nothing)."""
     out: dict[torch.device, int] = {}
-    for d in info.devices:
-        out[d] = out.get(d, 0) + per_layer
+    for d, size in zip(info.devices, KVPool.layer_bytes_per_block(info.layers, block_size, info.dtype), strict=True):
+        out[d] = out.get(d, 0) + size
     return out
 
 

@@ -126,7 +126,9 @@ class ModelRunner(CudaGraphSteps):
         head = model.get_output_embeddings()
         self.output_device = head.weight.device if head is not None else self.input_device  # logits_to_keep's
         _keep_on_own_device(model, "logits_to_keep")
-        self.kv_caches = list(zip(kv.k_cache, kv.v_cache, strict=True))
+        # (k_cache, v_cache, writes) a layer, as the attention reads them: a layer that shares an earlier layer's K/V
+        # gets that layer's pools and does not write
+        self.kv_caches = [(k, v, kv.owns(i)) for i, (k, v) in enumerate(zip(kv.k_cache, kv.v_cache, strict=True))]
         # A 4D mask makes transformers skip building masks (the paged kernels take lengths, not masks);
         # it also keeps mask code with host syncs out of the captured graphs.
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.input_device)
@@ -141,8 +143,9 @@ class ModelRunner(CudaGraphSteps):
         self.tables = BlockTables(self.max_blocks_per_seq)  # kept from the scheduler's diffs
         self.cascade_attention = cascade_attention
         self.cascade_min_saved_bytes = cascade_min_saved_bytes
-        k0 = kv.k_cache[0]  # [num_blocks, block_size, num_kv_heads, head_dim]
-        self._kv_bytes_per_token = 2 * k0.shape[2] * k0.shape[3] * k0.element_size()  # K and V, one layer
+        # K and V bytes a layer's attention reads per token (the layers' mean, where their shapes differ)
+        read = sum(s.num_kv_heads * (s.head_dim + (0 if s.v_in_k else s.v_head_dim)) for s in kv.layers)
+        self._kv_bytes_per_token = read * kv.k_cache[0].element_size() // kv.num_layers
         self.num_cascade_steps = 0  # steps that ran with a shared prefix (for tests and metrics)
         self.graph_steps = {"decode": 0, "cascade": 0, "mixed": 0}  # steps run through each kind of graph (same)
         self._graphs: dict[tuple[str, int], tuple] = {}

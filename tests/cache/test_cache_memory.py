@@ -87,7 +87,7 @@ def test_growing_pool_stops_at_its_cap(monkeypatch):
 
 
 def test_kv_pool_grow_keeps_blocks_and_zeroes_new_ones():
-    pool = KVPool(2, 3, 8, 2, 4, torch.float32, [torch.device("cpu")] * 2)
+    pool = KVPool.uniform(2, 3, 8, 2, 4, torch.float32, [torch.device("cpu")] * 2)
     pool.k_cache[1].fill_(7.0)
     pool.grow(5)
     assert pool.num_blocks == 5 and all(k.shape == (5, 8, 2, 4) for k in pool.k_cache + pool.v_cache)
@@ -102,7 +102,7 @@ def test_kv_pool_copy_blocks_copies_every_layer_before_and_after_growth(device, 
     which a grown pool must rebuild: the old tensors are gone)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("the all-layers launch runs on CUDA (run_gpu.sh tests-cache)")
-    pool = KVPool(3, 4, 8, 2, 4, torch.float32, [torch.device(device)] * 3)
+    pool = KVPool.uniform(3, 4, 8, 2, 4, torch.float32, [torch.device(device)] * 3)
     for layer in range(3):
         for cache, sign in ((pool.k_cache[layer], 1), (pool.v_cache[layer], -1)):
             cache.copy_(sign * torch.arange(cache.numel(), dtype=torch.float32).view(cache.shape) + 1000 * layer)
