@@ -27,7 +27,8 @@ def paged_attention_callers(model: torch.nn.Module) -> set[int]:
     """The ids of the modules that call the "paged" attention function in a one-token forward of ``model``.
 
     The forward runs without a cache and without a forward context, so the function takes its plain-attention
-    path and nothing is written anywhere.
+    path and nothing is written anywhere. A forward that fails before any module called the function (a family
+    whose own mask code cannot run under "paged", as MPT's) has no callers; one that fails after is a real error.
     """
     from transformers import AttentionInterface
 
@@ -42,6 +43,9 @@ def paged_attention_callers(model: torch.nn.Module) -> set[int]:
     try:
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    except Exception:
+        if callers:
+            raise
     finally:
         AttentionInterface.register(ATTN_NAME, paged_attention_forward)
     return callers
