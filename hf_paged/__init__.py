@@ -4,6 +4,7 @@ Public API (imported lazily, so ``import hf_paged.core.block_pool`` loads neithe
 
 - ``PagedCache``: a transformers ``Cache`` whose KV lives in the blocks of a preallocated pool;
 - ``ContinuousBatcher`` / ``SamplingParams``: a continuous-batching engine over any HF causal LM;
+  ``StructuredOutput``: a JSON schema, regex, choice or grammar its output must follow;
 - ``AsyncEngine``: a ContinuousBatcher on its own thread, serving asyncio callers (the HTTP server's engine);
 - ``DataParallelEngine``: replica processes (one ContinuousBatcher per GPU) behind one asyncio front, as AsyncEngine;
 - ``attn_implementation="paged"``: the attention function that reads KV straight from the blocks;
@@ -28,6 +29,7 @@ _LAZY = {
     "DataParallelEngine": "hf_paged.serving.data_parallel",
     "EngineConfig": "hf_paged.engine.config",
     "SamplingParams": "hf_paged.engine.params",
+    "StructuredOutput": "hf_paged.engine.params",
     "RequestOutput": "hf_paged.engine.request",
     "BlockPool": "hf_paged.core.block_pool",
     "register": "hf_paged.core.attention",

@@ -44,6 +44,7 @@ from hf_paged.engine.sampler import Sampler
 from hf_paged.engine.sampling_rows import Launched, SamplingRows
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.steps import StepPipeline
+from hf_paged.engine.structured import StructuredDecoding
 
 __all__ = ["ContinuousBatcher", "EngineConfig", "EngineMetrics", "StreamDelta"]
 
@@ -70,7 +71,8 @@ class ContinuousBatcher(StepPipeline):
             is allocated.
 
     Async scheduling: a token sampled after a sequence's stop token is computed and discarded. Steps with beam
-    search, penalties, ``min_tokens`` or a prompt forking into ``n`` samples are processed at once.
+    search, penalties, ``min_tokens``, structured output or a prompt forking into ``n`` samples are processed at
+    once.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, **settings):
@@ -139,6 +141,8 @@ class ContinuousBatcher(StepPipeline):
         self.inputs = InputProcessor(tokenizer, vocab_size, info.max_model_len, num_blocks, config.block_size,
                                      config.max_num_seqs)  # fmt: skip
         self.detokenizer = Detokenizer(tokenizer)
+        # Tensor parallelism compiles at submission: every rank must admit a structured request in the same step.
+        self.structured = StructuredDecoding(tokenizer, vocab_size, self.eos_token_ids, blocking=info.tp_size > 1)
         self.requests: dict[str, Request] = {}  # unfinished, or finished and not yet returned
         self._ids = itertools.count()
         self._metrics = MetricsRecorder()
@@ -185,7 +189,8 @@ class ContinuousBatcher(StepPipeline):
         Raises:
             ValueError/TypeError: an empty prompt, a token id outside the vocabulary, a prompt plus
                 ``max_new_tokens`` beyond the model's context or beyond the whole pool, more samples or beams
-                than ``max_num_seqs``, a duplicate id. Nothing is queued then, and requests in flight are not
+                than ``max_num_seqs``, a duplicate id; ``structured_output`` without a tokenizer or xgrammar, or
+                with an invalid schema, regex or grammar. Nothing is queued then, and requests in flight are not
                 affected.
         """
         with self._enter():
@@ -197,13 +202,16 @@ class ContinuousBatcher(StepPipeline):
             request_id = str(next(self._ids)) if request_id is None else str(request_id)
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine pick")
+            grammar = self.structured.grammar_for(params)  # None without structured_output; may raise ValueError
             request = Request(request_id, token_ids, params, prompt_text)
+            request.grammar = grammar
             if params.seed is not None:
                 request.generator = torch.Generator(device=self.sample_device).manual_seed(params.seed)
             if params.beam_width > 1:
                 request.beam_state = BeamState(params.beam_width, params.length_penalty, params.max_new_tokens)
             self.requests[request_id] = request
-            self.scheduler.add(request)
+            if not self.structured.hold(request):  # held while its grammar compiles, else queued now
+                self.scheduler.add(request)
             self._metrics.num_prompt_tokens += len(token_ids)
             return request_id
 
@@ -232,7 +240,8 @@ class ContinuousBatcher(StepPipeline):
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is queued or running, or a finished one is still to be reported by ``step()``."""
-        if self.scheduler.has_unfinished() or self._unreported or self._unclaimed or self._aborts:
+        if (self.scheduler.has_unfinished() or self._unreported or self._unclaimed or self._aborts
+                or self.structured.has_waiting()):  # fmt: skip
             return True
         inflight = self._inflight
         return inflight is not None and any(not s.is_finished for s in inflight.rows)

@@ -4,6 +4,7 @@ Validated once in ``__post_init__``, so a bad value fails at submission with a m
 field, the value and the allowed range, never mid-generation. Pure Python: no torch import.
 """
 
+import json
 import math
 import numbers
 from collections.abc import Iterable
@@ -30,6 +31,92 @@ def _as_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {value!r} ({type(value).__name__})")
     return value
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output (constrained decoding): set exactly one field.
+
+    The engine compiles it into a token mask with xgrammar (hf_paged.engine.structured; ``pip install
+    'hf_paged[structured]'``): at every step the tokens that cannot continue a valid output get -inf before
+    sampling, and the output ends (finish_reason "stop") once it is complete and the model picks EOS.
+
+    Attributes:
+        json: A JSON schema, as a dict or its JSON text. The output is compact JSON that satisfies it
+            (separators ``", "`` and ``": "``, no other whitespace; properties in the schema's order; no
+            property the schema does not name).
+        json_object: Any JSON object.
+        regex: A regular expression the whole output matches (xgrammar's regex syntax: ECMAScript-like).
+        choice: One of these strings, exactly (a list or tuple of non-empty strings; stored as a tuple).
+        grammar: An EBNF grammar in xgrammar's syntax (llama.cpp's GBNF) whose rule ``root`` the output matches.
+
+    Raises:
+        ValueError: If not exactly one field is set, ``json`` text is not JSON, or ``choice`` is empty or holds
+            an empty string.
+        TypeError: If a field has the wrong type.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"`json` must be a JSON schema (a dict or its JSON text), got text that is "
+                                     f"not JSON ({e}): {self.json[:200]!r}") from None  # fmt: skip
+            elif isinstance(self.json, dict):
+                schema = self.json
+            else:
+                raise TypeError(f"`json` must be a JSON schema as a dict or a str, got {type(self.json).__name__}")
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"`json` must be a JSON schema: an object (or true/false), got {schema!r:.200}")
+        _as_bool("json_object", self.json_object)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"`{name}` must be a str, got {type(value).__name__}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, Iterable):
+                raise TypeError(f"`choice` must be a list or tuple of str, got {self.choice!r:.200}")
+            choice = tuple(self.choice)
+            bad = next((c for c in choice if not isinstance(c, str)), None)
+            if bad is not None:
+                raise TypeError(f"`choice` must hold only str, got {bad!r} ({type(bad).__name__})")
+            if not choice or not all(choice):
+                raise ValueError(f"`choice` must be a non-empty list of non-empty strings, got {list(choice)}")
+            object.__setattr__(self, "choice", choice)  # frozen: the normalised tuple replaces the list
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutput takes exactly one of json, json_object, regex, choice, grammar; got "
+                f"{', '.join(given) if given else 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    @property
+    def key(self) -> tuple:
+        """A hashable key equal for equal constraints (a schema dict and its JSON text compare equal): the engine
+        compiles each distinct key once."""
+        kind = self.kind
+        if kind == "json":
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, json.dumps(schema, sort_keys=True)
+        if kind == "json_object":
+            return (kind,)
+        return kind, getattr(self, kind)
 
 
 @dataclass
@@ -66,11 +153,16 @@ class SamplingParams:
             unless ``include_stop_str_in_output``.
         ignore_eos: Keep generating past EOS (benchmarks). ``min_tokens`` masks EOS either way.
         logprobs: None = no log-probs; k in [0, 20] = the sampled token's log-prob plus the k most likely
-            alternatives, all under the raw model distribution (before penalties and temperature).
+            alternatives, all under the raw model distribution (before penalties and temperature; after the
+            ``structured_output`` mask, which gives the tokens it rules out -inf).
         length_penalty: Beam scoring as in HF: ``score = sum_logprobs / num_tokens ** length_penalty``;
             > 0 favours longer beams, < 0 shorter ones.
         skip_special_tokens: Drop special tokens from the detokenized text.
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
+        structured_output: A ``StructuredOutput`` the output must follow (constrained decoding), or None.
+            Not with beam search, and not with ``min_tokens`` (which could mask the only token a complete
+            output allows: EOS). With it, ``logprobs`` are those of the masked distribution (as vLLM), and
+            ``ignore_eos`` does not extend an output the grammar has ended.
     """
 
     n: int = 1
@@ -92,6 +184,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -150,8 +243,27 @@ class SamplingParams:
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _as_bool("include_stop_str_in_output", self.include_stop_str_in_output)
 
+        if self.structured_output is not None:
+            self._check_structured_output()
         if self.beam_width > 1:
             self._check_beam_search()
+
+    def _check_structured_output(self) -> None:
+        if not isinstance(self.structured_output, StructuredOutput):
+            raise TypeError(
+                "`structured_output` must be a StructuredOutput (hf_paged.StructuredOutput) or None, got "
+                f"{type(self.structured_output).__name__}"
+            )
+        if self.beam_width > 1:
+            raise ValueError(
+                f"`structured_output` is not supported with beam search (beam_width={self.beam_width}); use "
+                "sampling (beam_width=1), with n > 1 for several outputs"
+            )
+        if self.min_tokens:
+            raise ValueError(
+                f"`min_tokens` must be 0 with `structured_output`, got {self.min_tokens}: the grammar decides where "
+                "the output ends, and masking EOS could leave a complete output no token to pick"
+            )
 
     def _check_beam_search(self) -> None:
         if self.n > self.beam_width:

@@ -61,6 +61,9 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading full blocks the pool has hashed (kept by the KV manager)
         self.num_detokenized = 0  # output tokens whose text and stop strings were checked (outputs.Detokenizer)
         self.detok_state = None  # the incremental decoder of outputs.Detokenizer (copied on fork)
+        # structured.SeqMatcher of a constrained request's sequence, made from its tokens on first use (a fork
+        # starts without one and replays its output: no matcher state is copied)
+        self.grammar_state = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -149,6 +152,7 @@ class Request:
         self.forked = params.n == 1 and params.beam_width == 1  # True once the n samples / beams exist
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.beam_state = None  # hf_paged.engine.beam_search.BeamState of a beam-search request
+        self.grammar = None  # hf_paged.engine.structured.RequestGrammar of a request with structured_output
         # Who collects the finished output: None = whoever calls step(); else the generate()/stream() call.
         self.owner: object = None
 

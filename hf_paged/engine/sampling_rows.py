@@ -36,7 +36,8 @@ class SamplingRows:
     Reused for the next step while its ``seq_ids`` and ``sample_idx`` are the same lists (one C-level compare) and
     ``reusable``: every row is then one plain sample of a sequence whose inputs do not change between steps (no
     beams, no prompt forking into ``n`` samples, no penalties or ``min_tokens``, whose rows copy the output so
-    far). Sequence ids are never reused and a sequence belongs to one request for life, so equal ids mean the same
+    far; a structured-output row's mask is made each step from its sequence, not kept here). Sequence ids are never
+    reused and a sequence belongs to one request for life, so equal ids mean the same
     sequences, requests, parameters, prompts and generators: any change of the running set (an admission, a
     finish, an abort, a preemption, a fork, a beam step) changes ``seq_ids``. Rows are then kept for the sequences
     that stay (``take``: a finish, an abort, a preemption only drops rows) and rebuilt when a sequence joins.
@@ -54,6 +55,8 @@ class SamplingRows:
     beam_rows: dict[str, list[int]] = field(default_factory=dict)  # request id -> its rows of the logits
     identity: bool = False  # row_idx is range(num_logits): the sampler takes the logits as they are
     deferrable: bool = True  # every row is a plain sample: the step may be processed after the next is queued
+    constrained: list[int] = field(default_factory=list)  # rows of requests with structured_output, ascending:
+    # their grammar masks the logits, and the next mask needs this token on the host (such a step is not deferrable)
     reusable: bool = False  # see the class doc
     plan: RowPlan | None = None  # the sampler's checked summary of params and generators, made on first use
     row_of: dict[int, int] | None = None  # sequence id -> its row (reusable rows), made on first use by ``take``
@@ -73,7 +76,9 @@ class SamplingRows:
             rows.outputs = [()] * len(pairs)
             rows.prompts = [r.prompt_token_ids for r in requests]
             rows.generators = [r.generator for r in requests]
-            rows.identity = rows.deferrable = rows.reusable = True
+            rows.constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+            rows.identity = rows.reusable = True
+            rows.deferrable = not rows.constrained
             return rows
         for r, (seq, request) in enumerate(pairs):
             if request.is_beam_search:
@@ -92,6 +97,9 @@ class SamplingRows:
                 rows.generators.append(request.generator)
                 rows.seqs.append(seq)
                 rows.requests.append(request)
+                if request.grammar is not None:
+                    rows.constrained.append(len(rows.row_idx) - 1)
+        rows.deferrable = rows.deferrable and not rows.constrained
         rows.identity = rows.row_idx == list(range(len(pairs)))
         return rows
 
@@ -112,11 +120,16 @@ class SamplingRows:
         except KeyError:
             return None
         params = [self.params[r] for r in idx]
+        constrained = []
+        if self.constrained:
+            kept = set(self.constrained)
+            constrained = [row for row, r in enumerate(idx) if r in kept]
         return SamplingRows(
             list(seq_ids), list(sched.sample_idx), row_idx=list(range(len(idx))), params=params,
             outputs=[()] * len(idx), prompts=[self.prompts[r] for r in idx],
             generators=[self.generators[r] for r in idx], seqs=[self.seqs[r] for r in idx],
-            requests=[self.requests[r] for r in idx], identity=True, deferrable=True, reusable=True,
+            requests=[self.requests[r] for r in idx], identity=True, deferrable=not constrained,
+            constrained=constrained, reusable=True,
             plan=self.plan.take(idx, params) if self.plan is not None else None,
         )  # fmt: skip
 

@@ -3,10 +3,12 @@
 One step, in order: the scheduler picks the tokens of the next forward (one plain ``SchedulerOutput``); the runner
 computes them in one flat forward; ``_launch`` queues the sampling (or hands beam rows to the beam search) and the
 copy of the tokens to the host; ``_process`` reads them back and applies them through the scheduler
-(``update_from_output``: stops, lengths, forks, frees), then stop strings and text (hf_paged.engine.outputs).
+(``update_from_output``: stops, lengths, forks, frees), then stop strings and text (hf_paged.engine.outputs) and
+structured-output matchers (hf_paged.engine.structured).
 
 Async scheduling: ``_step_once`` schedules and queues step N+1 before it processes step N, so the device never
 waits for the host's bookkeeping; a token of step N reaches step N+1's input on the device, never through the host.
+A step with a structured-output row is processed at once: its next mask needs the token on the host.
 """
 
 import time
@@ -24,10 +26,10 @@ from hf_paged.engine.scheduler import SchedulerOutput
 class StepPipeline:
     """The step half of ``ContinuousBatcher`` (a base class: every attribute below is set by its constructor).
 
-    Reads ``scheduler``, ``runner``, ``sampler``, ``detokenizer``, ``requests``, ``eos_token_ids``,
-    ``async_scheduling``, ``_sync`` (RankSync), ``_metrics`` (MetricsRecorder) and ``_apply_aborts``; owns
-    ``_inflight`` (the step queued last, not processed yet), ``_rows`` (the last step's sampling rows while
-    reusable) and ``_unreported`` (requests finished outside a step, reported by the next one).
+    Reads ``scheduler``, ``runner``, ``sampler``, ``detokenizer``, ``structured`` (StructuredDecoding),
+    ``requests``, ``eos_token_ids``, ``async_scheduling``, ``_sync`` (RankSync), ``_metrics`` (MetricsRecorder) and
+    ``_apply_aborts``; owns ``_inflight`` (the step queued last, not processed yet), ``_rows`` (the last step's
+    sampling rows while reusable) and ``_unreported`` (requests finished outside a step, reported by the next one).
     """
 
     def _drain(self) -> None:
@@ -59,9 +61,11 @@ class StepPipeline:
         for request in list(self.requests.values()):
             if request.is_finished:
                 continue
-            for seq in request.seqs:  # stop strings of tokens applied by the failed step
+            for seq in request.seqs:  # stop strings and grammars of tokens applied by the failed step
                 if seq.num_detokenized < len(seq.output_token_ids):
                     self._end_on_stop_string(request, seq)
+                if request.grammar is not None:
+                    self._advance_grammar(request, seq)
             if not request.live_seqs:
                 self.scheduler.finish(request)
                 self._unreported[request.request_id] = request
@@ -71,6 +75,11 @@ class StepPipeline:
         # Reports accumulate in self._unreported and leave it only when the step returns: a step that fails after
         # finishing a request (say, in the step it processes after the previous one) loses no report.
         touched = self._unreported
+        if self.structured.waiting:  # requests whose grammar compiled join the queue (hf_paged.engine.structured)
+            idle = self._inflight is None and not self.scheduler.has_unfinished()
+            for request in self.structured.release(self.scheduler.add, idle):
+                self.scheduler.finish(request, "abort")
+                touched[request.request_id] = request
         sched = self.scheduler.schedule()
         for request_id in sched.preempted:
             touched[request_id] = self.requests[request_id]
@@ -109,7 +118,9 @@ class StepPipeline:
         explicit map into them (a prompt that forks into ``n`` samples gives its row ``n`` times; beam rows go
         to the beam search). The step is *deferred* (processed after the next step is queued) when async
         scheduling is on and every sampling row is a plain sample: no beam search, no prompt that forks into
-        ``n`` samples, no penalty or ``min_tokens`` (they need the previous token on the host).
+        ``n`` samples, no penalty or ``min_tokens`` (they need the previous token on the host), no structured output
+        (its next mask needs this token on the host). Structured-output rows get their grammar's mask here, while
+        the device runs the forward: -inf for the tokens it rules out, before the sampler (logprobs included).
         """
         rows = self._rows
         if rows is None or rows.seq_ids != sched.seq_ids or rows.sample_idx != sched.sample_idx:
@@ -123,6 +134,8 @@ class StepPipeline:
         if rows.row_idx:
             identity = rows.identity and len(rows.row_idx) == logits.shape[0]
             row_logits = logits if identity else logits[to_device(rows.row_idx, torch.int64, logits.device)]
+            if rows.constrained:  # in place: a captured graph's logits buffer is rewritten by its next replay
+                self.structured.apply_masks(row_logits, rows.seqs, rows.requests, rows.constrained)
             if rows.plan is None or rows.plan.device_type != row_logits.device.type:
                 rows.plan = plan_rows(rows.params, rows.generators, row_logits.device)
             out = self.sampler(row_logits, rows.params, rows.outputs, rows.prompts, rows.generators,
@@ -173,6 +186,8 @@ class StepPipeline:
             touched[request.request_id] = request
             if detokenize:
                 self._end_on_stop_string(request, seq)
+            if request.grammar is not None:
+                self._advance_grammar(request, seq)
             if seq.finish_reason is not None:
                 ended[request.request_id] = request
         for request_id, rows in launched.beam_rows.items():
@@ -184,6 +199,12 @@ class StepPipeline:
         for request in ended.values():
             if not request.is_finished and not request.live_seqs:
                 self.scheduler.finish(request)
+
+    def _advance_grammar(self, request: Request, seq: Seq) -> None:
+        """Feed ``seq``'s new tokens to its structured-output matcher; end it where the grammar ends it."""
+        end = self.structured.advance(request, seq)
+        if end is not None:
+            self.scheduler.finish_seq(seq, end)
 
     def _end_on_stop_string(self, request: Request, seq: Seq) -> None:
         stop = self.detokenizer.update(request, seq)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hf_paged.engine.outputs import StreamCursor, StreamDelta, request_output
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestOutput
+from hf_paged.engine.structured import parse_grammar
 
 __all__ = ["EngineDeadError", "FinalOutput", "RequestStream", "StreamingFront", "request_deltas"]
 
@@ -142,6 +143,11 @@ class StreamingFront(abc.ABC):
         self.check_serving()
         prompt_text, token_ids = self.inputs.tokenize(prompt)
         self.inputs.validate(token_ids, params)
+        if params.structured_output is not None:  # an invalid schema, regex or grammar fails here, not in the stream
+            if self.inputs.tokenizer is None:
+                raise ValueError("`structured_output` needs an engine with a tokenizer: ContinuousBatcher(model, "
+                                 "tokenizer=...)")  # fmt: skip
+            parse_grammar(params.structured_output)
         return params, prompt_text, token_ids
 
     async def __aenter__(self):

@@ -1,8 +1,8 @@
 """An engine fuzzer: seeded random add / step / abort / stream / interrupt runs over small pools.
 
 Features fail where they meet (n samples × beams × preemption × chunked prefill × async scheduling × aborts ×
-interrupts), so each run mixes all of them on one engine, over a configuration drawn from: pools of 8-40
-blocks, block sizes 8/16, token budgets 16-128, prefix caching on/off, recompute/swap preemption, async
+interrupts × structured outputs), so each run mixes all of them on one engine, over a configuration drawn from:
+pools of 8-40 blocks, block sizes 8/16, token budgets 16-128, prefix caching on/off, recompute/swap preemption, async
 scheduling on/off, shared-prefix (cascade) decode on whenever two decode rows share a block, or off. After every
 operation the block pool's invariants hold; at the end every accepted request finished or was aborted, every block
 is free, and every greedy request (plain, ``n`` samples or beams) equals the same request run alone on a roomy
@@ -15,6 +15,7 @@ its figures.
 
 import os
 import random
+import re
 import threading
 import time
 
@@ -22,7 +23,7 @@ import pytest
 from helpers import needs_triton, route_prefill_through_triton
 from models import DEVICE, char_tokenizer, tiny_model
 
-from hf_paged import ContinuousBatcher, SamplingParams
+from hf_paged import ContinuousBatcher, SamplingParams, StructuredOutput
 
 LONG = os.environ.get("HF_PAGED_FUZZ") == "long"
 NUM_RUNS = 48 if LONG else 5
@@ -45,8 +46,9 @@ class _Reference:
 
     def __call__(self, prompt, params: SamplingParams, companions: int = 0):
         """The request's outputs, run alone (or beside ``companions`` unrelated requests: another batch shape)."""
+        grammar = params.structured_output.key if params.structured_output is not None else None
         key = (tuple(prompt), params.n, params.beam_width, params.max_new_tokens, params.stop, params.ignore_eos,
-               companions)  # fmt: skip
+               grammar, companions)  # fmt: skip
         if key not in self.memo:
             others = [[7 + i, 9, 11 + i] * (i + 2) for i in range(companions)]
             outs = self.engine.generate([prompt, *others], [params] + [SamplingParams(max_new_tokens=3)] * companions,
@@ -75,7 +77,18 @@ def _config(rng: random.Random) -> dict:
     )
 
 
-def _params(rng: random.Random, prefixes) -> tuple[list[int], SamplingParams]:
+# Structured outputs over the char tokenizer's characters ("$" to "~"), given to some greedy requests, each with a
+# Python regex of its language: a complete output must match it.
+GRAMMARS = [
+    (StructuredOutput(regex="[a-z]{2,6}(-[0-9]{1,3})?"), "[a-z]{2,6}(-[0-9]{1,3})?"),
+    (StructuredOutput(choice=["alpha", "beta", "gamma"]), "alpha|beta|gamma"),
+    (StructuredOutput(grammar='root ::= "(" [a-e]+ ")" | [0-9] [0-9]'), r"\([a-e]+\)|[0-9][0-9]"),
+]
+
+
+def _params(rng: random.Random, prefixes, grammar_rng: random.Random) -> tuple[list[int], SamplingParams]:
+    """A request drawn from ``rng``; ``grammar_rng`` (its own stream, so that ``rng``'s runs stay the same) picks
+    which greedy requests get a structured output."""
     prompt = list(rng.choice(prefixes))[: rng.randint(0, 24)] + [rng.randint(3, 95) for _ in range(rng.randint(1, 20))]
     kind = rng.random()
     common = dict(max_new_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.7)
@@ -88,7 +101,8 @@ def _params(rng: random.Random, prefixes) -> tuple[list[int], SamplingParams]:
                                 logprobs=rng.choice([None, 2]), **common)  # fmt: skip
     else:
         stop = [chr(ord("!") + rng.randint(3, 95))] if rng.random() < 0.3 else []
-        params = SamplingParams(temperature=0.0, stop=stop, **common)
+        grammar = grammar_rng.choice(GRAMMARS)[0] if grammar_rng.random() < 0.3 else None
+        params = SamplingParams(temperature=0.0, stop=stop, structured_output=grammar, **common)
     return prompt, params
 
 
@@ -140,6 +154,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
         engine.runner.emulate_graphs = True  # every step through the padded inputs of its CUDA-graph bucket
     reference = references.setdefault(config["block_size"], _Reference(model, tokenizer, config["block_size"]))
     prefixes = [[rng.randint(3, 95) for _ in range(24)] for _ in range(2)]
+    grammar_rng = random.Random(f"grammar-{seed}")
     accepted: dict[str, tuple] = {}  # request id -> (prompt, params)
     finished: dict[str, object] = {}
     aborted: set[str] = set()
@@ -147,6 +162,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
     counts = dict(
         steps=0, requests=0, rejected=0, aborts=0, interrupts=0, stream_deltas=0, greedy_checked=0, numeric_ties=0
     )
+    counts["structured"] = 0  # structured-output requests whose outputs were checked
 
     def record(outs):
         for out in outs:
@@ -158,7 +174,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
         op = rng.random()
         try:
             if op < 0.3:
-                prompt, params = _params(rng, prefixes)
+                prompt, params = _params(rng, prefixes, grammar_rng)
                 try:
                     rid = engine.add_request(prompt, params)
                 except ValueError as e:  # documented: the request can never fit this pool
@@ -168,7 +184,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
                 accepted[rid] = (prompt, params)
                 counts["requests"] += 1
             elif op < 0.4:
-                prompt, params = _params(rng, prefixes)
+                prompt, params = _params(rng, prefixes, grammar_rng)
                 if params.n != 1 or params.beam_width != 1:
                     continue
                 try:
@@ -235,6 +251,12 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
                 counts["numeric_ties"] += 1
             counts["greedy_checked"] += 1
         assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+        if params.structured_output is not None:
+            pattern = next(p for g, p in GRAMMARS if g is params.structured_output)
+            for c in out.outputs:
+                if c.finish_reason == "stop" and c.stop_reason is None:  # the grammar's end, not a stop string
+                    assert re.fullmatch(pattern, c.text), (rid, params, c)
+            counts["structured"] += 1
     assert engine.pool.stats.num_used_blocks == 0
     assert not engine.requests
     engine.pool.check_invariants()

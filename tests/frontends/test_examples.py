@@ -30,7 +30,8 @@ def run_example(name: str, *args: str) -> str:
 
 
 def test_every_example_has_a_test():
-    tested = {"generate_paged.py", "batch_offline.py", "chat_stream.py", "parallel_sampling.py"}
+    tested = {"generate_paged.py", "batch_offline.py", "chat_stream.py", "parallel_sampling.py",
+              "structured_output.py"}  # fmt: skip
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -65,3 +66,10 @@ def test_parallel_sampling(default_model_dir):
     assert all(refs.startswith("4, ") for _, refs in tables), out  # ... held by all 4 of them
     assert re.search(r"sharing saves [1-9]\d*%", out), out
     assert len(re.findall(r"^sample \d: '|^sample \d: \"", out, flags=re.M)) == 4, out
+
+
+def test_structured_output(default_model_dir):
+    out = run_example("structured_output.py")
+    assert re.search(r"^json: \{.*\}$", out, flags=re.M), out
+    assert "matches the schema: 5 fields, finish_reason stop" in out, out
+    assert re.search(r"choice: '(yes|no)' \(stop\)", out), out

@@ -1,0 +1,433 @@
+"""Structured outputs (constrained decoding) for ContinuousBatcher and ``model.generate``, on xgrammar.
+
+A request's ``StructuredOutput`` (hf_paged.engine.params) becomes a grammar over the tokenizer's vocabulary; each of
+its sequences keeps a ``GrammarMatcher`` that has read the sequence's output; before sampling, the tokens that
+cannot continue a valid output get -inf. In order, for one request:
+
+1. ``add_request``: the spec is parsed into an ``xgrammar.Grammar`` on the caller's thread (milliseconds), so an
+   invalid schema, regex or grammar is a ``ValueError`` there, as vLLM refuses it with a 400 before queueing it.
+   A request without a tokenizer, with beam search, or without xgrammar installed is refused the same way.
+2. The grammar is compiled against the vocabulary (the token-mask tables: the expensive part) on a worker thread,
+   once per distinct spec (``GrammarCache``). Until it is ready the request waits outside the scheduler; the other
+   requests run on. A compile that still fails ends the request with finish_reason "abort" and a logged error.
+3. Each step with constrained rows: the host fills their rows of a token bitmask while the device runs the forward,
+   copies it up and applies it to those rows of the logits in one launch (xgrammar's kernel: Triton on CUDA, C++
+   on the CPU), before the sampler, outside the CUDA graphs. Steps without constrained rows do no mask work.
+4. Each accepted token advances the sequence's matcher. The output ends with finish_reason "stop" when the model
+   picks EOS (allowed only once the output is complete) or the matcher terminates.
+
+A sequence's matcher is derived from its tokens, never the other way round: ``SeqMatcher.sync`` feeds it the
+output tokens it has not read, and rebuilds it by replay when the output got shorter (a failed step). So a fork
+(``n`` > 1: the samples fork after the prompt, with no output yet), a preemption by recompute or swap (the tokens
+do not change) and a recovered step need no grammar bookkeeping of their own.
+
+Async scheduling: a constrained row's mask needs the token sampled just before it on the host, so a step with a
+constrained row is processed at once (``SamplingRows.deferrable``); steps without one keep running ahead.
+"""
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_paged.core.transfer import to_device
+from hf_paged.engine.params import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:
+    from hf_paged.engine.request import Request, Sequence
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'hf_paged[structured]'"
+_XGR_LOCATION = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")  # "[14:00:04] /project/cpp/file.cc:94: " on C++ errors
+_NUM_WORKERS = 4  # compile threads of an engine
+_IDLE_WAIT_S = 0.1  # longest wait for a compile when nothing else can run (aborts are applied in between)
+
+
+def import_xgrammar():
+    """The xgrammar module, or a ``ValueError`` saying how to install it (a request asked for structured output)."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError(
+            f"`structured_output` needs the xgrammar package, which is not installed: {INSTALL_HINT}"
+        ) from None
+    return xgrammar
+
+
+def choice_ebnf(choice: tuple[str, ...]) -> str:
+    """An EBNF grammar whose root is exactly one of ``choice`` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+def parse_grammar(spec: StructuredOutput):
+    """``spec`` as an ``xgrammar.Grammar`` (parsing only: no vocabulary work).
+
+    JSON is compact (``any_whitespace=False``): free whitespace lets a model, small ones above all, emit
+    whitespace without end (xgrammar's docs and vLLM's ``disable-any-whitespace`` option).
+
+    Raises:
+        ValueError: xgrammar is missing, or the schema, regex or grammar is invalid (the message names the field).
+    """
+    xgr = import_xgrammar()
+    kind = spec.kind
+    try:
+        if kind == "json":
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        message = _XGR_LOCATION.sub("", str(e)).strip()
+        value = getattr(spec, kind)
+        raise ValueError(f"`structured_output.{kind}` is invalid: {message} (got {value!r:.300})") from None
+
+
+class GrammarCache:
+    """Compiled grammars by spec key, compiled on worker threads; the ``max_entries`` most recent are kept.
+
+    A ``Future`` stands for each compile, so requests with the same spec share one compile even while it runs. The
+    xgrammar compiler (its ``TokenizerInfo`` reads the whole vocabulary: ~0.5 s for 49k tokens) is built by the
+    first compile, on a worker. With ``blocking`` every compile finishes inside ``get`` (tensor parallelism:
+    every rank must admit a request in the same step).
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer.
+        vocab_size: the model's logits width (the bitmask covers it; ids past the tokenizer's are masked).
+        stop_token_ids: the engine's EOS ids: the tokens a complete output may end with.
+        max_entries: compiled grammars kept after their requests are done.
+        blocking: compile inside ``get``.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_entries: int = 128, blocking: bool = False):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids) or None  # None: xgrammar takes the tokenizer's EOS
+        self.max_entries = max_entries
+        self.blocking = blocking
+        self._compiler = None  # xgrammar.GrammarCompiler, made by the first compile
+        self._compiler_lock = threading.Lock()
+        self._futures: collections.OrderedDict[tuple, Future] = collections.OrderedDict()
+        # A few workers, so that one slow grammar does not hold up the others' compiles. Threads start on demand and
+        # end once the engine (and so this cache) is garbage-collected.
+        self._executor = ThreadPoolExecutor(max_workers=_NUM_WORKERS, thread_name_prefix="hf-paged-grammar")
+
+    def get(self, spec: StructuredOutput) -> Future:
+        """The compile of ``spec`` (started now unless an equal spec's is cached or running).
+
+        Raises:
+            ValueError: as ``parse_grammar``; nothing is cached then.
+        """
+        key = spec.key
+        future = self._futures.get(key)
+        if future is None:
+            grammar = parse_grammar(spec)
+            future = self._executor.submit(self._compile, grammar)
+            self._futures[key] = future
+            while len(self._futures) > self.max_entries:
+                self._futures.popitem(last=False)  # requests using it hold their own reference
+        else:
+            self._futures.move_to_end(key)
+        if self.blocking:
+            wait_futures([future])
+        return future
+
+    def _compile(self, grammar):
+        with self._compiler_lock:
+            if self._compiler is None:
+                xgr = import_xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)  # fmt: skip
+                # Few threads: the compile shares the host with the step loop that feeds the device.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=min(4, os.cpu_count() or 1),
+                                                     cache_enabled=False)  # fmt: skip
+        return self._compiler.compile_grammar(grammar)
+
+
+class RequestGrammar:
+    """A request's compiled grammar (``future``) and its spec."""
+
+    def __init__(self, spec: StructuredOutput, future: Future):
+        self.spec = spec
+        self.future = future
+        self.compiled = None  # xgrammar.CompiledGrammar once the future is done
+
+    @property
+    def is_ready(self) -> bool:
+        return self.future.done()
+
+    def new_matcher(self):
+        if self.compiled is None:
+            self.compiled = self.future.result()
+        return import_xgrammar().GrammarMatcher(self.compiled)
+
+
+def apply_bitmask(
+    logits: torch.Tensor,  # [num_rows, vocab_size], contiguous; changed in place
+    bitmask: torch.Tensor,  # [num_rows, ceil(vocab_size / 32)] int32 on the host
+    vocab_size: int,
+    rows: list[int] | None,  # the rows to mask (None: all)
+) -> None:
+    """xgrammar's ``apply_token_bitmask_inplace`` on ``logits``' device, in one launch, across xgrammar versions.
+
+    ``rows`` goes as a list (the type every version takes: a device tensor is copied again by some). Older versions
+    mask only fp32 logits on the CPU and read the row stride from the width, so other dtypes go through an fp32 copy
+    there and the logits must be contiguous.
+    """
+    xgr = import_xgrammar()
+    if not logits.is_contiguous():
+        raise RuntimeError(f"bug in hf_paged: logits to mask must be contiguous, got strides {logits.stride()}")
+    device = logits.device
+    target = logits if device.type != "cpu" or logits.dtype == torch.float32 else logits.float()
+    # The Triton kernel launches on the current CUDA device: make it the logits' (device_map puts the head anywhere).
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        xgr.apply_token_bitmask_inplace(target, to_device(bitmask, bitmask.dtype, device), vocab_size=vocab_size,
+                                        indices=rows)  # fmt: skip
+    if target is not logits:
+        logits.copy_(target)
+
+
+class SeqMatcher:
+    """One sequence's grammar matcher and how many of its output tokens it has read (``num_accepted``).
+
+    Invariant: the matcher has read exactly ``seq.output_token_ids[:num_accepted]``, or rejected the last of them
+    (``rejected``). Outputs only grow, except when a failed step's tokens are dropped: ``sync`` then replays.
+    """
+
+    def __init__(self, grammar: RequestGrammar):
+        self.grammar = grammar
+        self.matcher = grammar.new_matcher()
+        self.num_accepted = 0
+        self.rejected: int | None = None  # a token the grammar refused (then the sequence is ended)
+
+    @classmethod
+    def sync(cls, request: "Request", seq: "Sequence") -> "SeqMatcher":
+        """``seq``'s matcher, made or replayed as needed, having read every known output token of ``seq``."""
+        state = seq.grammar_state
+        start, end = seq.num_prompt_tokens, len(seq.token_ids) - seq.num_inflight
+        if state is None or state.num_accepted > end - start:
+            state = seq.grammar_state = cls(request.grammar)
+        if state.rejected is None:
+            token_ids, matcher = seq.token_ids, state.matcher
+            for i in range(start + state.num_accepted, end):
+                if not matcher.accept_token(token_ids[i]):
+                    state.rejected = token_ids[i]
+                    break
+                state.num_accepted += 1
+        return state
+
+
+class StructuredDecoding:
+    """The engine's structured outputs: requests waiting for their grammar, the step's masks, matcher advances.
+
+    Nothing here runs for a request without ``structured_output``; xgrammar is imported by the first one.
+
+    Args:
+        tokenizer: the engine's tokenizer (None: structured requests are refused).
+        vocab_size: the model's logits width.
+        stop_token_ids: the engine's EOS ids.
+        blocking: compile at submission (tensor parallelism; see ``GrammarCache``).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, blocking: bool = False):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.blocking = blocking
+        self.cache: GrammarCache | None = None
+        self.waiting: list[Request] = []  # submitted, grammar compiling: not in the scheduler yet (arrival order)
+
+    def grammar_for(self, params: SamplingParams) -> RequestGrammar | None:
+        """The grammar of a request with these parameters (None without ``structured_output``).
+
+        Raises:
+            ValueError: no tokenizer, xgrammar missing, or an invalid schema, regex or grammar.
+        """
+        spec = params.structured_output
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(
+                "`structured_output` needs a tokenizer (the grammar is matched against token texts): "
+                "ContinuousBatcher(model, tokenizer=...)"
+            )
+        if self.cache is None:
+            import_xgrammar()
+            self.cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids, blocking=self.blocking)
+        return RequestGrammar(spec, self.cache.get(spec))
+
+    def has_waiting(self) -> bool:
+        """Whether a request still waits for its grammar (read-only: safe from another thread)."""
+        return any(not request.is_finished for request in self.waiting)
+
+    def hold(self, request: "Request") -> bool:
+        """Keep ``request`` back while its grammar compiles (or until ``release`` ends it, if the compile failed);
+        False when it can be scheduled now."""
+        grammar = request.grammar
+        if grammar is None or (grammar.is_ready and grammar.future.exception() is None):
+            return False
+        self.waiting.append(request)
+        return True
+
+    def release(self, add, idle: bool) -> list["Request"]:
+        """Hand the requests whose grammar is ready to ``add`` (``Scheduler.add``), in arrival order.
+
+        Args:
+            add: called with each request to schedule.
+            idle: nothing else can run: wait a little for a compile instead of spinning.
+
+        Returns:
+            The requests whose compile failed (the caller ends them). Finished ones (aborted) are dropped.
+        """
+        if idle and not any(r.grammar.is_ready for r in self.waiting):
+            wait_futures([r.grammar.future for r in self.waiting], timeout=_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        failed, still = [], []
+        for request in self.waiting:
+            if request.is_finished:
+                continue
+            if not request.grammar.is_ready:
+                still.append(request)
+            elif request.grammar.future.exception() is not None:
+                error = request.grammar.future.exception()
+                logger.error("request %s: structured_output could not be compiled: %s", request.request_id, error)
+                failed.append(request)
+            else:
+                add(request)
+        self.waiting = still
+        return failed
+
+    def apply_masks(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab_size]: the sampler's rows, changed in place
+        seqs: list,  # [num_rows] the Sequence of each row (a forking prompt: n rows of one sequence)
+        requests: list,  # [num_rows] the Request of each row
+        rows: list[int],  # the constrained rows, ascending
+    ) -> None:
+        """Give -inf to the tokens each constrained row's grammar rules out (one launch on the logits' device)."""
+        xgr = import_xgrammar()
+        if logits.shape[1] != self.vocab_size:
+            raise RuntimeError(
+                f"bug in hf_paged: logits have {logits.shape[1]} columns, the grammars {self.vocab_size}"
+            )
+        # Rows of the other requests stay unfilled: ``indices`` keeps the kernel off them.
+        bitmask = torch.empty(xgr.get_bitmask_shape(logits.shape[0], self.vocab_size), dtype=xgr.bitmask_dtype)
+        prev_seq, prev_row = None, -1
+        for row in rows:
+            seq = seqs[row]
+            if seq is prev_seq:  # a prompt forking into n samples: n rows of one state
+                bitmask[row] = bitmask[prev_row]
+                continue
+            if seq.num_inflight:  # its last token is still on the device: the mask would miss it
+                raise RuntimeError(
+                    f"bug in hf_paged: sequence {seq.seq_id} has a structured output and tokens in flight"
+                )
+            state = SeqMatcher.sync(requests[row], seq)
+            if state.rejected is not None or state.matcher.is_terminated():
+                raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar ended")
+            state.matcher.fill_next_token_bitmask(bitmask, row)
+            prev_seq, prev_row = seq, row
+        apply_bitmask(logits, bitmask, self.vocab_size, rows if len(rows) < logits.shape[0] else None)
+
+    def advance(self, request: "Request", seq: "Sequence") -> str | None:
+        """Feed ``seq``'s new tokens to its matcher; how the sequence must end, if it must.
+
+        Returns:
+            None to go on; "stop" when the grammar has terminated (it accepted EOS: with ``ignore_eos`` the
+            scheduler does not end the sequence on EOS, the grammar does); "abort" when the grammar refused a
+            token (never with the mask applied; logged as an error).
+        """
+        if seq.finish_reason is not None:
+            seq.grammar_state = None  # nothing more to match: the matcher's memory goes
+            return None
+        if seq.grammar_state is None and len(seq.token_ids) - seq.num_inflight == seq.num_prompt_tokens:
+            return None  # no output to read (say, a request still waiting for its grammar, after a failed step)
+        state = SeqMatcher.sync(request, seq)
+        if state.rejected is not None:
+            logger.error("request %s: the sampled token %d does not follow its structured_output; the sequence is "
+                         "ended", request.request_id, state.rejected)  # fmt: skip
+            return "abort"
+        return "stop" if state.matcher.is_terminated() else None
+
+
+class GrammarLogitsProcessor:
+    """A ``transformers`` logits processor that keeps ``model.generate`` output in a ``StructuredOutput``.
+
+    One per ``generate`` call (it keeps a matcher per batch row); works with any cache, ``PagedCache`` included:
+
+        processor = GrammarLogitsProcessor(StructuredOutput(json=schema), tokenizer, model.config.vocab_size)
+        model.generate(**inputs, past_key_values=PagedCache(model), logits_processor=[processor])
+
+    A row whose grammar has ended allows only EOS, so it pads out like a row that stopped. Greedy, sampling and
+    ``num_return_sequences`` are supported; beam search is not (a row's history changes when beams are reordered).
+
+    Args:
+        spec: the constraint.
+        tokenizer: the model's tokenizer.
+        vocab_size: the model's logits width (``model.get_output_embeddings().weight.shape[0]``).
+        stop_token_ids: the ids that end the output (default: the tokenizer's EOS).
+
+    Raises:
+        ValueError: xgrammar is missing, or ``spec`` is invalid.
+    """
+
+    def __init__(self, spec: StructuredOutput, tokenizer, vocab_size: int, stop_token_ids=None):
+        if not isinstance(spec, StructuredOutput):
+            raise TypeError(f"`spec` must be a StructuredOutput, got {type(spec).__name__}")
+        xgr = import_xgrammar()
+        if stop_token_ids is None and tokenizer.eos_token_id is not None:
+            stop_token_ids = [tokenizer.eos_token_id]
+        stop_token_ids = list(stop_token_ids) if stop_token_ids else None  # None: xgrammar takes the tokenizer's
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(parse_grammar(spec))
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(info.stop_token_ids)
+        self.matchers: list = []  # one per batch row, made by the first call
+        self.prompt_len = 0
+        self.num_calls = 0  # call i sees the prompt plus i generated tokens
+
+    def __call__(
+        self,
+        input_ids: torch.LongTensor,  # [batch_size, seq_len]: the prompt plus the tokens generated so far
+        scores: torch.FloatTensor,  # [batch_size, vocab_size]
+    ) -> torch.FloatTensor:  # [batch_size, vocab_size]: a masked copy
+        xgr = import_xgrammar()
+        if not self.matchers:
+            self.matchers = [xgr.GrammarMatcher(self.compiled) for _ in range(input_ids.shape[0])]
+            self.prompt_len = input_ids.shape[1]
+        if input_ids.shape[0] != len(self.matchers) or input_ids.shape[1] != self.prompt_len + self.num_calls:
+            raise ValueError(
+                f"GrammarLogitsProcessor serves one generate() call of a fixed batch: got input_ids of shape "
+                f"{tuple(input_ids.shape)} at call {self.num_calls} after a prompt of {self.prompt_len} tokens for "
+                f"{len(self.matchers)} rows; make a new processor per call (beam search is not supported)"
+            )
+        bitmask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)  # all allowed
+        last = input_ids[:, -1].tolist() if self.num_calls else None
+        ended = []
+        for row, matcher in enumerate(self.matchers):
+            if last is not None and not matcher.is_terminated() and not matcher.accept_token(last[row]):
+                raise RuntimeError(f"bug in hf_paged: row {row}'s token {last[row]} breaks its grammar")
+            if matcher.is_terminated():
+                ended.append(row)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, row)
+        self.num_calls += 1
+        scores = scores.clone()  # transformers' processors return new scores
+        apply_bitmask(scores, bitmask, self.vocab_size, None)
+        if ended:  # a row that has ended gets EOS only (transformers pads it; its scores must stay finite)
+            rows = torch.tensor(ended, device=scores.device)
+            scores[rows] = float("-inf")
+            scores[rows.unsqueeze(1), torch.tensor(self.stop_token_ids, device=scores.device)] = 0.0
+        return scores
