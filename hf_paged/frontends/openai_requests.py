@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.params import SamplingParams, StructuredOutput
 from hf_paged.frontends.openai_api import APIError, bad_value
+from hf_paged.frontends.tool_calls import FORCED, forced_calls_schema, named_parser
 
-_STRUCTURED = ": structured outputs are not available in this server"
 # Request field -> (the values that ask for nothing, what the refusal adds). A field set to anything else is a 400.
 _REFUSED = {
     "prompt_logprobs": ((), ": the engine computes log-probs of generated tokens only (see `logprobs`)"),
@@ -29,14 +29,9 @@ _REFUSED = {
     "cache_salt": ((), ""),
     "kv_transfer_params": ((), ": there is no disaggregated prefill"),
     "vllm_xargs": ((), ""),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "structural_tag": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "structural_tag": ((), " (use `structured_outputs` with json, regex, choice or grammar)"),
+    "guided_decoding_backend": (("xgrammar", "auto"), ": the backend is xgrammar"),
+    "guided_whitespace_pattern": ((), ": JSON output is compact"),
     # OpenAI's chat fields beyond a text model's generation
     "audio": ((), ": text output only"),
     "modalities": ((["text"],), ": text output only"),
@@ -130,10 +125,7 @@ class _SamplingFields(BaseModel):
             value = getattr(self, name, None)
             if value is not None and value not in neutral:
                 raise APIError(400, f"`{name}` is not supported by hf_paged{reason}", param=name)
-        if self.response_format is not None and (not isinstance(self.response_format, dict)
-                                                 or self.response_format.get("type", "text") != "text"):  # fmt: skip
-            raise APIError(400, "`response_format` other than {'type': 'text'} is not supported by hf_paged",
-                           param="response_format")  # fmt: skip
+        self.structured_output()  # a malformed constraint is a 400 before any work
         if self.length_penalty is not None and not self.use_beam_search:
             raise APIError(400, "`length_penalty` needs `use_beam_search: true`", param="length_penalty")
         if self.use_beam_search and self.streams:
@@ -143,6 +135,50 @@ class _SamplingFields(BaseModel):
         if k is not None and (isinstance(k, bool) or (k < 1 and k != -1)):
             raise APIError(400, f"`truncate_prompt_tokens` must be >= 1 or -1 (the model's context), got {k}",
                            param="truncate_prompt_tokens")  # fmt: skip
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint the request asks for, from whichever field says it: OpenAI's ``response_format``
+        (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` or ``guided_*``; None for free text.
+
+        Raises:
+            APIError: 400 for two constraints at once, or one that is malformed (named by its field).
+        """
+        asked = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type") if isinstance(fmt, dict) else None
+            if kind == "json_object":
+                asked.append(("response_format", dict(json_object=True)))
+            elif kind == "json_schema":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise APIError(400, "`response_format` json_schema needs `json_schema.schema`, a JSON schema "
+                                        "object", param="response_format")  # fmt: skip
+                asked.append(("response_format", dict(json=schema)))
+            elif kind != "text":
+                raise APIError(400, "`response_format.type` must be 'text', 'json_object' or 'json_schema', got "
+                                    f"{kind!r}", param="response_format")  # fmt: skip
+        for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, name) is not None:
+                asked.append((name, {field: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            given = self.structured_outputs
+            known = {"json", "regex", "choice", "grammar", "json_object"}
+            if not isinstance(given, dict) or not set(given) <= known:
+                raise APIError(400, f"`structured_outputs` must be an object with one of {sorted(known)}, got "
+                                    f"{given!r:.200}", param="structured_outputs")  # fmt: skip
+            asked.append(("structured_outputs", {k: v for k, v in given.items() if v not in (None, False)}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise APIError(400, f"one output constraint at a time, got {', '.join(f'`{n}`' for n, _ in asked)}",
+                           param=asked[1][0])  # fmt: skip
+        name, fields = asked[0]
+        try:
+            return StructuredOutput(**fields)
+        except (ValueError, TypeError) as err:
+            raise APIError(400, f"`{name}`: {err}", param=name) from None
 
     def truncate(self, token_ids: list[int], max_model_len: int | None) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM truncates on the left)."""
@@ -177,6 +213,7 @@ class _SamplingFields(BaseModel):
                 logprobs=logprobs,
                 skip_special_tokens=given.get("skip_special_tokens", True),
                 include_stop_str_in_output=given.get("include_stop_str_in_output", False),
+                structured_output=self.structured_output(),
             )
         except (ValueError, TypeError) as err:
             raise bad_value(err) from None
@@ -325,23 +362,49 @@ class ChatCompletionRequest(_SamplingFields):
         self.tool_mode()
 
     def tool_mode(self) -> str:
-        """ "none" (no tools reach the template, the output is text) or "auto" (the model may call the tools)."""
+        """ "none" (no tools reach the template, the output is text), "auto" (the model may call the tools),
+        "required" (it must call one or more) or "named" (it must call the function ``tool_choice`` names)."""
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
             raise APIError(400, f"`tool_choice` {choice!r} needs `tools`", param="tool_choice")
         if not self.tools or choice == "none":
             return "none"
+        for tool in self.tools:
+            if tool.get("type") != "function" or not isinstance((tool.get("function") or {}).get("name"), str):
+                raise APIError(400, "each of `tools` must be {'type': 'function', 'function': {'name': ..., "
+                                    f"'parameters': ...}}}}, got {tool!r}", param="tools")  # fmt: skip
         if choice in (None, "auto"):
-            for tool in self.tools:
-                if tool.get("type") != "function" or not isinstance((tool.get("function") or {}).get("name"), str):
-                    raise APIError(400, "each of `tools` must be {'type': 'function', 'function': {'name': ..., "
-                                        f"'parameters': ...}}}}, got {tool!r}", param="tools")  # fmt: skip
             return "auto"
-        if choice == "required" or isinstance(choice, dict):
-            raise APIError(400, f"`tool_choice` {choice!r} needs structured outputs, which this server does not "
-                                "have; use 'auto' or 'none'", param="tool_choice")  # fmt: skip
+        if choice == "required":
+            return "required"
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            return "named"
         raise APIError(400, f"`tool_choice` must be 'none', 'auto', 'required' or {{'type': 'function', "
                             f"'function': {{'name': ...}}}}, got {choice!r}", param="tool_choice")  # fmt: skip
+
+    def forced_tool_parser(self) -> str | None:
+        """The parser of an output that ``tool_choice`` constrains to calls, or None."""
+        mode = self.tool_mode()
+        if mode == "required":
+            return FORCED
+        if mode == "named":
+            return named_parser(self.tool_choice["function"]["name"])
+        return None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """As the base class; with ``tool_choice`` "required" or a named function, the calls' JSON schema."""
+        asked = super().structured_output()
+        mode = self.tool_mode()
+        if mode not in ("required", "named"):
+            return asked
+        if asked is not None:
+            raise APIError(400, f"`tool_choice` {self.tool_choice!r} constrains the output to tool calls: it does "
+                                "not combine with another output constraint", param="tool_choice")  # fmt: skip
+        try:
+            schema = forced_calls_schema(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        except ValueError as err:
+            raise APIError(400, str(err), param="tool_choice") from None
+        return StructuredOutput(json=schema)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_message() for m in self.messages]
@@ -349,7 +412,7 @@ class ChatCompletionRequest(_SamplingFields):
     def template_options(self) -> dict[str, Any]:
         return dict(add_generation_prompt=self.add_generation_prompt,
                     continue_final_message=self.continue_final_message,
-                    tools=self.tools if self.tool_mode() == "auto" else None, documents=self.documents,
+                    tools=self.tools if self.tool_mode() != "none" else None, documents=self.documents,
                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)  # fmt: skip
 
     def max_tokens_asked(self) -> int | None:

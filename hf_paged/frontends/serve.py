@@ -268,7 +268,7 @@ def create_app(
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
         admit(1)
-        parser = None
+        parser = body.forced_tool_parser()  # tool_choice "required" or named: the output is JSON calls
         if body.tool_mode() == "auto":
             parser = choose_parser(tool_call_parser, body.chat_template or engine.tokenizer.chat_template)
             if parser is None:

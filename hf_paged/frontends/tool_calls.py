@@ -6,6 +6,10 @@
   ``;``), optionally after ``<|python_tag|>``;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional text.
 
+When ``tool_choice`` forces calls the output is constrained to JSON instead (``forced_calls_schema``), whatever
+the template's format, and read with ``FORCED`` ("required": ``[{"name": ..., "parameters": {...}}, ...]``) or
+``named_parser(name)`` (the one function's arguments object): even a model that knows nothing returns valid calls.
+
 A call whose JSON does not parse leaves the text as it is (content, no call), as vLLM's parsers do. The parser is
 the server's ``--tool-call-parser``, or found in the chat template (``choose_parser``).
 """
@@ -16,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 
 PARSERS = ("hermes", "llama3_json", "mistral")
+FORCED = "required"  # the parser of a forced-calls output (tool_choice "required")
+_NAMED = "named:"  # named_parser(name): tool_choice names one function
 # The text that opens a call in each format: the stream holds text back from there.
 _OPENERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]",)}
 # The markers are special tokens in some tokenizers: decoding must keep them for these formats.
@@ -55,8 +61,45 @@ def choose_parser(name: str | None, chat_template: str | None) -> str | None:
     return None
 
 
+def named_parser(name: str) -> str:
+    return _NAMED + name
+
+
+def forced_calls_schema(tools: list[dict], choice, parallel: bool = True) -> dict:
+    """The JSON schema an output must satisfy when ``tool_choice`` (``"required"`` or ``{"type": "function",
+    "function": {"name": ...}}``) forces calls: a list of ``{"name", "parameters"}`` items over ``tools`` (one item
+    at most without ``parallel``), or the named function's parameters.
+
+    Raises:
+        ValueError: a named function that is not among ``tools``.
+    """
+    functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise ValueError(f"`tool_choice` names the function {name!r}, which is not among `tools` "
+                             f"{sorted(functions)}")  # fmt: skip
+        return functions[name]
+    items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+              "required": ["name", "parameters"]} for name, parameters in functions.items()]  # fmt: skip
+    schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
 def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content before the calls or None, the calls); no calls: ``(text, [])``."""
+    if parser == FORCED:
+        items = _loads(text)
+        if not isinstance(items, list):
+            return text, []
+        return _result(text, "", [_call(item, "parameters", "arguments") for item in items])
+    if parser.startswith(_NAMED):
+        arguments = _loads(text)
+        if not isinstance(arguments, dict):
+            return text, []
+        return _result(text, "", [_call({"name": parser[len(_NAMED) :], "arguments": arguments}, "arguments")])
     if parser == "hermes":
         start = text.find("<tool_call>")
         if start < 0:
@@ -75,7 +118,7 @@ def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]
         if not body.startswith("{"):
             return text, []
         return _result(text, "", [_call(_loads(part), "parameters", "arguments") for part in _split_json(body)])
-    raise ValueError(f"`parser` must be one of {list(PARSERS)}, got {parser!r}")
+    raise ValueError(f"`parser` must be one of {[*PARSERS, FORCED]} or named_parser(name), got {parser!r}")
 
 
 class ToolCallStream:
@@ -90,7 +133,7 @@ class ToolCallStream:
 
     def feed(self, delta: str) -> str:
         self.text += delta
-        if self.holding:
+        if self.holding or self.parser == FORCED or self.parser.startswith(_NAMED):  # the whole output is calls
             return ""
         if self.parser == "llama3_json":  # a call is the whole answer: only its very start can open one
             head = self.text.lstrip()
@@ -112,6 +155,8 @@ class ToolCallStream:
         _, calls = parse_tool_calls(self.parser, self.text)
         if not calls:
             return self.text[self.sent :], []
+        if self.parser not in _OPENERS:  # forced calls: no text around them
+            return "", calls
         start = 0 if self.parser == "llama3_json" else self.text.find(_OPENERS[self.parser][0])
         return self.text[self.sent : max(start, self.sent)].rstrip(), calls
 

@@ -8,11 +8,12 @@ event loop, a stream cut without its last chunk, endpoints answering without the
 
 import http.client
 import json
+import re
 import time
 
 import pytest
 from helpers import needs_serve, needs_smollm2
-from server_harness import AUTH, KEY, MAX_BODY_BYTES, MODEL, TIMEOUT_S, serving, sse
+from server_harness import AUTH, KEY, MAX_BODY_BYTES, MODEL, TIMEOUT_S, openai_client, serving, sse
 
 from hf_paged.engine.outputs import StreamDelta
 from hf_paged.engine.request import CompletionOutput
@@ -63,7 +64,8 @@ HONOURED = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "presence_penalty",
     "frequency_penalty", "logit_bias", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
     "repetition_penalty", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search", "length_penalty",
-    "truncate_prompt_tokens", "request_id", "response_format",
+    "truncate_prompt_tokens", "request_id", "response_format", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
     # completions
     "prompt", "logprobs", "echo", "best_of", "suffix", "add_special_tokens",
     # chat
@@ -151,7 +153,25 @@ def test_the_chat_template_receives_tools_histories_and_its_options(server):
         (CHAT | {"continue_final_message": True}, "continue_final_message"),
         (CHAT | {"add_generation_prompt": False, "continue_final_message": True}, "continue_final_message"),
         (CHAT | {"tool_choice": "auto"}, "tool_choice"),
-        (CHAT | {"tools": [WEATHER], "tool_choice": "required", "chat_template": TEMPLATE}, "tool_choice"),
+        (
+            CHAT
+            | {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                "chat_template": TEMPLATE,
+            },
+            "tool_choice",
+        ),
+        (
+            CHAT
+            | {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+                "chat_template": TEMPLATE,
+            },
+            "tool_choice",
+        ),
         (CHAT | {"tools": [WEATHER]}, "tools"),  # SmolLM2's template writes no tool calls: no parser to read them
         (CHAT | {"tools": [{"type": "function"}], "chat_template": TEMPLATE}, "tools"),
     ]
@@ -292,3 +312,109 @@ def test_metrics_under_vllm_names(tokenizer):
                  "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):  # fmt: skip
         assert name in names, name
     assert not any(name.startswith("hf_paged_") for name in names)
+
+
+CITY = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "capital": {"type": "boolean"},
+                   "size": {"enum": ["small", "large"]}, "tags": {"type": "array", "items": {"type": "boolean"},
+                                                                   "maxItems": 3}},
+    "required": ["name", "capital", "size", "tags"],
+}  # fmt: skip
+
+
+def _valid_city(text: str) -> dict:
+    record = json.loads(text)
+    assert set(record) == set(CITY["properties"]), record
+    assert isinstance(record["name"], str) and len(record["name"]) <= 12 and isinstance(record["capital"], bool)
+    assert record["size"] in ("small", "large") and all(isinstance(t, bool) for t in record["tags"])
+    return record
+
+
+def test_every_constraint_field_gives_output_that_parses(server):
+    """A random-weight model knows nothing; the constraint alone makes every output valid."""
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the test extra installs it)")
+    free = {"max_tokens": 160, "temperature": 1.0, "seed": 3}
+    chat_json = (
+        CHAT | free | {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}}
+    )
+    status, answer = server.request("POST", "/v1/chat/completions", chat_json | {"n": 3})
+    assert status == 200, answer
+    for choice in answer["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        _valid_city(choice["message"]["content"])
+    cases = [
+        ({"guided_json": CITY}, _valid_city),
+        ({"structured_outputs": {"json": CITY}}, _valid_city),
+        # any object: a random model writes keys without end, so only its start is checked (the engine's tests
+        # check that a finished one parses)
+        ({"response_format": {"type": "json_object"}}, lambda text: text.startswith('{"')),
+        ({"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"},
+         lambda text: re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text)),
+        ({"guided_choice": ["red", "green", "blue"]}, lambda text: text in ("red", "green", "blue")),
+        ({"structured_outputs": {"grammar": 'root ::= "yes" | "no" | "maybe"'}},
+         lambda text: text in ("yes", "no", "maybe")),
+    ]  # fmt: skip
+    for extra, valid in cases:
+        status, answer = server.request("POST", "/v1/completions", {"prompt": "Answer:", **free, **extra})
+        assert status == 200, (extra, answer)
+        text = answer["choices"][0]["text"]
+        finished = answer["choices"][0]["finish_reason"] == "stop" or "response_format" in extra
+        assert finished and valid(text), (extra, text)
+    events = sse(server, "/v1/completions", {"prompt": "Answer:", **free, "guided_json": CITY})
+    _valid_city("".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]))
+    bad = [
+        ({"guided_json": CITY, "guided_regex": "a+"}, "guided_regex"),
+        ({"guided_regex": "[0-"}, None),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"yaml": "x"}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": CITY, "use_beam_search": True, "n": 2}, None),
+    ]
+    for extra, param in bad:
+        status, answer = server.request("POST", "/v1/completions", {"prompt": "hi", **extra})
+        assert status == 400, (extra, answer)
+        if param is not None:
+            assert answer["error"]["param"] == param, (extra, answer)
+    server.wait_idle()
+
+
+def test_the_openai_client_parses_structured_output_and_round_trips_tool_calls(server):
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the test extra installs it)")
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        capital: bool
+        size: Literal["small", "large"]
+
+    client = openai_client(server)
+    messages = [{"role": "user", "content": "Describe Paris."}]
+    completion = client.chat.completions.parse(model=MODEL, messages=messages, response_format=City, max_tokens=60)
+    assert isinstance(completion.choices[0].message.parsed, City)
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}  # fmt: skip
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}  # fmt: skip
+    body = dict(model=MODEL, messages=messages, tools=[weather, clock], max_tokens=80, temperature=1.0, seed=1,
+                extra_body={"chat_template": TEMPLATE})  # fmt: skip
+    named = client.chat.completions.create(**body, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments)["utc"], bool)
+    required = client.chat.completions.create(**body, tool_choice="required", parallel_tool_calls=False)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    # the call and its answer go back as history: the template sees both
+    history = messages + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
+    again = client.chat.completions.create(**{**body, "messages": history}, tool_choice="none")
+    assert again.choices[0].message.tool_calls is None
+    streamed = client.chat.completions.create(**body, tool_choice="required", parallel_tool_calls=False, stream=True)
+    calls = [tc for chunk in streamed for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
+    assert calls and all(tc.function.name in ("get_weather", "get_time") for tc in calls)
+    server.wait_idle()
