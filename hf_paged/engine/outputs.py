@@ -103,8 +103,9 @@ class Detokenizer:
         added (vLLM's rule). The text is cut before it (or after it with ``include_stop_str_in_output``). New tokens
         are read one at a time (there is one, unless a failed step left some unread), and tokens after the one that
         completes a stop string are dropped, so the output is what an uninterrupted run gives. When the sequence has
-        ended, bytes still waiting for the rest of their character are decoded as ``tokenizer.decode`` would
-        (U+FFFD). The caller ends the sequence.
+        ended, the tokens still waiting give the text of their whole characters; bytes of a character the
+        sequence never finished (``max_tokens`` cut it) are dropped, not sent as U+FFFD, as vLLM does, so the
+        streamed and the final text agree. The caller ends the sequence.
         """
         if self.tokenizer is None:
             return None
@@ -145,7 +146,8 @@ class Detokenizer:
                         del seq.logprobs[end:]
                     break
         if found is None and seq.is_finished and state.num_pending:
-            text += self._flush(seq.output_token_ids, state.num_pending, params.skip_special_tokens)
+            flushed = self._flush(seq.output_token_ids, state.num_pending, params.skip_special_tokens)
+            text += flushed.rstrip(_REPLACEMENT)
             state.num_pending = 0
         seq.text, seq.num_detokenized = text, len(token_ids) - seq.num_inflight - base
         return found
