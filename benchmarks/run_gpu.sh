@@ -35,6 +35,9 @@
 #                  process a (shape, point), dealt over the GPUs: one call on 8 GPUs
 #   generate-qwen / generate-llama   one shape's 4 points: one call on 4 GPUs
 #   generate-quick  Qwen3-0.6B at 1x512 and 32x512, greedy and beams4, every system                (~5 min)
+#   structured     benchmarks/tools/structured_bench.py: 256 JSON-schema requests beside the same batch unconstrained,
+#                  and the TTFT of new schemas (needs xgrammar; SERVE_TOKENIZER=DIR without the embedded model's
+#                  package)                                                                          (~3 min)
 #   serve          benchmarks/serve_compare.py: hf-paged serve beside transformers serve and the offline engine
 #                  (needs the serve extra; SERVE_TOKENIZER=DIR without the embedded model's package)  (~8 min)
 #
@@ -44,7 +47,7 @@
 # not a git checkout, so that its records name their commit.
 set -uo pipefail
 SUITES=(tests tests-kernels tests-cache tests-engine tests-fuzz kernels engine engine-qwen engine-llama engine-models
-    generate generate-qwen generate-llama generate-quick serve)
+    generate generate-qwen generate-llama generate-quick structured serve)
 BUDGET_S=${BUDGET_S:-560}  # a dealt suite's processes all end by then: a call is 600 s
 
 # The engine table's workloads and the generate grid's points, as jobs: NAME TIMEOUT PROGRAM ARGUMENTS...
@@ -253,6 +256,12 @@ run_suite() {  # run_suite SUITE: one suite, its results under $out
         generate-qwen) deal generate-qwen "${GENERATE_QWEN[@]}" ;;
         generate-llama) deal generate-llama "${GENERATE_LLAMA[@]}" ;;
         generate-quick) deal generate-quick "quick 480 generate --quick" ;;
+        structured)
+            local tokenizer=()
+            [ -n "${SERVE_TOKENIZER:-}" ] && tokenizer=(--tokenizer "$SERVE_TOKENIZER")
+            timeout 540 python3 benchmarks/tools/structured_bench.py "${tokenizer[@]}" --json "$out/structured.json" \
+                2>&1 | grep -v -i warn | tail -12
+            ;;
         serve)
             local tokenizer=()
             [ -n "${SERVE_TOKENIZER:-}" ] && tokenizer=(--tokenizer "$SERVE_TOKENIZER")

@@ -190,6 +190,11 @@ def apply_bitmask(
     xgr = import_xgrammar()
     if not logits.is_contiguous():
         raise RuntimeError(f"bug in hf_paged: logits to mask must be contiguous, got strides {logits.stride()}")
+    with torch.inference_mode():  # the runner's logits are inference tensors: changed in place only in that mode
+        _apply_bitmask(xgr, logits, bitmask, vocab_size, rows)
+
+
+def _apply_bitmask(xgr, logits, bitmask, vocab_size, rows) -> None:
     device = logits.device
     target = logits if device.type != "cpu" or logits.dtype == torch.float32 else logits.float()
     # The Triton kernel launches on the current CUDA device: make it the logits' (device_map puts the head anywhere).

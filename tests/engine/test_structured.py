@@ -424,3 +424,16 @@ def test_async_engine_serves_structured_requests(model, tokenizer):
                 engine.stream("b", bad)  # at the call, in the caller's context: the server answers 400 from it
 
     asyncio.run(main())
+
+
+def test_half_precision_logits_are_masked(tokenizer):
+    """A bf16 model: its logits are inference tensors the mask must change in place (on the CPU through an fp32 copy)."""
+    model = tiny_model("llama", device=DEVICE, vocab_size=VOCAB, eos_token_id=EOS).to(torch.bfloat16)
+    engine = make_engine(model, tokenizer)
+    spec = SPECS["regex-date"]
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=0, structured_output=spec)
+    free = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1)
+    outs = engine.generate(["a", "b", "c"], [params, free, params], use_tqdm=False)  # masked rows among free ones
+    for out in (outs[0], outs[2]):
+        check(spec, out.outputs[0].text)
+    assert_engine_drained(engine)
