@@ -9,6 +9,10 @@ else takes the reference. Tests call the ``*_triton`` launchers directly, on the
 Under torch.compile: ``write_kv`` and ``paged_decode`` trace without a graph break or a host sync (on CUDA
 through the custom ops of kernels/ops.py, on the CPU through traceable torch references); ``paged_attention``
 and ``copy_blocks`` are for eager callers (the reference loops on host copies of the lengths).
+
+FP8 K/V caches (kernels/kv_quant.py): caches of dtype ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` take optional
+``k_scale``/``v_scale`` (``[1]`` or ``[num_kv_heads]`` fp32, None = 1.0): ``write_kv`` quantizes, the attention
+functions dequantize as they read, ``copy_blocks`` moves the bytes.
 """
 
 from types import SimpleNamespace
@@ -16,11 +20,13 @@ from types import SimpleNamespace
 import torch
 
 from . import ops  # noqa: F401  (registers the custom ops torch.ops.hf_paged.*)
+from .kv_quant import FP8_DTYPES
 from .launch import on_device
 from .mla import mla_decode, mla_decode_ref, mla_prefill, mla_prefill_ref  # latent attention (MLA)
 from .reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, write_kv_ref
 
 __all__ = [
+    "FP8_DTYPES",
     "write_kv",
     "copy_blocks",
     "copy_blocks_layers",
@@ -58,16 +64,18 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens], int32/int64; -1 = padding, skipped
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> None:
-    """Store new K/V rows into their cache slots (in place)."""
+    """Store new K/V rows into their cache slots (in place); an fp8 cache stores them quantized with the scales."""
     if k_cache.is_cuda:
         if torch.compiler.is_compiling():  # an opaque op: dynamo does not trace the launcher's host code
-            torch.ops.hf_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            torch.ops.hf_paged.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
             return
         with on_device(k_cache):  # Triton launches on the current device
-            _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+            _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:  # traced under torch.compile only when every slot is >= 0 (see write_kv_ref)
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(
@@ -76,7 +84,7 @@ def copy_blocks(
     src: torch.Tensor,  # [num_pairs], int
     dst: torch.Tensor,  # [num_pairs], int; distinct
 ) -> None:
-    """Copy whole blocks src[i] -> dst[i] in both caches, in one batched call (copy-on-write)."""
+    """Copy whole blocks src[i] -> dst[i] in both caches, in one batched call (copy-on-write); fp8 blocks bit-exact."""
     if src.numel() == 0:
         return
     if k_cache.is_cuda:
@@ -142,6 +150,8 @@ def paged_attention(
     min_keys_per_split: int | None = None,
     bind: list | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (gpt-oss); None = none
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -172,6 +182,10 @@ def paged_attention(
     ``sinks`` (gpt-oss): each query head's sink logit joins the softmax's denominator only (kernels/reference.py);
     every path honours it, once per head (the split decode's merge, the cascade's final merge).
 
+    ``k_scale``/``v_scale`` (fp8 caches, kernels/kv_quant.py): the K/V read are ``float(stored) * scale``; a
+    ``slot_mapping`` write quantizes ``key``/``value`` first. With an fp8 cache every sequence attends to the cache's
+    quantized K/V, also where ``key``/``value`` are given (a prompt sees what its decode steps will).
+
     Returns:
         out: [num_tokens, num_heads, head_dim], query's dtype.
     """
@@ -185,20 +199,21 @@ def paged_attention(
             )
     if slot_mapping is not None and (key is None or value is None):
         raise ValueError("slot_mapping (write key/value first) needs key and value, got key or value None")
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if not query.is_cuda:
         if slot_mapping is not None:
-            write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+            write_kv_ref(key, value, k_cache, v_cache, slot_mapping, **scales)
         if prefix_len is not None:  # the decode reference reads the prefix through row 0's table, as the kernels do
             if seq_lens.numel():  # it gathers every column of the table: only those the longest row reaches
                 block_tables = block_tables[:, : max(1, -(-int(seq_lens.max()) // k_cache.shape[1]))]
             result = paged_decode_ref(
                 query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=soft_cap, prefix_len=prefix_len,
-                sinks=sinks,
+                sinks=sinks, **scales,
             )  # fmt: skip
             return result if out is None else out.copy_(result)
         return paged_attention_ref(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window, soft_cap, out,
-            sinks=sinks,
+            sinks=sinks, **scales,
         )  # fmt: skip
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if seq_lens.numel() else 0
@@ -207,22 +222,24 @@ def paged_attention(
     # Triton launches on the current device: with accelerate's device_map, layers live on several GPUs.
     with on_device(query):
         if max_query_len == 1:
-            if slot_mapping is not None and key.dtype != k_cache.dtype:  # the fused write stores the cache's dtype
-                _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+            # The fused write takes the cache's dtype, or the query's for an fp8 cache (it quantizes them).
+            fused_dtype = query.dtype if k_cache.dtype in FP8_DTYPES else k_cache.dtype
+            if slot_mapping is not None and key.dtype != fused_dtype:
+                _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping, **scales)
                 key = value = slot_mapping = None
             return _triton().decode.paged_decode_triton(
                 query, k_cache, v_cache, block_tables, seq_lens, scale,
                 max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap, out=out,
                 prefix_len=prefix_len, max_prefix_len=max_prefix_len,
                 new_key=None if slot_mapping is None else key, new_value=None if slot_mapping is None else value,
-                slot_mapping=slot_mapping, min_keys_per_split=min_keys_per_split, bind=bind, sinks=sinks,
+                slot_mapping=slot_mapping, min_keys_per_split=min_keys_per_split, bind=bind, sinks=sinks, **scales,
             )  # fmt: skip
         if slot_mapping is not None:
-            _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+            _triton().cache_ops.write_kv_triton(key, value, k_cache, v_cache, slot_mapping, **scales)
         return _triton().prefill.paged_prefill_triton(
             query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window, soft_cap=soft_cap,
-            out=out, key=key, value=value, sinks=sinks,
+            out=out, key=key, value=value, sinks=sinks, **scales,
         )  # fmt: skip
 
 
@@ -238,13 +255,16 @@ def paged_decode(
     soft_cap: float | None = None,
     prefix_len: torch.Tensor | None = None,  # [1], int32: keys every row shares (cascade); None = none
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (gpt-oss); None = none
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> torch.Tensor:
     """Decode attention (one new token per sequence) for CUDA graphs and torch.compile: no host sync.
 
     Same semantics as ``paged_attention`` with ``cu_seqlens_q = arange(num_seqs + 1)``. ``max_seq_len`` is a
     static host-side bound (it sizes the CUDA kernel's split grid; correctness never depends on it). CUDA: the
     split-K Triton kernel as the custom op ``torch.ops.hf_paged.paged_decode``; otherwise ``paged_decode_ref``,
-    which torch.compile traces whole. ``prefix_len``: shared-prefix decode, and ``sinks``, as in ``paged_attention``.
+    which torch.compile traces whole. ``prefix_len``: shared-prefix decode, ``sinks`` and the fp8 scales
+    ``k_scale``/``v_scale``, as in ``paged_attention``.
 
     Returns:
         out: [num_seqs, num_heads, head_dim], query's dtype.
@@ -253,6 +273,7 @@ def paged_decode(
         return torch.ops.hf_paged.paged_decode(
             query, k_cache, v_cache, block_tables, seq_lens, float(scale), int(max_seq_len),
             int(sliding_window) if sliding_window else 0, float(soft_cap) if soft_cap else 0.0, prefix_len, sinks,
+            k_scale, v_scale,
         )  # fmt: skip
     if prefix_len is not None and sliding_window is not None and sliding_window > 0:
         raise ValueError(
@@ -261,5 +282,5 @@ def paged_decode(
         )
     return paged_decode_ref(
         query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, prefix_len=prefix_len,
-        sinks=sinks,
+        sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -4,18 +4,22 @@ The cache layout and the slot formula are in kernels/reference.py:
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``slot = block_id * block_size + offset``,
 ``slot < 0`` = padding (skipped). Element offsets into a pool reach ``num_blocks * block_size *
 num_kv_heads * head_dim``, which exceeds 2^31 for large pools, so every slot and block id is
-widened to int64 before it is multiplied by a stride.
+widened to int64 before it is multiplied by a stride. FP8 caches (kernels/kv_quant.py): ``write_kv`` quantizes each
+row with its KV head's scale; the copies move fp8 blocks as bytes.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import FP8_DTYPES, check_kv_scales, scale_args
+from .kv_quant_triton import to_fp8
 from .launch import Launcher, SignatureCache, cdiv, next_power_of_2
 
 __all__ = ["write_kv_triton", "copy_blocks_triton", "copy_blocks_layers_triton", "layer_offsets", "WRITE_KV_LAUNCHES"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = _FLOAT_DTYPES + FP8_DTYPES
 # Elements one program moves. A K/V row (num_kv_heads * head_dim) or a block longer than this is
 # split over a second grid axis.
 _MAX_TILE = 4096
@@ -29,6 +33,8 @@ def _write_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens], int32/int64
+    k_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
+    v_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
     # strides
     stride_key_t,
     stride_key_h,
@@ -40,12 +46,15 @@ def _write_kv_kernel(
     stride_cache_offset,
     stride_cache_head,
     stride_cache_d,
+    stride_ks,  # 0: one scale for every KV head; 1: a scale per KV head
+    stride_vs,
     # sizes
     HEAD_DIM: tl.constexpr,
     ROW_SIZE: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     # meta-parameters
     TILE: tl.constexpr,  # power of two; elements of the row this program copies
+    KV_FP8: tl.constexpr,  # the caches are fp8: store saturate(x / scale) rounded (kernels/kv_quant.py)
 ):
     token_idx = tl.program_id(0)
     tile_idx = tl.program_id(1)
@@ -71,6 +80,12 @@ def _write_kv_kernel(
     )
     k = tl.load(key_ptr + key_offs, mask=mask, other=0.0)  # [TILE]
     v = tl.load(value_ptr + value_offs, mask=mask, other=0.0)  # [TILE]
+    if KV_FP8:
+        # k_scale, v_scale: [TILE], each element's KV head's; div_rn: IEEE division, as the reference's
+        k_scale = tl.load(k_scale_ptr + head_idx * stride_ks, mask=mask, other=1.0)
+        v_scale = tl.load(v_scale_ptr + head_idx * stride_vs, mask=mask, other=1.0)
+        k = to_fp8(tl.math.div_rn(k.to(tl.float32), k_scale), k_cache_ptr.dtype.element_ty)
+        v = to_fp8(tl.math.div_rn(v.to(tl.float32), v_scale), v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -88,9 +103,9 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache strides {v_cache.stride()} must equal k_cache strides {k_cache.stride()}")
-    if k_cache.dtype not in _FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+    if k_cache.dtype not in _CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"k_cache/v_cache dtype must be one of {list(_FLOAT_DTYPES)} and equal, "
+            f"k_cache/v_cache dtype must be one of {list(_CACHE_DTYPES)} and equal, "
             f"got {k_cache.dtype} / {v_cache.dtype}"
         )
     if v_cache.device != k_cache.device:
@@ -103,11 +118,14 @@ def write_kv_triton(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens], int32/int64; -1 = padding, skipped
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> None:
     """Store each token's K/V row at its cache slot, in place, in one launch.
 
     key/value may be any strided views (e.g. a transpose of ``[batch, heads, q_len, head_dim]``
-    flattened to tokens); rows are cast to the cache dtype. No host sync: safe in a CUDA graph.
+    flattened to tokens); rows are cast to the cache dtype, or, for an fp8 cache, quantized:
+    ``saturate(x / scale)`` rounded to nearest even (kernels/kv_quant.py). No host sync: safe in a CUDA graph.
 
     Args:
         key: [num_tokens, num_kv_heads, head_dim], float16/bfloat16/float32.
@@ -117,9 +135,11 @@ def write_kv_triton(
         slot_mapping: [num_tokens], int32/int64. ``slot = block_id * block_size + offset``;
             slots < 0 are skipped. Slots must be distinct and < num_blocks * block_size
             (not checked: that would need a device sync).
+        k_scale, v_scale: fp8 caches only: [1] (per tensor) or [num_kv_heads] (per head) float32 on the cache's
+            device, positive; None = 1.0.
 
     Raises:
-        ValueError: on a shape, dtype or device mismatch.
+        ValueError: on a shape, dtype or device mismatch, or a scale with a cache that is not fp8.
     """
     # The checks (_write_kv_launch) read nothing but this signature, so one that passed them once passes them again:
     # they and the launch's non-tensor arguments are computed once per signature (eager decode calls this once per
@@ -130,15 +150,22 @@ def write_kv_triton(
         k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
         v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
         slot_mapping.shape, slot_mapping.dtype, slot_mapping.device,
+        None if k_scale is None else (k_scale.shape, k_scale.stride(), k_scale.dtype, k_scale.device),
+        None if v_scale is None else (v_scale.shape, v_scale.stride(), v_scale.dtype, v_scale.device),
     )  # fmt: skip
     launch = WRITE_KV_LAUNCHES.get(signature)
     if launch is None:
         launch = _write_kv_launch(key, value, k_cache, v_cache, slot_mapping)  # raises on a bad signature
+        check_kv_scales(k_cache, k_scale, v_scale)
         WRITE_KV_LAUNCHES.put(signature, launch)
     if not launch:  # no tokens
         return
     grid, sizes, num_warps = launch
-    WRITE_KV(grid, key, value, k_cache, v_cache, slot_mapping, *sizes, num_warps=num_warps, num_stages=3)
+    kv_fp8, k_scale, v_scale, stride_ks, stride_vs = scale_args(k_cache, k_scale, v_scale, slot_mapping)
+    WRITE_KV(
+        grid, key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *sizes[:-4], stride_ks, stride_vs,
+        *sizes[-4:], kv_fp8, num_warps=num_warps, num_stages=3,
+    )  # fmt: skip
 
 
 # write_kv_triton's checked signatures -> (grid, strides and sizes of the launch, num_warps), or () for no tokens.
@@ -249,10 +276,17 @@ def copy_blocks_triton(
         return
     src = src.to(k_cache.device, non_blocking=True)
     dst = dst.to(k_cache.device, non_blocking=True)
+    k_cache, v_cache = _as_bytes(k_cache), _as_bytes(v_cache)
 
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
     grid = (src.numel(), cdiv(block_numel, tile))
     COPY_BLOCKS(grid, k_cache, v_cache, src, dst, k_cache.stride(0), block_numel, tile, num_warps=4, num_stages=3)
+
+
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as uint8 (the same memory): a copy moves its bytes unchanged, NaN encodings included, with no
+    fp8 conversion in the kernel (e4m3fn conversions need sm_89+). Other caches as they are."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
 def _check_copy(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> int:
@@ -372,6 +406,7 @@ def copy_blocks_layers_triton(
         return
     src = src.to(cache.device, non_blocking=True)
     dst = dst.to(cache.device, non_blocking=True)
+    cache = _as_bytes(cache)  # the offsets count elements, and an fp8 element is a byte
     tile = min(next_power_of_2(block_numel), _MAX_TILE)
     grid = (src.numel(), cdiv(block_numel, tile), k_offsets.numel())
     COPY_BLOCKS_LAYERS(

@@ -25,7 +25,9 @@ program returns at once and no prefix partial is read (the result is exactly the
 Not covered (the caller passes no prefix): sliding-window layers (their window already bounds what each row
 reads, and a window cutting through the prefix would need a per-row lower bound here). Soft capping is applied.
 Attention sinks are not applied here: this kernel's partials hold keys only, and the sink joins once, where every
-partial of a row meets (the merge, or the one-split fold; kernels/split_decode.py).
+partial of a row meets (the merge, or the one-split fold; kernels/split_decode.py). FP8 caches (``KV_FP8``,
+kernels/kv_quant.py): K/V tiles are converted to the query's dtype as they load, the KV head's ``k_scale`` joins the
+score scale and its ``v_scale`` multiplies the partial's accumulator.
 
 Bytes model (KV bytes read per decode step; Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, so a key
 costs 8 * 128 * 2 B * 2 (K and V) = 4 KiB per layer). The bench's "prefix" workload: ~200 decode rows sharing a
@@ -95,6 +97,8 @@ def _shared_prefix_kernel(
     prefix_len_ptr,  # [1], int32: keys [0, prefix_len) are shared by every row
     partial_acc_ptr,  # [num_seqs, num_heads, num_partials, head_dim], fp32
     partial_lse_ptr,  # [num_seqs, num_heads, num_partials], fp32 (log2 domain)
+    k_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
+    v_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
     # strides
     stride_qs,
     stride_qh,
@@ -115,6 +119,8 @@ def _shared_prefix_kernel(
     stride_pls,
     stride_plh,
     stride_plp,
+    stride_ks,  # 0: one scale for every KV head; 1: a scale per KV head
+    stride_vs,
     # sizes
     num_rows,  # num_seqs * GROUP
     num_prefix_splits,
@@ -134,6 +140,7 @@ def _shared_prefix_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
     LAUNCH_DEPENDENTS: tl.constexpr,  # the split kernel is launched with PDL: let it start (it waits for our partials)
+    KV_FP8: tl.constexpr,  # fp8 caches: dequantize as K/V load (kernels/kv_quant.py)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -144,6 +151,10 @@ def _shared_prefix_kernel(
     prefix_len = tl.load(prefix_len_ptr)
     if prefix_len <= 0:  # no shared prefix this step: no prefix partial is read
         return
+    if KV_FP8:  # the KV head's k_scale joins each score's scale; v_scale multiplies acc after the last value
+        k_scale = tl.load(k_scale_ptr + kv_head_idx * stride_ks)
+        scale_log2 = scale_log2 * k_scale
+        cap_in = cap_in * k_scale
 
     offs_m = row_tile_idx * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of this program
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
@@ -197,8 +208,7 @@ def _shared_prefix_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         # k: [BLOCK_N, HEAD_DIM_PAD]
         k = tl.load(k_head_ptr + k_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = k.to(q.dtype)  # fp8 -> the query's dtype (exact), fp32 under DOT_FP32; else no conversion
         # scores: [BLOCK_M, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if USE_SOFT_CAP:
@@ -220,11 +230,12 @@ def _shared_prefix_kernel(
 
         # v: [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_head_ptr + v_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        v = v.to(q.dtype)  # as k
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head_idx * stride_vs)
     # A row with no prefix key in this split writes the neutral lse (-inf) and no acc (the merge skips it).
     has_keys = l_i > 0.0  # [BLOCK_M]
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -7,6 +7,8 @@ host-side plan (checks, split counts, tile settings) in kernels/decode_plan.py. 
     no prefix, several splits:   split kernel -> merge                      (merge with PDL on SM90+, one round)
     prefix, one split:           prefix kernel -> split kernel (folds in)   (split kernel with PDL on SM90+)
     prefix, several splits:      split kernel -> prefix kernel -> merge
+
+FP8 caches (kernels/kv_quant.py) take the same launches with ``KV_FP8`` set and the scales passed.
 """
 
 import torch
@@ -22,6 +24,7 @@ from .decode_plan import (
     check_args,
     choose_num_splits,
 )
+from .kv_quant import check_kv_scales, scale_args
 from .launch import SignatureCache, cdiv, next_power_of_2
 
 __all__ = ["paged_decode_triton", "choose_num_splits", "DecodeBinding", "PLANS"]
@@ -53,13 +56,16 @@ def paged_decode_triton(
     bind: list | None = None,
     tile_settings: tuple[int, int, int] | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> torch.Tensor:
     """Decode attention: each sequence's last token over its paged context (flash-decoding).
 
     Args:
         query: One new token per sequence, at position ``seq_lens[s] - 1`` of sequence s.
-        k_cache: Key pool, layout in kernels/reference.py.
-        v_cache: Value pool, same shape as ``k_cache`` (its strides may differ).
+        k_cache: Key pool, layout in kernels/reference.py: query's dtype, or fp8 (``torch.float8_e4m3fn``, e4m3fn
+            needing sm_89+ on a GPU, or ``torch.float8_e5m2``; kernels/kv_quant.py), dequantized as it is read.
+        v_cache: Value pool, same shape and dtype as ``k_cache`` (its strides may differ).
         block_tables: Physical block of each logical block; entries past a sequence's length are
             never read.
         seq_lens: Context length of each sequence, including the new token.
@@ -81,7 +87,9 @@ def paged_decode_triton(
             ``choose_num_prefix_splits``.
         new_key, new_value, slot_mapping: The new token's K/V (position ``seq_lens[s] - 1``), not yet in the cache:
             written at ``slot_mapping`` (``write_kv``'s semantics) by the same kernel, which attends to them from
-            registers (one launch instead of a write and a decode). All three or none. With ``prefix_len``, each
+            registers (one launch instead of a write and a decode); the cache's dtype, or the query's for an fp8 cache
+            (quantized as ``write_kv`` does; the attention takes the stored values). All three or none. With
+            ``prefix_len``, each
             row's new position must lie at or above ``prefix_len`` (the shared blocks are not written this step,
             as in an engine step: a row appends into a block it holds alone); the split kernel holds it.
         min_keys_per_split: Give each split at least this many keys when picking ``num_splits`` (default
@@ -96,6 +104,8 @@ def paged_decode_triton(
         sinks: Each query head's sink logit (gpt-oss; kernels/reference.py), any float dtype, taken as fp32: it joins
             the softmax's denominator once per head, in the merge, or in the split kernel when one split writes
             ``out``. None: no sinks (the kernels compile without them).
+        k_scale, v_scale: fp8 caches only: [1] (per tensor) or [num_kv_heads] (per head) float32 on the cache's
+            device, positive; None = 1.0 (a [1] tensor of ones made per call).
 
     Returns:
         out: [num_seqs, num_heads, head_dim] in query's dtype.
@@ -121,6 +131,8 @@ def paged_decode_triton(
         ),
         new_value is None, slot_mapping is None,
         None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
+        None if k_scale is None else (k_scale.shape, k_scale.stride(), k_scale.dtype, k_scale.device),
+        None if v_scale is None else (v_scale.shape, v_scale.stride(), v_scale.dtype, v_scale.device),
         scale, sliding_window, soft_cap, tile_settings,
     )  # fmt: skip
     plan = PLANS.get(signature)
@@ -133,7 +145,7 @@ def paged_decode_triton(
         # raises on anything wrong
         check_args(
             query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
-            num_prefix_splits, new_key, new_value, slot_mapping, sinks,
+            num_prefix_splits, new_key, new_value, slot_mapping, sinks, k_scale, v_scale,
         )  # fmt: skip
         if plan is None:
             plan = DecodePlan(
@@ -206,19 +218,22 @@ def paged_decode_triton(
         new_key, new_value, slot_mapping = query, query, seq_lens
     if not has_sinks:  # a placeholder pointer: never read without HAS_SINKS (the one a DecodeBinding passes)
         sinks = query
+    # Placeholders (query) without an fp8 cache: never read without KV_FP8 (the ones a DecodeBinding passes).
+    kv_fp8, k_scale, v_scale, stride_ks, stride_vs = scale_args(k_cache, k_scale, v_scale, query)
 
     def launch_prefix(split_offset: int, launch_dependents: bool = False) -> None:
         cascade.PREFIX(
             (cdiv(num_seqs * plan.group, plan.block_m), num_kv_heads, num_prefix_splits),
-            query, k_cache, v_cache, block_tables, seq_lens, prefix_len, partial_acc, partial_lse,
+            query, k_cache, v_cache, block_tables, seq_lens, prefix_len, partial_acc, partial_lse, k_scale, v_scale,
             *plan.strides[:-2], plan.strides[-1],  # query, k_cache, v_cache; block_tables' column stride
-            *partial_strides,
+            *partial_strides, stride_ks, stride_vs,
             num_seqs * plan.group,  # num_rows
             num_prefix_splits,
             split_offset,  # the first partial slot of the prefix kernel's
             *plan.prefix_args,  # scale_log2 .. MIN_TILES_PER_SPLIT
             plan.dot_fp32,
             launch_dependents,  # LAUNCH_DEPENDENTS
+            kv_fp8,  # KV_FP8
             num_warps=plan.prefix_num_warps,
             num_stages=2,
         )  # fmt: skip
@@ -228,8 +243,8 @@ def paged_decode_triton(
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
         query, k_cache, v_cache, block_tables, seq_lens, prefix_len, out, partial_acc, partial_lse,
-        new_key, new_value, slot_mapping, sinks,
-        *plan.strides, *out_strides, *partial_strides, *plan.new_kv_strides,
+        new_key, new_value, slot_mapping, sinks, k_scale, v_scale,
+        *plan.strides, *out_strides, *partial_strides, *plan.new_kv_strides, stride_ks, stride_vs,
         num_splits, num_prefix_splits,
         *decode_args,  # scale_log2, cap_in, cap_out, sliding_window, GROUP .. USE_SOFT_CAP
         has_prefix, write_out,
@@ -239,6 +254,7 @@ def paged_decode_triton(
         *plan.prefix_split_rule,  # PREFIX_BLOCK_N, PREFIX_MIN_TILES
         prefix_pdl,  # WAIT_PREFIX
         has_sinks,  # HAS_SINKS
+        kv_fp8,  # KV_FP8
     )  # fmt: skip
     split_decode.SPLIT(grid, *args, num_warps=num_warps, num_stages=num_stages, launch_pdl=prefix_pdl)
     if bind is not None and write_out and not has_prefix:
@@ -247,7 +263,8 @@ def paged_decode_triton(
         )
         if bound is not None:
             bind.append(DecodeBinding(
-                bound, query, k_cache, v_cache, new_key if fused else None, new_value, out, has_sinks
+                bound, query, k_cache, v_cache, new_key if fused else None, new_value, out, has_sinks,
+                (stride_ks, stride_vs) if kv_fp8 else None,
             ))  # fmt: skip
     if fold_prefix:
         return out
@@ -281,11 +298,14 @@ class DecodeBinding:
     launch was made for (shapes, strides, dtype, 16-byte alignment, the current device) and relaunches the kernel
     with them: no argument checks, split choice or launch-key computation (the host time an eager step pays once a
     layer). A layer that differs (another pool geometry, a sliding window, a misaligned view, sinks where the kept
-    launch had none or the reverse) gets None and takes ``paged_decode_triton``.
+    launch had none or the reverse) gets None and takes ``paged_decode_triton``. An fp8 pool's scales are per layer:
+    ``launch`` takes them anew too (a layer whose scales differ in granularity, per tensor or per head, from the
+    kept launch's gets None).
     """
 
-    def __init__(self, bound, query, k_cache, v_cache, new_key, new_value, out, has_sinks=False):
+    def __init__(self, bound, query, k_cache, v_cache, new_key, new_value, out, has_sinks=False, scale_strides=None):
         self._bound = bound
+        self._scale_strides = scale_strides  # (stride_ks, stride_vs) of an fp8 pool's launch; None otherwise
         self._device = torch.cuda.current_device()
         self._query_layout = (query.shape, query.stride(), query.dtype)
         self._cache_layout = (k_cache.shape, k_cache.stride(), v_cache.stride(), k_cache.dtype)
@@ -304,6 +324,8 @@ class DecodeBinding:
         new_key: torch.Tensor | None,  # [num_seqs, num_kv_heads, head_dim], as at the bind (or None, as there)
         new_value: torch.Tensor | None,
         sinks: torch.Tensor | None = None,  # [num_heads], any float dtype; given iff the kept launch had sinks
+        k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 pools; None = 1.0
+        v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
     ) -> torch.Tensor | None:
         """The layer's decode output [num_seqs, num_heads, head_dim], or None (nothing launched) when its tensors do
         not fit the kept launch."""
@@ -329,8 +351,21 @@ class DecodeBinding:
             pointers |= new_key.data_ptr() | new_value.data_ptr()
         else:
             new_key = new_value = query  # the placeholders the bind launched with (never read without FUSED_WRITE)
+        if self._scale_strides is None:
+            if k_scale is not None or v_scale is not None:
+                return None  # paged_decode_triton raises the error (scales with a cache that is not fp8)
+            k_scale = v_scale = query  # the placeholders the bind launched with (never read without KV_FP8)
+        else:
+            try:
+                check_kv_scales(k_cache, k_scale, v_scale)
+            except ValueError:
+                return None  # paged_decode_triton's check names what is wrong
+            _, k_scale, v_scale, stride_ks, stride_vs = scale_args(k_cache, k_scale, v_scale, query)
+            if (stride_ks, stride_vs) != self._scale_strides:
+                return None
+            pointers |= k_scale.data_ptr() | v_scale.data_ptr()
         out = torch.empty_like(query)
         if (pointers | out.data_ptr()) & 15 or out.stride() != self._out_stride:
             return None
-        self._bound.launch(query, k_cache, v_cache, out, new_key, new_value, sinks)
+        self._bound.launch(query, k_cache, v_cache, out, new_key, new_value, sinks, k_scale, v_scale)
         return out

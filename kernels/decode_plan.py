@@ -11,6 +11,7 @@ import os
 import torch
 
 from . import cascade
+from .kv_quant import FP8_DTYPES, check_kv_scales
 from .launch import cdiv, next_power_of_2
 
 __all__ = ["DecodePlan", "check_args", "choose_num_splits", "num_sms"]
@@ -76,7 +77,7 @@ def choose_num_splits(
 
 def check_args(
     query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_splits, out, prefix_len, sliding_window,
-    num_prefix_splits, new_key=None, new_value=None, slot_mapping=None, sinks=None,
+    num_prefix_splits, new_key=None, new_value=None, slot_mapping=None, sinks=None, k_scale=None, v_scale=None,
 ) -> None:  # fmt: skip
     """Raise ValueError naming the argument on anything ``paged_decode_triton`` does not accept."""
     if query.dim() != 3:
@@ -96,10 +97,12 @@ def check_args(
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"query dtype must be one of {list(SUPPORTED_DTYPES)}, got {query.dtype}")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if k_cache.dtype not in (query.dtype, *FP8_DTYPES) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"k_cache/v_cache dtype must equal query dtype {query.dtype}, got {k_cache.dtype}/{v_cache.dtype}"
+            f"k_cache/v_cache dtype must equal query dtype {query.dtype} or be one fp8 dtype of {list(FP8_DTYPES)} "
+            f"for both, got {k_cache.dtype}/{v_cache.dtype}"
         )
+    check_kv_scales(k_cache, k_scale, v_scale)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks_per_seq], got "
@@ -130,10 +133,11 @@ def check_args(
                 f"slot_mapping={'set' if fused[2] else None}"
             )
         kv_shape = (num_seqs, num_kv_heads, head_dim)
+        new_kv_dtype = query.dtype if k_cache.dtype in FP8_DTYPES else k_cache.dtype  # fp8: quantized in the kernel
         for name, t in (("new_key", new_key), ("new_value", new_value)):
-            if tuple(t.shape) != kv_shape or t.dtype != k_cache.dtype or t.device != query.device:
+            if tuple(t.shape) != kv_shape or t.dtype != new_kv_dtype or t.device != query.device:
                 raise ValueError(
-                    f"{name} must be {k_cache.dtype} [num_seqs, num_kv_heads, head_dim] = {list(kv_shape)} on "
+                    f"{name} must be {new_kv_dtype} [num_seqs, num_kv_heads, head_dim] = {list(kv_shape)} on "
                     f"{query.device}, got {t.dtype} {list(t.shape)} on {t.device}"
                 )
         if (

@@ -23,7 +23,10 @@ interior tiles use a fused update (no -inf guard, the scale folded into one FMA 
 scale is positive, else the exact update of the masked tiles (the fused one needs scale > 0).
 
 K/V are read through the block table, except that with ``key=/value=`` a fresh prompt (no cached
-context) reads them from the contiguous new-token tensors instead.
+context) reads them from the contiguous new-token tensors instead. FP8 caches (``KV_FP8``, kernels/kv_quant.py): K/V
+tiles are converted to the query's dtype as they load, the KV head's ``k_scale`` joins the score scale and its
+``v_scale`` multiplies the accumulator after the last key; every sequence reads the cache, ``key=/value=`` or not,
+so a prompt attends to the quantized values its later decode steps read.
 
 One kernel and its launcher (its argument checks are in kernels/prefill_checks.py): the module is over 500 lines
 because the kernel is (three key ranges, two grid forms, the contiguous-K/V path, sinks).
@@ -57,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import scale_args
 from .launch import Launcher, cdiv, next_power_of_2
 from .prefill_checks import check_args
 
@@ -143,6 +147,7 @@ def _attend_tile(
     else:
         kv_mask_t = key_in_ctx[None, :] & d_mask[:, None]  # [BLOCK_D, BLOCK_N]: real key, real dim
         k = tl.load(k_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)  # k: [BLOCK_D, BLOCK_N]
+    k = k.to(q.dtype)  # fp8 -> the query's dtype (exact); else no conversion
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -190,7 +195,7 @@ def _attend_tile(
         v_ptr + v_offs[:, None] + offs_d[None, :],
         mask=key_in_ctx[:, None] & d_mask[None, :],
         other=0.0,
-    )  # v: [BLOCK_N, BLOCK_D]
+    ).to(q.dtype)  # v: [BLOCK_N, BLOCK_D]; fp8 -> the query's dtype, as k
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -275,6 +280,8 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,  # [num_seqs + 1], int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
     sinks_ptr,  # [num_heads], fp32: HAS_SINKS: each query head's sink logit (else any pointer)
+    k_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8 (else any pointer)
+    v_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8 (else any pointer)
     # strides
     stride_query_t,
     stride_query_h,
@@ -289,6 +296,8 @@ def _paged_prefill_kernel(
     stride_value_h,
     stride_table_s,
     stride_table_b,
+    stride_ks,  # 0: one scale for every KV head; 1: a scale per KV head
+    stride_vs,
     # sizes and scalars
     qk_scale,
     soft_cap,
@@ -308,6 +317,7 @@ def _paged_prefill_kernel(
     EXACT_SOFTMAX: tl.constexpr,  # scale <= 0: no fused update of the interior tiles
     CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
     HAS_SINKS: tl.constexpr,  # a sink logit per query head joins the softmax's denominator (gpt-oss)
+    KV_FP8: tl.constexpr,  # fp8 caches: dequantize as K/V load (kernels/kv_quant.py)
     SEQS_PAD: tl.constexpr,  # power of two >= num_seqs: the exact tile map; 0 = the binary-search bound grid
 ):
     # Tile slots (see "Grid" in the module docstring). Causal: later tiles attend to more keys, and chunks sit after
@@ -333,11 +343,12 @@ def _paged_prefill_kernel(
             q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
             _attend_slot(
                 query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-                sinks_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block,
-                stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h,
-                stride_table_s, stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len,
-                (slot - first_tile) * BLOCK_M, kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
-                HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS,
+                sinks_ptr, k_scale_ptr, v_scale_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h,
+                stride_cache_block, stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t,
+                stride_value_h, stride_table_s, stride_table_b, stride_ks, stride_vs, qk_scale, soft_cap,
+                sliding_window, seq_idx, q_start, q_len, (slot - first_tile) * BLOCK_M, kv_head, HEAD_DIM, BLOCK_SIZE,
+                GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX,
+                CONTIG_KV, HAS_SINKS, KV_FP8,
             )  # fmt: skip
     else:
         # The bound grid, one slot a program, no loop (batches of few sequences). seq_idx: the last sequence whose
@@ -361,11 +372,11 @@ def _paged_prefill_kernel(
             return
         _attend_slot(
             query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-            sinks_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h, stride_cache_block,
-            stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t, stride_value_h,
-            stride_table_s, stride_table_b, qk_scale, soft_cap, sliding_window, seq_idx, q_start, q_len, row_start,
-            kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32,
-            K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS,
+            sinks_ptr, k_scale_ptr, v_scale_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h,
+            stride_cache_block, stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t,
+            stride_value_h, stride_table_s, stride_table_b, stride_ks, stride_vs, qk_scale, soft_cap, sliding_window,
+            seq_idx, q_start, q_len, row_start, kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
+            HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS, KV_FP8,
         )  # fmt: skip
 
 
@@ -380,6 +391,8 @@ def _attend_slot(
     seq_lens_ptr,
     out_ptr,
     sinks_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_query_t,
     stride_query_h,
     stride_out_t,
@@ -393,6 +406,8 @@ def _attend_slot(
     stride_value_h,
     stride_table_s,
     stride_table_b,
+    stride_ks,
+    stride_vs,
     qk_scale,
     soft_cap,
     sliding_window,
@@ -414,6 +429,7 @@ def _attend_slot(
     EXACT_SOFTMAX: tl.constexpr,
     CONTIG_KV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One slot: rows [row_start, row_start + BLOCK_M) of sequence seq_idx, for one KV head."""
     num_rows = q_len * GROUP
@@ -452,6 +468,8 @@ def _attend_slot(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_table_s
     kv_head_off = kv_head.to(tl.int64) * stride_cache_head
+    if KV_FP8:  # the KV head's k_scale joins each score's scale (> 0: the fused update's condition holds)
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head * stride_ks)
 
     if CONTIG_KV:  # a constexpr branch: the default build has no runtime test here
         if first_pos == 0:
@@ -478,6 +496,8 @@ def _attend_slot(
             stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
             BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, False,
         )  # fmt: skip
+    if KV_FP8:  # every value is in: scale them once
+        acc = acc * tl.load(v_scale_ptr + kv_head * stride_vs)
 
     if HAS_SINKS:
         # The head's sink logit (natural log, neither scaled nor capped) is one more softmax term without a value:
@@ -549,6 +569,8 @@ def paged_prefill_triton(
     spare_slots: int = SCAN_SPARE_SLOTS,
     tokens_per_spare_slot: int = SCAN_TOKENS_PER_SPARE_SLOT,
     scan_max_seqs: int = SCAN_MAX_SEQS,
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its paged context (flash attention).
 
@@ -566,7 +588,8 @@ def paged_prefill_triton(
 
     Args:
         query: [num_tokens, num_heads, head_dim], float16/bfloat16/float32; last dim contiguous.
-        k_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype; last dim contiguous.
+        k_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype or fp8 (kernels/kv_quant.py);
+            last dim contiguous.
         v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and strides as k_cache.
         block_tables: [num_seqs, max_blocks_per_seq], int32 block ids, any order.
         seq_lens: [num_seqs], int32: context length of each sequence, including its new tokens.
@@ -582,7 +605,8 @@ def paged_prefill_triton(
         key, value: [num_tokens, num_kv_heads, head_dim], the new tokens' K/V, rows aligned with
             ``query`` (the tensors write_kv stored), last dim contiguous. When given, a fresh prompt
             (seq_len == q_len) reads its K/V from these contiguous rows instead of through the block
-            table; other sequences still read the cache. Both or neither.
+            table; other sequences still read the cache. Both or neither. Not read with an fp8 cache: every
+            sequence attends to the quantized K/V in the cache (as its decode steps will), written by the caller.
         sinks: [num_heads], any float dtype (taken as fp32): each query head's sink logit, which joins the
             softmax's denominator only (gpt-oss; kernels/reference.py). None: no sinks (the kernel compiles
             without them).
@@ -591,6 +615,8 @@ def paged_prefill_triton(
         spare_slots, tokens_per_spare_slot, scan_max_seqs: For tests: the grid's tuning (SCAN_SPARE_SLOTS,
             SCAN_TOKENS_PER_SPARE_SLOT, SCAN_MAX_SEQS; see "Grid" in the module docstring). Any values give the
             same result; they pick the grid's form and size only.
+        k_scale, v_scale: fp8 caches only: [1] (per tensor) or [num_kv_heads] (per head) float32 on the cache's
+            device, positive; None = 1.0.
 
     Returns:
         out: [num_tokens, num_heads, head_dim].
@@ -600,7 +626,7 @@ def paged_prefill_triton(
     """
     check_args(
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, out, key, value,
-        sinks,
+        sinks, k_scale, v_scale,
     )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -615,7 +641,7 @@ def paged_prefill_triton(
     group = num_heads // num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
     if tiles is None:
-        tiles = default_tiles(query.dtype, block_d, key is not None)
+        tiles = default_tiles(query.dtype, block_d, key is not None and k_cache.dtype == query.dtype)
     default_m, tile_n, num_warps, num_stages, k_row_major = tiles
     # Short queries (e.g. decode-like rows in a mixed batch) need fewer rows than the default tile.
     tile_m = min(default_m, max(16, next_power_of_2(max_query_len * group)))
@@ -626,7 +652,8 @@ def paged_prefill_triton(
     # interpreter, so it is upcast there too; on the GPU bf16 runs on tensor cores.
     dot_fp32 = query.dtype == torch.float32 or (interpreting and query.dtype == torch.bfloat16)
 
-    contig_kv = key is not None
+    kv_fp8, k_scale, v_scale, stride_ks, stride_vs = scale_args(k_cache, k_scale, v_scale, seq_lens)
+    contig_kv = key is not None and not kv_fp8  # fp8: the cache's quantized K/V, never the activations
     if not contig_kv:  # never read (CONTIG_KV=False): any pointer and strides of the right dtype
         key = value = k_cache[0, 0]  # [num_kv_heads, head_dim]
     # The exact tile map (SEQS_PAD > 0) needs at most cdiv(tokens * group, tile_m) + (sequences with tokens) slots;
@@ -644,11 +671,12 @@ def paged_prefill_triton(
         grid,
         query, k_cache, v_cache, key, value, block_tables, seq_lens, cu_seqlens_q, out,
         seq_lens if sinks is None else sinks,  # sinks_ptr: never read without HAS_SINKS
+        k_scale, v_scale,  # placeholders (seq_lens) without KV_FP8
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         key.stride(0) if contig_kv else 0, key.stride(1) if contig_kv else 0,
         value.stride(0) if contig_kv else 0, value.stride(1) if contig_kv else 0,
-        block_tables.stride(0), block_tables.stride(1),
+        block_tables.stride(0), block_tables.stride(1), stride_ks, stride_vs,
         float(scale) * (1.0 if has_soft_cap else _LOG2E),  # qk_scale
         float(soft_cap) if has_soft_cap else 1.0,  # soft_cap
         int(sliding_window) if has_window else 0,
@@ -661,7 +689,8 @@ def paged_prefill_triton(
         not scale > 0,  # EXACT_SOFTMAX: the fused update folds the scale into max(scores): needs scale > 0
         contig_kv,  # CONTIG_KV
         sinks is not None,  # HAS_SINKS
-        seqs_pad,  # SEQS_PAD
+        kv_fp8,  # KV_FP8
+        seqs_pad,  # SEQS_PAD (last: tests/helpers.py reads it there)
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

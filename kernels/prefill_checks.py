@@ -3,6 +3,8 @@ that names the argument, its value and what is allowed, before anything launches
 
 import torch
 
+from .kv_quant import FP8_DTYPES, check_kv_scales
+
 __all__ = ["MAX_HEAD_DIM", "check_args"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -11,6 +13,7 @@ MAX_HEAD_DIM = 256
 
 def check_args(
     query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, max_seq_len, out, key, value, sinks,
+    k_scale=None, v_scale=None,
 ) -> None:  # fmt: skip
     """Raise ValueError naming the argument on anything ``paged_prefill_triton`` does not accept (its docstring
     lists the shapes, dtypes and layouts)."""
@@ -35,10 +38,12 @@ def check_args(
         raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
     if query.dtype not in FLOAT_DTYPES:
         raise ValueError(f"query dtype must be one of {list(FLOAT_DTYPES)}, got {query.dtype}")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if k_cache.dtype not in (query.dtype, *FP8_DTYPES) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"k_cache/v_cache dtype must equal query dtype {query.dtype}, got {k_cache.dtype} / {v_cache.dtype}"
+            f"k_cache/v_cache dtype must equal query dtype {query.dtype} or be one fp8 dtype of {list(FP8_DTYPES)} "
+            f"for both, got {k_cache.dtype} / {v_cache.dtype}"
         )
+    check_kv_scales(k_cache, k_scale, v_scale)
     if query.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError(
             f"query and k_cache/v_cache need a contiguous last dim, "

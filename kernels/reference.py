@@ -20,9 +20,13 @@ Attention semantics shared by the references and the Triton kernels:
   and uncapped: ``out = sum_j exp(s_j - m) v_j / (exp(sinks[h] - m) + sum_j exp(s_j - m))``,
   ``m = max(sinks[h], max_j s_j)``. A row with no visible key gets zeros.
 - GQA: query head h reads KV head ``h // (num_heads // num_kv_heads)``.
+- FP8 caches (kernels/kv_quant.py): ``write_kv_ref`` stores ``saturate(x / scale)`` in 8 bits; the attention
+  references read ``float(stored) * scale``. ``k_scale``/``v_scale``: ``[1]`` or ``[num_kv_heads]`` fp32, None = 1.0.
 """
 
 import torch
+
+from .kv_quant import check_kv_scales, dequantize_ref, is_fp8, quantize_ref
 
 
 def write_kv_ref(
@@ -31,26 +35,40 @@ def write_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens], int32/int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> None:
-    """Store each token's K/V row at its slot; slots < 0 are skipped."""
+    """Store each token's K/V row at its slot; slots < 0 are skipped. An fp8 cache stores the rows quantized
+    (kernels/kv_quant.py); other caches cast them to their dtype."""
+    check_kv_scales(k_cache, k_scale, v_scale)
     num_blocks, block_size = k_cache.shape[:2]
+    key, value = _to_cache(key, k_cache, k_scale), _to_cache(value, v_cache, v_scale)
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     if torch.compiler.is_compiling():
         # Boolean indexing has a data-dependent shape, which torch.compile cannot trace: a traced caller (a planned
         # decode step of hf_paged.cache.PagedCache) gives every token a slot, so index_copy_ writes them all. A -1
-        # left there fails inside index_copy_ (out of range), never silently.
-        k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(
-            0, slot_mapping.long(), key.to(k_cache.dtype)
-        )
-        v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(
-            0, slot_mapping.long(), value.to(v_cache.dtype)
-        )
+        # left there fails inside index_copy_ (out of range), never silently. (index_copy_ has no fp8 kernel on
+        # the CPU: fp8 rows are copied as their bytes.)
+        if is_fp8(k_cache.dtype):
+            k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            key, value = key.view(torch.uint8), value.view(torch.uint8)
+        k_flat.index_copy_(0, slot_mapping.long(), key)
+        v_flat.index_copy_(0, slot_mapping.long(), value)
         return
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat[slots] = key[valid].to(k_cache.dtype)
-    v_flat[slots] = value[valid].to(v_cache.dtype)
+    k_flat[slots] = key[valid]
+    v_flat[slots] = value[valid]
+
+
+def _to_cache(
+    x: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    scale: torch.Tensor | None,  # [1] or [num_kv_heads], fp32
+) -> torch.Tensor:
+    """Rows as the cache stores them: quantized for fp8, else cast ([num_tokens, num_kv_heads, head_dim])."""
+    return quantize_ref(x, scale, cache.dtype) if is_fp8(cache.dtype) else x.to(cache.dtype)
 
 
 def copy_blocks_ref(
@@ -78,13 +96,17 @@ def paged_attention_ref(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (see the module docstring)
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context (gather + softmax).
+    """Causal attention of each sequence's new tokens over its paged context (gather + softmax); fp8 caches are
+    dequantized as they are read.
 
     Returns:
         out: [num_tokens, num_heads, head_dim] in query's dtype. Rows of tokens that belong to no
         sequence (beyond cu_seqlens_q[-1]) are left untouched.
     """
+    check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -101,8 +123,8 @@ def paged_attention_ref(
         num_blocks = -(-ctx_len // block_size)
         blocks = tables[s, :num_blocks].to(k_cache.device)
         # [ctx_len, num_kv_heads, head_dim]
-        k = k_cache[blocks].flatten(0, 1)[:ctx_len].float()
-        v = v_cache[blocks].flatten(0, 1)[:ctx_len].float()
+        k = dequantize_ref(k_cache[blocks].flatten(0, 1)[:ctx_len], k_scale)
+        v = dequantize_ref(v_cache[blocks].flatten(0, 1)[:ctx_len], v_scale)
         k = k.repeat_interleave(group, dim=1)  # [ctx_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
@@ -131,6 +153,8 @@ def paged_decode_ref(
     soft_cap: float | None = None,
     prefix_len: torch.Tensor | None = None,  # [1], int32: keys below it are read through row 0's table (cascade)
     sinks: torch.Tensor | None = None,  # [num_heads], any float dtype: sink logits (see the module docstring)
+    k_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32: fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] or [num_kv_heads], fp32
 ) -> torch.Tensor:
     """Decode attention (one new token per sequence, the last of its context) with static shapes and no host sync.
 
@@ -146,6 +170,7 @@ def paged_decode_ref(
     Returns:
         out: [num_seqs, num_heads, head_dim] in query's dtype; rows with ``seq_lens == 0`` are zeros.
     """
+    check_kv_scales(k_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -159,8 +184,8 @@ def paged_decode_ref(
         k = torch.where(shared, k[:1], k)
         v = torch.where(shared, v[:1], v)
     # [num_seqs, max_blocks_per_seq * block_size, num_heads, head_dim]
-    k = k.float().repeat_interleave(group, dim=2)
-    v = v.float().repeat_interleave(group, dim=2)
+    k = dequantize_ref(k, k_scale).repeat_interleave(group, dim=2)
+    v = dequantize_ref(v, v_scale).repeat_interleave(group, dim=2)
     scores = torch.einsum("shd,skhd->shk", query.float(), k) * scale  # [num_seqs, num_heads, num_keys]
     if soft_cap is not None and soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)

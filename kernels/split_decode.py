@@ -32,6 +32,11 @@ With ``HAS_SINKS`` (gpt-oss) each query head's sink logit joins the softmax's de
 softmax meets: in the merge (a term ``exp2(sink - lse_max)`` with no value), or with one split in the split kernel
 after its last key and the prefix fold. Partials never contain it, so neither a split nor a prefix split counts it.
 
+With ``KV_FP8`` (fp8 caches, kernels/kv_quant.py) K/V tiles are converted to the query's dtype as they load (exact),
+the KV head's ``k_scale`` joins the score scale and its ``v_scale`` multiplies the accumulator once, after the last
+key and before the prefix fold (the prefix partials carry theirs); the fused write quantizes the new K/V as
+``write_kv`` does and attends to the stored (quantized) values.
+
 The split is per sequence (each sequence divides its own length, and uses only as many of the grid's splits as give
 each ``MIN_TILES_PER_SPLIT`` tiles), so the grid's split count never affects correctness: a CUDA graph captured with
 a bound that is too small still computes the right answer.
@@ -45,6 +50,7 @@ group 8 at BLOCK_N 64, D 128) and spill.
 import triton
 import triton.language as tl
 
+from .kv_quant_triton import to_fp8
 from .launch import Launcher
 
 __all__ = ["SPLIT", "MERGE", "BOUND_POSITIONS"]
@@ -69,6 +75,8 @@ def _paged_decode_kernel(
     new_v_ptr,  # [num_seqs, num_kv_heads, head_dim]: FUSED_WRITE: each row's new value
     slot_ptr,  # [num_seqs], int32/int64: FUSED_WRITE: the slot the new K/V go to (-1 = not written)
     sinks_ptr,  # [num_heads], fp32: HAS_SINKS and WRITE_OUT: each query head's sink logit
+    k_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
+    v_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
     # strides
     stride_qs,
     stride_qh,
@@ -99,6 +107,8 @@ def _paged_decode_kernel(
     stride_nvs,
     stride_nvh,
     stride_nvd,
+    stride_ks,  # 0: one scale for every KV head; 1: a scale per KV head
+    stride_vs,
     # sizes
     num_splits,
     num_prefix_splits,  # HAS_PREFIX: the shared-prefix kernel's partials (with one split: slots [0, this))
@@ -135,12 +145,21 @@ def _paged_decode_kernel(
     # A sink logit per query head joins the softmax's denominator (gpt-oss): here when WRITE_OUT, else in the merge,
     # so that it counts once per head, not once per split.
     HAS_SINKS: tl.constexpr,
+    # fp8 caches (new_k/new_v then hold the query's dtype): dequantize as K/V load, quantize the fused write.
+    KV_FP8: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     seq_idx = tl.program_id(0)
     kv_head_idx = tl.program_id(1)
     split_idx = tl.program_id(2)
+    if KV_FP8:
+        # The KV head's scales: k_scale joins each score's scale (scores are q . k_fp8 * k_scale * scale), v_scale
+        # multiplies acc once after the last value.
+        k_scale = tl.load(k_scale_ptr + kv_head_idx * stride_ks)
+        v_scale = tl.load(v_scale_ptr + kv_head_idx * stride_vs)
+        scale_log2 = scale_log2 * k_scale
+        cap_in = cap_in * k_scale
 
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     read_hi = seq_len  # keys read from the cache: [lo, read_hi)
@@ -209,8 +228,7 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         # k: [BLOCK_N, HEAD_DIM_PAD]
         k = tl.load(k_head_ptr + row_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = k.to(q.dtype)  # fp8 -> the query's dtype (exact), fp32 under DOT_FP32; else no conversion
         # scores: [GROUP_PAD, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if USE_SOFT_CAP:
@@ -231,25 +249,30 @@ def _paged_decode_kernel(
 
         # v: [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_head_ptr + v_row_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        v = v.to(q.dtype)  # as k
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     if FUSED_WRITE:
         last_tile = (seq_len - 1) // BLOCK_N
         if (seq_len > 0) & (last_tile >= split_tile_lo) & (last_tile < split_tile_hi):  # our split holds it
-            # nk, nv: [HEAD_DIM_PAD], the cache's dtype
+            # nk, nv: [HEAD_DIM_PAD], the cache's dtype (the query's for an fp8 cache)
             nk = tl.load(new_k_ptr + seq_idx * stride_nks + kv_head_idx * stride_nkh + offs_d * stride_nkd,
                          mask=d_mask, other=0.0)  # fmt: skip
             nv = tl.load(new_v_ptr + seq_idx * stride_nvs + kv_head_idx * stride_nvh + offs_d * stride_nvd,
                          mask=d_mask, other=0.0)  # fmt: skip
+            if KV_FP8:  # quantized as write_kv stores them (IEEE division, as the reference)
+                nk = to_fp8(tl.math.div_rn(nk.to(tl.float32), k_scale), k_cache_ptr.dtype.element_ty)
+                nv = to_fp8(tl.math.div_rn(nv.to(tl.float32), v_scale), v_cache_ptr.dtype.element_ty)
             slot = tl.load(slot_ptr + seq_idx).to(tl.int64)
             if slot >= 0:
                 tl.store(k_head_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
                          + offs_d * stride_kd, nk, mask=d_mask)  # fmt: skip
                 tl.store(v_head_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
                          + offs_d * stride_vd, nv, mask=d_mask)  # fmt: skip
+            if KV_FP8:  # attend to the stored values, in the dtype the loop's tiles take
+                nk = nk.to(q.dtype)
+                nv = nv.to(q.dtype)
             nk_rows, nv_rows = nk[None, :], nv[None, :]  # [1, HEAD_DIM_PAD]: the new K/V of every query row
             # The new key's score for each query row ([GROUP_PAD]), as the tile loop scores a key (fp32 products of
             # the stored dtype), then one more online-softmax step.
@@ -265,6 +288,9 @@ def _paged_decode_kernel(
             # p rounded to the value dtype, as the loop's p @ v takes it
             acc = acc * alpha[:, None] + p_new.to(nv_rows.dtype).to(tl.float32)[:, None] * nv_rows.to(tl.float32)
             m_i = m_new
+
+    if KV_FP8:  # every value of this split is in: scale them once (before the fold: the prefix partials are scaled)
+        acc = acc * v_scale
 
     if HAS_PREFIX and WRITE_OUT:  # the prefix kernel ran first: fold its partials in
         if WAIT_PREFIX:
@@ -407,6 +433,6 @@ def _merge_splits_kernel(
 SPLIT = Launcher(_paged_decode_kernel)
 MERGE = Launcher(_merge_splits_kernel)
 # The split kernel's arguments that a DecodeBinding (kernels/decode.py) takes anew at each launch: query, k_cache,
-# v_cache, out, new_key, new_value, sinks (the other arguments describe the step: tables, lengths, slots, strides,
-# constants).
-BOUND_POSITIONS = (0, 1, 2, 6, 9, 10, 12)
+# v_cache, out, new_key, new_value, sinks, k_scale, v_scale (the other arguments describe the step: tables, lengths,
+# slots, strides, constants).
+BOUND_POSITIONS = (0, 1, 2, 6, 9, 10, 12, 13, 14)

@@ -74,7 +74,8 @@ def route_prefill_through_triton(monkeypatch, spare_slots: int | None = None) ->
         return prefill.paged_prefill_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                                             max_query_len=max_query_len, max_seq_len=max_seq_len,
                                             sliding_window=sliding_window, soft_cap=soft_cap, out=out, key=key,
-                                            value=value, sinks=kwargs.get("sinks"), **grid)  # fmt: skip
+                                            value=value, sinks=kwargs.get("sinks"), k_scale=kwargs.get("k_scale"),
+                                            v_scale=kwargs.get("v_scale"), **grid)  # fmt: skip
 
     monkeypatch.setattr(attention_module, "paged_attention", attention)
     return launches

@@ -49,6 +49,7 @@ class StaticStep:
             query_len=1,
             paged=True,
             owner=owner,
+            kv_scales=owner.kv.kv_scales,  # the pool's list: an FP8 pool's scales (kv_update and attention read them)
         )
         self.step_ids = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [batch_size], written by forward
         # [batch_size, 1, 1, 1] bool: a 4D mask makes transformers skip its mask code inside the forward.

@@ -114,6 +114,7 @@ def _begin_eager_planned_forward(module, cache: ForwardPlanner) -> None:
         query_len=1,
         paged=True,
         owner=cache,
+        kv_scales=cache.kv.kv_scales,
         defer_kv_write=True,
     )
     cache._planned_eager = True

@@ -4,6 +4,9 @@ Three ways, by how the forward was planned: a planned (compiled) decode step wri
 returns the pools; an eager forward writes at its ForwardContext's slots (an eager decode step with "paged"
 attention leaves the write to the attention's decode launch, ``defer_kv_write``) and returns the pools, or,
 for any other attention implementation, contiguous K/V gathered through the block tables.
+
+An FP8 pool (``kv.kv_scales``, hf_paged.core.kv_dtype) takes its layer's scales in every write; the gathered K/V
+are dequantized (fp8 * scale) into the dtype of the layer's key states, as the kernels read them.
 """
 
 import torch
@@ -12,10 +15,17 @@ from hf_paged.core.context import get_forward_context
 from hf_paged.kernels import write_kv
 
 
-def _gather(cache: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    gather_idx: torch.Tensor,  # [batch_size, kv_len], int64; -1 = padding
+    scale: torch.Tensor | None = None,  # an FP8 pool's [1] or [num_kv_heads], fp32
+    dtype: torch.dtype | None = None,  # the dtype an FP8 pool's K/V are dequantized to
+) -> torch.Tensor:
     """[batch_size, num_kv_heads, kv_len, head_dim] contiguous K or V; padding columns are zero."""
     flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, num_kv_heads, head_dim]
     out = flat[gather_idx.clamp(min=0)]  # [batch_size, kv_len, num_kv_heads, head_dim]
+    if scale is not None:  # FP8: dequantize as the kernels read (fp8 * scale, in fp32)
+        out = (out.float() * scale.view(1, 1, -1, 1)).to(dtype)
     out = out.masked_fill((gather_idx < 0)[:, :, None, None], 0)
     return out.transpose(1, 2)
 
@@ -36,7 +46,8 @@ class KVWriter:
         batch_size, num_kv_heads, query_len, head_dim = shape
         key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
-        write_kv(key, value, k_cache, v_cache, self._static.ctx.slot_mapping)
+        k_scale, v_scale = (None, None) if kv.kv_scales is None else kv.kv_scales[layer_idx]
+        write_kv(key, value, k_cache, v_cache, self._static.ctx.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return k_cache, v_cache
 
     def _update_from_context(self, key_states, value_states, layer_idx: int):
@@ -69,10 +80,12 @@ class KVWriter:
         else:
             key = key_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
             value = value_states.transpose(1, 2).reshape(batch_size * query_len, num_kv_heads, head_dim)
-        write_kv(key, value, k_cache, v_cache, ctx.slot_mapping)
+        k_scale, v_scale = (None, None) if kv.kv_scales is None else kv.kv_scales[layer_idx]
+        write_kv(key, value, k_cache, v_cache, ctx.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if ctx.paged:
             return k_cache, v_cache
-        return _gather(k_cache, ctx.gather_idx), _gather(v_cache, ctx.gather_idx)
+        dtype = key_states.dtype
+        return _gather(k_cache, ctx.gather_idx, k_scale, dtype), _gather(v_cache, ctx.gather_idx, v_scale, dtype)
 
     _update_from_context_disabled = torch.compiler.disable(_update_from_context)
 

@@ -68,6 +68,14 @@ class MemoryReport:
     num_allocated_slots: int  # num_used_blocks * block_size
     num_table_entries: int  # blocks the rows would use without sharing
     kv_bytes_per_block: int
+    kv_cache_dtype: str = "auto"  # as given to the cache ("auto": the model's dtype)
+    kv_dtype: torch.dtype | None = None  # what the pool stores (an FP8 dtype holds twice bf16's tokens a byte)
+    block_size: int = 0  # tokens per block
+
+    @property
+    def num_token_slots(self) -> int:
+        """Tokens the pool holds at its current size (``num_blocks * block_size``)."""
+        return self.num_blocks * self.block_size
 
     @property
     def token_state_share(self) -> float:
@@ -84,7 +92,10 @@ class MemoryReport:
         return self.num_used_blocks * self.kv_bytes_per_block
 
     def __str__(self) -> str:
+        dtype = str(self.kv_dtype).removeprefix("torch.")
         return (
+            f"KV cache {self.kv_cache_dtype} ({dtype}), {self.num_token_slots} token slots "
+            f"({self.kv_bytes_per_block // max(self.block_size, 1)} bytes a token); "
             f"KV blocks used {self.num_used_blocks}/{self.num_blocks} ({self.used_bytes / 2**20:.1f} MiB), "
             f"token states {self.token_state_share:.1%} of allocated slots, "
             f"sharing saves {self.sharing_savings:.1%} of {self.num_table_entries} blocks"
@@ -140,6 +151,11 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
         memory_fraction: the most of the free device memory (measured here) a growing pool may take, when
             ``num_blocks`` is None.
         enable_prefix_caching: index full blocks by content hash so later prompts reuse them.
+        kv_cache_dtype: what the pool stores: "auto" (default: the model's dtype), "fp8" / "fp8_e4m3"
+            (float8_e4m3fn) or "fp8_e5m2" (float8_e5m2). FP8 takes one byte an element, so the same memory holds
+            twice bf16's tokens; the K/V scales come from the attention modules' ``k_scale``/``v_scale`` where the
+            checkpoint has them, else 1.0 (hf_paged.core.kv_dtype). With "sdpa"/"eager" attention the gathered K/V
+            are dequantized to the model's dtype.
         max_cache_len: the most columns (prompt, its padding and new tokens, over every call the rows continue)
             a row may reach, as StaticCache's. Given, the cache is compileable (with ``attn_implementation="paged"``
             on one device): ``generate`` compiles its decode steps, each planned ahead into static buffers, and a
@@ -147,7 +163,8 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
             (default): not compileable; the pool grows as the rows need blocks.
 
     Raises:
-        ValueError: the model is not a decoder-only model of attention layers, or an argument is out of range.
+        ValueError: the model is not a decoder-only model of attention layers, or an argument is out of range
+            (``kv_cache_dtype`` not one of "auto", "fp8", "fp8_e4m3", "fp8_e5m2", or FP8 for latent (MLA) layers).
     """
 
     def __init__(
@@ -158,12 +175,13 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
         memory_fraction: float = _DEFAULT_MEMORY_FRACTION,
         enable_prefix_caching: bool = True,
         max_cache_len: int | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         if max_cache_len is not None and (
             isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1
         ):
             raise ValueError(f"`max_cache_len` must be a positive int or None, got {max_cache_len!r}")
-        info = ModelInfo.from_model(model)
+        info = ModelInfo.from_model(model, kv_cache_dtype)
         use_paged_mla(model)  # latent-attention (MLA) layers page their latent, any attn_implementation
         if getattr(model.config, "_attn_implementation", None) == "paged":
             check_paged_attention_reached(model, info.num_layers)
@@ -174,6 +192,7 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
         self.kv = info.make_kv_pool(num_blocks, block_size)
         self.block_size = block_size
         self.kv_bytes_per_block = info.bytes_per_block(block_size)
+        self.kv_cache_dtype = kv_cache_dtype
         self._model_config = model.config
         layer_cache = weakref.proxy(self)  # layers -> cache without a reference cycle: the pool goes with the cache
         super().__init__(
@@ -390,7 +409,8 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
         return self
 
     def memory_report(self) -> MemoryReport:
-        """Blocks used, token-state share of allocated slots and sharing savings, for the pool as it is now."""
+        """The KV dtype and the tokens the pool holds, blocks used, token-state share of allocated slots and sharing
+        savings, for the pool as it is now."""
         s = self.pool.stats
         return MemoryReport(
             num_blocks=s.num_blocks,
@@ -399,4 +419,7 @@ class PagedCache(RowBook, ForwardPlanner, PlannedSteps, KVWriter, Cache):
             num_allocated_slots=s.num_allocated_slots,
             num_table_entries=s.num_table_entries,
             kv_bytes_per_block=self.kv_bytes_per_block,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_dtype=self.kv.dtype,
+            block_size=self.block_size,
         )

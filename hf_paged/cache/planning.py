@@ -139,6 +139,7 @@ class ForwardPlanner:
             gather_idx=to_device(gather_idx, torch.int64, device) if gather_idx is not None else None,
             paged=paged,
             owner=self,
+            kv_scales=self.kv.kv_scales,
         )
         self._device_tables = (block_tables, self._ctx.block_tables)
         return self._ctx
@@ -180,6 +181,7 @@ class ForwardPlanner:
             query_len=1,
             paged=True,
             owner=self,
+            kv_scales=self.kv.kv_scales,
             defer_kv_write=True,
         )
         return self._ctx

@@ -15,6 +15,9 @@
   computation of transformers' eager attention.
 - attention sinks (gpt-oss: ``module.sinks``, one logit per query head that joins the softmax's denominator only)
   go to every kernel call as ``sinks``; the kernels add them once per head (hf_paged.kernels.reference).
+- an FP8 pool's per-layer K/V scales (``ctx.kv_scales[module.layer_idx]``, hf_paged.core.kv_dtype) go to every kernel
+  call over the layer's pools as ``k_scale``/``v_scale``: the kernels quantize what they write and dequantize what
+  they read (the kept decode launch takes each layer's own).
 - mask function "paged" (``AttentionMaskInterface``): no mask inside a paged forward (the kernels
   take lengths, not masks); the SDPA boolean mask otherwise, for the fallback.
 
@@ -73,6 +76,7 @@ def _planned_decode_attention(
     static block tables and lengths. Traceable: no host sync, nothing read from tensors on the host."""
     _check_paged_module(module, dropout)
     sinks = _module_sinks(module)
+    k_scale, v_scale = ctx.layer_scales(module.layer_idx)
     batch_size, num_heads, query_len, head_dim = query.shape
     if query_len != 1:
         raise RuntimeError(f"bug in hf_paged: a planned decode step got {query_len} query columns, expected 1")
@@ -87,6 +91,8 @@ def _planned_decode_attention(
         sliding_window=sliding_window or None,
         soft_cap=softcap or None,
         sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )  # [batch_size, num_heads, head_dim]
     return out.view(batch_size, 1, num_heads, head_dim), None
 
@@ -108,6 +114,8 @@ def _context_attention(
         return _fallback_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
     _check_paged_module(module, dropout)
     sinks = _module_sinks(module)
+    scales = ctx.kv_scales  # an FP8 pool's per-layer (k_scale, v_scale); None otherwise
+    k_scale, v_scale = (None, None) if scales is None else scales[module.layer_idx]
     batch_size, num_heads, query_len, head_dim = query.shape
     ctx = ctx.on(query.device)
     if scaling is None:
@@ -132,13 +140,13 @@ def _context_attention(
         if not query.is_cuda and ctx.prefix_len is None:
             # CPU: the decode reference, vectorised over the rows, over the table columns the longest row reaches
             # (the varlen reference that paged_attention takes there loops over the rows).
-            if slots is not None:
+            if slots is not None:  # a deferred write: of the pool's own dtype only (FP8 pools are written in update)
                 write_kv(new_key, new_value, key, value, slots)
             width = max(1, -(-ctx.max_seq_len // key.shape[1]))
             out = paged_decode(
                 query.view(batch_size, num_heads, head_dim), key, value, ctx.block_tables[:, :width], ctx.seq_lens,
                 scaling, ctx.max_seq_len, sliding_window=sliding_window or None, soft_cap=softcap or None,
-                sinks=sinks,
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
             return out.view(batch_size, 1, num_heads, head_dim), None
         q = query.view(batch_size, num_heads, head_dim)
@@ -146,10 +154,10 @@ def _context_attention(
         kind = (scaling, sliding_window, softcap, slots is None, sinks is None)
         # The first layer's launch, kept (kernels.decode.DecodeBinding), serves every layer of the same kind: its
         # tables, lengths and slots are this step's, so a layer with the same scale, window, cap, fused write and
-        # presence of sinks only brings its own tensors (its sinks among them). A layer of another kind takes the
-        # full path (and binds nothing).
+        # presence of sinks only brings its own tensors (its sinks and an FP8 pool's scales among them). A layer of
+        # another kind takes the full path (and binds nothing).
         if binding and binding[0] == kind:
-            out = binding[1].launch(q, key, value, new_key, new_value, sinks)
+            out = binding[1].launch(q, key, value, new_key, new_value, sinks, k_scale, v_scale)
             if out is not None:
                 return out.view(batch_size, 1, num_heads, head_dim), None
         bind = [] if binding is None and ctx.prefix_len is None else None
@@ -159,7 +167,7 @@ def _context_attention(
             sliding_window=sliding_window or None, soft_cap=softcap or None,
             prefix_len=ctx.prefix_len if not sliding_window else None, max_prefix_len=ctx.max_prefix_len,
             key=new_key, value=new_value, slot_mapping=slots, min_keys_per_split=EAGER_MIN_KEYS_PER_SPLIT, bind=bind,
-            sinks=sinks,
+            sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         if bind is not None:
             ctx.decode_binding = (kind, bind[0]) if bind else False
@@ -185,7 +193,7 @@ def _context_attention(
             # kernel writes each row's new K/V and attends to it from registers, one launch a layer fewer.
             fused_write = ctx.slot_mapping  # token i is row i's new token (padding: slot -1, length 0)
         elif writes:
-            write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping)
+            write_kv(new_key, new_value, k_cache, v_cache, ctx.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         key, value = k_cache, v_cache
     if query_len == 1:
         q = query.reshape(batch_size, num_heads, head_dim)  # [num_tokens, num_heads, head_dim], a view
@@ -195,8 +203,13 @@ def _context_attention(
         q = q.index_select(0, ctx.token_idx)
         if new_key is not None:
             new_key, new_value = new_key.index_select(0, ctx.token_idx), new_value.index_select(0, ctx.token_idx)
-    if fused_write is None and (query_len == 1 or (new_key is not None and new_key.stride(2) != 1)):
-        new_key = new_value = None  # decode reads the blocks; the prefill kernel needs a contiguous last dim
+    # Decode reads the blocks; the prefill kernel needs a contiguous last dim. An FP8 pool's prefill reads the blocks
+    # too: a fresh prompt then attends to the same quantized K/V as a chunked or prefix-hit one, so outputs do not
+    # depend on how the scheduler split the prompt.
+    if fused_write is None and (
+        query_len == 1 or k_scale is not None or (new_key is not None and new_key.stride(2) != 1)
+    ):
+        new_key = new_value = None
     out = None
     cu_seqlens_q = ctx.cu_seqlens_q
     if ctx.decode_seq_lens is not None:  # mixed graph step: the leading decode rows take the decode kernel first
@@ -205,7 +218,7 @@ def _context_attention(
         paged_attention(
             q[:num_seqs], key, value, ctx.block_tables, ctx.decode_seq_lens, ctx.decode_cu_seqlens_q, scaling,
             max_query_len=1, max_seq_len=ctx.max_seq_len, sliding_window=window, soft_cap=cap, out=out[:num_seqs],
-            prefix_len=prefix_len, max_prefix_len=ctx.max_prefix_len, sinks=sinks,
+            prefix_len=prefix_len, max_prefix_len=ctx.max_prefix_len, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         cu_seqlens_q = ctx.prefill_cu_seqlens_q  # the decode rows are empty sequences there: left as written
     if ctx.max_query_len != 1:
@@ -229,6 +242,8 @@ def _context_attention(
         max_prefix_len=ctx.max_prefix_len,
         slot_mapping=fused_write,  # a decode step: written by the decode kernel (else None: written above)
         sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )  # [num_tokens, num_heads, head_dim]
     if ctx.token_idx is not None:
         full = out.new_zeros(batch_size * query_len, num_heads, head_dim)

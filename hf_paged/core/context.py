@@ -48,6 +48,10 @@ class ForwardContext:
     # whether it writes its new K/V at slot_mapping itself (False for a layer that reads the K/V of an earlier
     # layer, which wrote them). None when a PagedCache's update() writes.
     kv_caches: list | None = None
+    # An FP8 pool's (k_scale, v_scale) per layer (hf_paged.core.kv_pool.KVPool.kv_scales: fp32 [1] or [num_kv_heads]
+    # on the layer's device), which every kernel call over the layer's pools takes; None for a pool of the model's
+    # dtype. The pool's own list: set by the context's owner (the cache or the runner), never copied.
+    kv_scales: list | None = None
     # Mixed steps replayed from a CUDA graph: the leading single-token rows (decode tokens; row s is sequence s)
     # take the split-K decode kernel and the other sequences the prefill kernel. decode_seq_lens [num_seqs]: the
     # context length of each leading single-token sequence, 0 for the others; decode_cu_seqlens_q [num_seqs + 1]:
@@ -72,6 +76,11 @@ class ForwardContext:
     # on CUDA). None until the first layer; False when that layer's launch could not be kept: no layer tries again.
     decode_binding: tuple | bool | None = None
     _per_device: dict = field(default_factory=dict, repr=False)
+
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The (k_scale, v_scale) of layer ``layer_idx``'s pools: an FP8 pool's scales, else (None, None)."""
+        scales = self.kv_scales
+        return (None, None) if scales is None else scales[layer_idx]
 
     def flush_pending_kv(self) -> None:
         """Write the pending K/V (if any) into its layer's pools, on this context and its per-device copies."""
@@ -112,6 +121,7 @@ class ForwardContext:
                 paged=self.paged,
                 owner=self.owner,
                 kv_caches=self.kv_caches,
+                kv_scales=self.kv_scales,
                 defer_kv_write=self.defer_kv_write,
             )
             self._per_device[device] = ctx

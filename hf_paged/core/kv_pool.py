@@ -9,6 +9,11 @@ A layer that shares another layer's K/V (Gemma 3n, Gemma 4: ``kv_layer != layer`
 ``k_cache``/``v_cache`` entries are the owner's tensors (the same objects). A latent layer (``v_in_k``, MLA) keeps V
 in the first ``v_head_dim`` columns of K: its ``v_cache`` entry is a view of its ``k_cache``. Growth, copy-on-write
 and swapping move each owned tensor once; shared entries and views are re-pointed after a growth.
+
+An FP8 pool (``dtype`` float8_e4m3fn or float8_e5m2, hf_paged.core.kv_dtype) also holds each layer's K and V scales
+(``kv_scales``: fp32 tensors of shape [1] or [num_kv_heads] on the layer's device), which every kernel call over the
+layer's tensors takes; a sharing layer's entry is its owner's pair. Its blocks move as bytes: copies and swaps need
+no scale.
 """
 
 import os
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.core.kv_dtype import is_fp8, unit_scales
 from hf_paged.core.transfer import to_device
 from hf_paged.kernels import copy_blocks_layers, layer_offsets
 
@@ -84,9 +90,15 @@ class KVPool:
         layers: one ``LayerKV`` per attention layer (``check_layer_specs`` holds).
         num_blocks: blocks per layer.
         block_size: tokens per block.
-        dtype: storage dtype (the model's activation dtype).
+        dtype: storage dtype: the model's activation dtype, or an FP8 dtype (hf_paged.core.kv_dtype).
         devices: one device per layer (accelerate's device_map puts layers on different devices); a sharing layer
             must be on its owner's device.
+        kv_scales: an FP8 pool's (k_scale, v_scale) per layer, fp32 [1] or [num_kv_heads] on the layer's device
+            (a sharing layer's pair is replaced by its owner's); None: 1.0 for every layer of an FP8 pool.
+
+    Raises:
+        ValueError: the layers or devices break the rules above; scales for a pool that is not FP8; an FP8 pool
+            with a latent (MLA) layer.
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype,
         devices: list[torch.device],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         check_layer_specs(layers)
         if len(devices) != len(layers):
@@ -107,6 +120,7 @@ class KVPool:
                 f"layer {i} (on {devices[i]}) shares the K/V of layer {layers[i].kv_layer} (on "
                 f"{devices[layers[i].kv_layer]}): place layers that share K/V on one device"
             )
+        self.kv_scales = _pool_scales(layers, dtype, devices, kv_scales)
         self.layers = list(layers)
         self.num_layers = len(layers)
         self.num_blocks = num_blocks
@@ -124,6 +138,11 @@ class KVPool:
         # copy_blocks' groups of same-layout tensors (_copy_groups_by_layout): built at first use, dropped when grow()
         # replaces the tensors
         self._copy_groups: list[tuple] | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the pool stores FP8 (its kernel calls take ``kv_scales``)."""
+        return self.kv_scales is not None
 
     @classmethod
     def uniform(
@@ -218,7 +237,8 @@ class KVPool:
 
     @staticmethod
     def layer_bytes_per_block(layers: list[LayerKV], block_size: int, dtype: torch.dtype) -> list[int]:
-        """Bytes of K and V that each layer allocates for one block (0 for a layer that shares another's)."""
+        """Bytes of K and V that each layer allocates for one block (0 for a layer that shares another's): one byte an
+        element for an FP8 ``dtype``, half of bf16's."""
         size = torch.empty((), dtype=dtype).element_size()
         return [block_size * spec.owned_elements(i) * size for i, spec in enumerate(layers)]
 
@@ -296,3 +316,35 @@ class KVPool:
                 swap[second] = pool[first.to(pool.device)].to("cpu")
             else:
                 pool[second.to(pool.device)] = swap[first].to(pool.device, non_blocking=True)
+
+
+def _pool_scales(
+    layers: list[LayerKV], dtype: torch.dtype, devices: list[torch.device], kv_scales: list | None
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """An FP8 pool's per-layer (k_scale, v_scale), each sharing layer given its owner's pair; None otherwise."""
+    if not is_fp8(dtype):
+        if kv_scales is not None:
+            raise ValueError(f"`kv_scales` are for an FP8 pool (float8_e4m3fn, float8_e5m2), got dtype {dtype}")
+        return None
+    latent = [i for i, spec in enumerate(layers) if spec.v_in_k]
+    if latent:
+        raise ValueError(
+            f"an FP8 KV cache does not support latent attention (MLA: layers {latent}); use kv_cache_dtype='auto' "
+            "for this model"
+        )
+    scales = unit_scales(devices) if kv_scales is None else list(kv_scales)
+    if len(scales) != len(layers):
+        raise ValueError(f"`kv_scales` needs one (k_scale, v_scale) per layer: got {len(scales)} for {len(layers)}")
+    for i, (k_scale, v_scale) in enumerate(scales):
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if (
+                scale.dtype != torch.float32
+                or scale.dim() != 1
+                or scale.numel() not in (1, layers[i].num_kv_heads)
+                or scale.device != devices[i]
+            ):
+                raise ValueError(
+                    f"layer {i}'s {name} must be an fp32 tensor of shape [1] or [{layers[i].num_kv_heads}] on "
+                    f"{devices[i]}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}"
+                )
+    return [scales[spec.kv_layer] for spec in layers]

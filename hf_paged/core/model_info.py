@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.core.kv_dtype import is_fp8, kv_storage_dtype, read_kv_scales
 from hf_paged.core.kv_pool import KVPool, LayerKV, check_layer_specs
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -19,24 +20,34 @@ class ModelInfo:
 
     model_type: str
     layers: list[LayerKV]  # one per attention layer: its K/V shape and the layer whose blocks it reads
-    dtype: torch.dtype
+    dtype: torch.dtype  # the pool's storage dtype: the model's, or FP8 (kv_cache_dtype)
     devices: list[torch.device]  # one per layer (accelerate's device_map may spread them)
     layer_types: list[str]
     vocab_size: int
     max_model_len: int | None
     tp_size: int = 1  # tensor-parallel degree: each rank's pools hold num_kv_heads of the config's heads
+    kv_cache_dtype: str = "auto"  # as given (hf_paged.core.kv_dtype.KV_CACHE_DTYPES)
+    # an FP8 pool's (k_scale, v_scale) per layer, fp32 [1] or [num_kv_heads] on the layer's device; None otherwise
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module) -> "ModelInfo":
+    def from_model(cls, model: torch.nn.Module, kv_cache_dtype: str = "auto") -> "ModelInfo":
         """Read the model's config and parameters.
+
+        Args:
+            model: the model.
+            kv_cache_dtype: the pool's storage, one of ``KV_CACHE_DTYPES`` (hf_paged.core.kv_dtype): "auto" (the
+                model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2"; an FP8 pool takes the attention modules'
+                ``k_scale``/``v_scale`` where the checkpoint has them, else 1.0.
 
         Raises:
             ValueError: the model is encoder-decoder, has layers whose state blocks cannot hold, or KV heads that
-                tensor parallelism cannot split.
+                tensor parallelism cannot split; an unknown ``kv_cache_dtype``; FP8 for latent (MLA) layers;
+                checkpoint scales of a shape the layer cannot take.
         """
         config = model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -46,19 +57,33 @@ class ModelInfo:
         # Under transformers' tensor parallelism (tp_plan) every rank computes its share of the heads, so its
         # pools hold that share of every block; all ranks use the same block tables (paper §4.6).
         tp_size = getattr(model, "tp_size", None) or 1
+        dtype = kv_storage_dtype(kv_cache_dtype, _kv_dtype(model))
+        layers = layer_specs(text_config, num_layers, tp_size, model_type)
+        devices = _layer_devices(model, num_layers)
+        kv_scales = None
+        if is_fp8(dtype):
+            if any(spec.v_in_k for spec in layers):
+                raise ValueError(
+                    f"kv_cache_dtype={kv_cache_dtype!r}: {model_type!r} has latent attention (MLA), which hf_paged "
+                    "pages in the model's dtype only; use kv_cache_dtype='auto' for it"
+                )
+            kv_scales = read_kv_scales(model, [spec.num_kv_heads for spec in layers], devices)
         return cls(
             model_type=model_type,
-            layers=layer_specs(text_config, num_layers, tp_size, model_type),
-            dtype=_kv_dtype(model),
-            devices=_layer_devices(model, num_layers),
+            layers=layers,
+            dtype=dtype,
+            devices=devices,
             layer_types=list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers),
             vocab_size=text_config.vocab_size,
             max_model_len=getattr(text_config, "max_position_embeddings", None),
             tp_size=tp_size,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scales=kv_scales,
         )
 
     def bytes_per_block(self, block_size: int) -> int:
-        """K/V bytes of one block across all layers, each allocated tensor once (sharing layers add nothing)."""
+        """K/V bytes of one block across all layers, each allocated tensor once (sharing layers add nothing); an
+        FP8 cache's are half of bf16's, so a memory budget holds twice the blocks."""
         return KVPool.bytes_per_block(self.layers, block_size, self.dtype)
 
     def num_blocks_for(self, num_blocks: int | None, block_size: int, memory_fraction: float) -> int:
@@ -95,7 +120,7 @@ class ModelInfo:
         return int(value.item())
 
     def make_kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
-        return KVPool(self.layers, num_blocks, block_size, self.dtype, self.devices)
+        return KVPool(self.layers, num_blocks, block_size, self.dtype, self.devices, kv_scales=self.kv_scales)
 
 
 def layer_specs(text_config, num_layers: int, tp_size: int = 1, model_type: str = "model") -> list[LayerKV]:
@@ -232,6 +257,6 @@ def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device
 
 def _kv_dtype(model: torch.nn.Module) -> torch.dtype:
     for p in model.parameters():
-        if p.is_floating_point():
+        if p.is_floating_point() and not is_fp8(p.dtype):  # FP8 weights compute in another dtype
             return p.dtype
     return torch.float32

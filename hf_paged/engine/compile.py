@@ -5,11 +5,19 @@ is excluded from tracing, so a layer compiles into two pieces around it (project
 projection, residuals, MLP); all layers share the compiled code (same code, dynamic shapes). Eagerly a layer runs
 about 40 small kernels; compiled, a handful. Models without such classes compile their norms, MLPs and attention
 modules instead.
+
+A model whose quantized layers cannot be traced (``hf_paged.engine.quantization.eager_reason``: bitsandbytes'
+LLM.int8) is left eager, with a log line saying why; torchao's quantized tensors compile like plain weights.
 """
+
+import logging
 
 import torch
 
 from hf_paged.engine.config import auto_compile_mode
+from hf_paged.engine.quantization import eager_reason
+
+logger = logging.getLogger(__name__)
 
 LAYER_SUFFIXES = ("DecoderLayer",)  # class-name endings of the modules "layers" compiles
 FALLBACK_SUFFIXES = ("RMSNorm", "MLP", "Attention")  # compiled instead when a model has no decoder-layer class
@@ -29,7 +37,12 @@ def resolve_compile_mode(compile_model: bool | str | None, use_cuda_graphs: bool
 
 
 def compile_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """torch.compile the forward of every decoder layer of ``model`` in place; returns the modules compiled."""
+    """torch.compile the forward of every decoder layer of ``model`` in place; returns the modules compiled (none
+    when its quantization cannot be traced: it then runs eagerly)."""
+    reason = eager_reason(model)
+    if reason is not None:
+        logger.warning("the model's layers run eagerly, not compiled: %s", reason)
+        return []
     compiled = []
     for suffixes in (LAYER_SUFFIXES, FALLBACK_SUFFIXES):
         for module in model.modules():

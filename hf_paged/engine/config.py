@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.core.kv_dtype import check_kv_cache_dtype
+
 PREEMPTION_MODES = ("recompute", "swap")
 COMPILE_MODES = ("layers", "full")  # compile_model=True means "full"
 
@@ -126,6 +128,11 @@ class EngineConfig:
             ``nn.Linear`` weights concatenated in place (hf_paged.engine.fuse: no extra memory, the modules' outputs
             and ``state_dict`` unchanged). None (default): on for a model on CUDA, not under tensor parallelism;
             False leaves the model's modules as they are.
+        kv_cache_dtype: what the KV pool stores: "auto" (default: the model's dtype), "fp8" / "fp8_e4m3"
+            (float8_e4m3fn) or "fp8_e5m2" (float8_e5m2). FP8 takes one byte an element: the same memory holds
+            twice the tokens of a bf16 pool (the sizing above counts FP8 blocks), at a small accuracy cost; scales
+            from the checkpoint's ``k_scale``/``v_scale`` where it has them, else 1.0 (hf_paged.core.kv_dtype).
+            Latent-attention (MLA) models take "auto" only.
     """
 
     num_blocks: int | None = None
@@ -142,6 +149,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     cascade_attention: bool | None = None
     fuse_projections: bool | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:
@@ -181,6 +189,7 @@ class EngineConfig:
         _optional_bool("async_scheduling", self.async_scheduling)
         _optional_bool("cascade_attention", self.cascade_attention)
         _optional_bool("fuse_projections", self.fuse_projections)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not (
             self.compile_model is None or isinstance(self.compile_model, bool) or self.compile_model in COMPILE_MODES
         ):

@@ -39,7 +39,7 @@ MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 
 class CudaGraphSteps:
     """The CUDA-graph half of ``ModelRunner`` (a base class: its attributes are set by the runner's constructor).
 
-    Reads ``model``, ``device``, ``kv_caches``, ``max_model_len``, ``max_num_seqs``, ``max_blocks_per_seq``,
+    Reads ``model``, ``device``, ``kv``, ``kv_caches``, ``max_model_len``, ``max_num_seqs``, ``max_blocks_per_seq``,
     ``decode_sizes``, ``mixed_sizes``, ``cascade_attention``, ``use_cuda_graphs``, ``emulate_graphs``,
     ``_graph_forward`` (the model, or its compiled forward), ``_no_mask``, ``_cascade_prefix_len`` and
     ``_fill_placeholders``; owns ``_graphs`` (bucket -> (graph, logits)), ``_graph_pool``, ``_capture_stream``,
@@ -165,6 +165,7 @@ class CudaGraphSteps:
             paged=True,
             owner=self,
             kv_caches=self.kv_caches,
+            kv_scales=self.kv.kv_scales,  # an FP8 pool's: fixed tensors, read by address on every replay
         )
         if self.cascade_attention and kind != "decode":  # the graph holds the prefix kernel; each replay reads the
             ctx.prefix_len = dev["prefix_len"]  # step's length (0 = none)

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import gc
 import itertools
+import logging
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -34,11 +35,12 @@ from hf_paged.engine.config import EngineConfig, cuda_graphs_on, on_cuda_by_defa
 from hf_paged.engine.distributed import RankSync
 from hf_paged.engine.inputs import InputProcessor, as_prompt_list, eos_token_ids
 from hf_paged.engine.kv_manager import KVManager
-from hf_paged.engine.memory import MemoryProfile, profile_num_blocks
+from hf_paged.engine.memory import MemoryProfile, describe_kv_pool, profile_num_blocks
 from hf_paged.engine.metrics import EngineMetrics, MetricsRecorder
 from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.outputs import Detokenizer, StreamCursor, StreamDelta, request_output
 from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.quantization import traceable_config
 from hf_paged.engine.request import Request, RequestOutput
 from hf_paged.engine.sampler import Sampler
 from hf_paged.engine.sampling_rows import Launched, SamplingRows
@@ -47,6 +49,8 @@ from hf_paged.engine.steps import StepPipeline
 from hf_paged.engine.structured import StructuredDecoding
 
 __all__ = ["ContinuousBatcher", "EngineConfig", "EngineMetrics", "StreamDelta"]
+
+logger = logging.getLogger(__name__)
 
 
 class ContinuousBatcher(StepPipeline):
@@ -67,8 +71,8 @@ class ContinuousBatcher(StepPipeline):
         config: an ``EngineConfig``; or pass its fields as keyword arguments (``num_blocks=``, ``block_size=``,
             ``gpu_memory_utilization=``, ``memory_fraction=``, ``max_num_batched_tokens=``, ``max_num_seqs=``,
             ``enable_prefix_caching=``, ``preemption_mode=``, ``swap_space_gb=``, ``use_cuda_graphs=``,
-            ``compile_model=``, ``async_scheduling=``; see EngineConfig). Every setting is checked before anything
-            is allocated.
+            ``compile_model=``, ``async_scheduling=``, ``kv_cache_dtype=``; see EngineConfig). Every setting is
+            checked before anything is allocated.
 
     Async scheduling: a token sampled after a sequence's stop token is computed and discarded. Steps with beam
     search, penalties, ``min_tokens``, structured output or a prompt forking into ``n`` samples are processed at
@@ -82,8 +86,9 @@ class ContinuousBatcher(StepPipeline):
             raise TypeError(f"pass either `config` or keyword settings, not both (got {sorted(settings)})")
         if not isinstance(config, EngineConfig):
             raise TypeError(f"`config` must be an EngineConfig, got {type(config).__name__}")
-        info = ModelInfo.from_model(model)
-        self.config = config = config.resolved(info.devices[0])  # max_num_seqs by the card
+        info = ModelInfo.from_model(model, config.kv_cache_dtype)
+        config = traceable_config(config.resolved(info.devices[0]), model, info.devices[0])  # max_num_seqs by the card
+        self.config = config
         if getattr(model.config, "_attn_implementation", None) != "paged":
             import hf_paged.core.attention  # noqa: F401  (registers "paged")
 
@@ -105,6 +110,9 @@ class ContinuousBatcher(StepPipeline):
         self.info = info
         pool = BlockPool(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.kv = info.make_kv_pool(num_blocks, config.block_size)
+        # e.g. "KV pool: 4096 blocks x 16 = 65536 tokens, kv_cache_dtype fp8 (float8_e4m3fn), 0.75 GiB"
+        self.kv_pool_summary = describe_kv_pool(info, num_blocks, config.block_size)
+        logger.info(self.kv_pool_summary)
         num_swap_slots = 0
         if config.preemption_mode == "swap":
             num_swap_slots = max(1, int(config.swap_space_gb * 2**30) // info.bytes_per_block(config.block_size))
@@ -162,7 +170,16 @@ class ContinuousBatcher(StepPipeline):
         if self.runner.use_cuda_graphs:
             if config.max_num_batched_tokens <= self.runner.mixed_sizes[-1]:
                 torch.cuda.empty_cache()  # every step replays a graph: the warm-up's cached activations go back
-            self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
+            try:
+                self.runner.capture_all()  # at start-up, as vLLM does: no capture pauses while serving
+            except RuntimeError as err:
+                # A model whose forward syncs with the host cannot be captured (transformers 5.17's grouped_mm MoE
+                # experts copy from the host): left to the default, the engine runs it without graphs.
+                if config.use_cuda_graphs or "captur" not in str(err).lower():
+                    raise
+                self.runner.release_graphs()
+                logger.warning("%s cannot be captured in a CUDA graph (%s); the engine runs it without graphs",
+                               type(self.model).__name__, str(err).splitlines()[0][:300])  # fmt: skip
 
     @property
     def rank_sync(self) -> RankSync:

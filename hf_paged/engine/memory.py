@@ -16,6 +16,9 @@ device the pool then gets
 
 so the default uses the card and a full-budget step never runs out of memory. Under tensor parallelism every
 rank profiles its own device and the ranks agree on the smallest pool.
+
+A block's K/V bytes follow the pool's storage dtype: an FP8 pool (``kv_cache_dtype``) takes one byte an element, so
+the same budget holds twice the blocks (and tokens) of a bf16 pool.
 """
 
 import gc
@@ -71,9 +74,30 @@ class MemoryProfile:
 
     num_blocks: int
     devices: list[DeviceBudget] = field(default_factory=list)
+    block_size: int = 0  # tokens per block
+    kv_dtype: str = ""  # what the pool stores, e.g. "bfloat16" or "float8_e4m3fn"
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the pool holds."""
+        return self.num_blocks * self.block_size
 
     def __str__(self) -> str:
-        return f"{self.num_blocks} KV blocks; " + "; ".join(d.describe() for d in self.devices)
+        head = f"{self.num_blocks} KV blocks ({self.num_tokens} tokens of {self.kv_dtype})"
+        return head + "; " + "; ".join(d.describe() for d in self.devices)
+
+
+def describe_kv_pool(info: ModelInfo, num_blocks: int, block_size: int) -> str:
+    """One line on a pool of ``num_blocks``: its storage dtype, the tokens it holds and its bytes."""
+    size = num_blocks * info.bytes_per_block(block_size)
+    return (
+        f"KV pool: {num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens, kv_cache_dtype "
+        f"{info.kv_cache_dtype} ({_dtype_name(info.dtype)}), {size / 2**30:.2f} GiB"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def kv_bytes_per_device(info: ModelInfo, block_size: int) -> dict[torch.device, int]:
@@ -152,7 +176,7 @@ def profile_num_blocks(
         )
     num_blocks = min(b.num_blocks for b in budgets if per_block.get(torch.device(b.device)))
     num_blocks = info.same_on_every_rank(num_blocks)
-    profile = MemoryProfile(num_blocks, budgets)
+    profile = MemoryProfile(num_blocks, budgets, block_size, _dtype_name(info.dtype))
     if num_blocks < 1:
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for a KV block after a "

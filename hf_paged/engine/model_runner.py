@@ -127,7 +127,7 @@ class ModelRunner(CudaGraphSteps):
         self.output_device = head.weight.device if head is not None else self.input_device  # logits_to_keep's
         _keep_on_own_device(model, "logits_to_keep")
         # (k_cache, v_cache, writes) a layer, as the attention reads them: a layer that shares an earlier layer's K/V
-        # gets that layer's pools and does not write
+        # gets that layer's pools and does not write (an FP8 pool's scales reach the attention as ctx.kv_scales)
         self.kv_caches = [(k, v, kv.owns(i)) for i, (k, v) in enumerate(zip(kv.k_cache, kv.v_cache, strict=True))]
         # A 4D mask makes transformers skip building masks (the paged kernels take lengths, not masks);
         # it also keeps mask code with host syncs out of the captured graphs.
@@ -191,7 +191,7 @@ class ModelRunner(CudaGraphSteps):
         if bucket is not None:
             return self._run_static(bucket, plan, input_ids, sched.placeholders, prev_sampled)
         ctx = to_context(plan, self.device, batch_size=1, query_len=len(input_ids), paged=True, owner=self,
-                         kv_caches=self.kv_caches)  # fmt: skip
+                         kv_caches=self.kv_caches, kv_scales=self.kv.kv_scales)  # fmt: skip
         if plan.max_query_len == 1:  # an eager decode step (a mixed one sends its decode rows to the prefill kernel)
             prefix_len = self._cascade_prefix_len(plan, len(plan.seq_lens))
             if prefix_len:
@@ -269,6 +269,7 @@ class ModelRunner(CudaGraphSteps):
             paged=True,
             owner=self,
             kv_caches=self.kv_caches,
+            kv_scales=self.kv.kv_scales,
         )
         num_logits = max(1, min(num_logits, num_tokens))
         with forward_context(ctx):

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from hf_paged.core.kv_dtype import KV_CACHE_DTYPES
+from hf_paged.engine.quantization import QUANTIZATIONS, torchao_config
 from hf_paged.frontends.bench_record import emit_table, make_record, write_record
 from hf_paged.frontends.bench_workloads import (
     SHAPES,
@@ -70,7 +72,7 @@ def run_hf_paged(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=prefix_caching, compile_model=COMPILE_CHOICES[args.compile],
         async_scheduling=async_scheduling, cascade_attention=cascade_attention,
-        fuse_projections=ON_OFF[args.fuse_projections],
+        fuse_projections=ON_OFF[args.fuse_projections], kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     start = time.perf_counter()
     engine = ContinuousBatcher(model, config=config)
@@ -97,7 +99,7 @@ def run_hf_paged(
     card_gib = torch.cuda.mem_get_info()[1] / 2**30
     note = (f"{engine.pool.num_blocks} blocks, prefix hit {m.prefix_hit_rate:.0%}, "
             f"{m.num_preemptions} preemptions, {m.num_steps - steps_before} steps, "
-            f"async {engine.async_scheduling}, pool {pool_gib:.1f} GiB, "
+            f"async {engine.async_scheduling}, pool {pool_gib:.1f} GiB ({engine.config.kv_cache_dtype} KV), "
             f"peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} of {card_gib:.0f} GiB")  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base
     engine.close()  # frees the graphs now (under TP, destroy_process_group hangs while they live)
@@ -243,6 +245,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "full (default: %(default)s)")  # fmt: skip
     parser.add_argument("--fuse-projections", default="auto", choices=list(ON_OFF),
                         help="EngineConfig.fuse_projections: auto (on CUDA), on, off")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="hf_paged's KV pool: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2; "
+                             "default: %(default)s")  # fmt: skip
+    parser.add_argument("--quantization", default="none", choices=sorted(QUANTIZATIONS),
+                        help="quantize the random weights with torchao before the runs (every system runs the "
+                             "quantized model); default: %(default)s")  # fmt: skip
     parser.add_argument("--hf-batch", type=int, default=64, help="static batch size of transformers generate")
     parser.add_argument("--out", help="append the markdown table to this file")
     parser.add_argument("--json", help="write the figures as a JSON record to this file")
@@ -288,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     model = load_or_build(args.model, args.model_dir, args.tp)
+    quantization = torchao_config(args.quantization, "cuda", next(model.parameters()).dtype)
+    if quantization is not None:
+        from torchao.quantization import quantize_
+
+        quantize_(model, quantization)
     rank = torch.distributed.get_rank() if args.tp else 0
     num_requests = args.num_requests or (16 if args.quick else None)
     workload = make_workload(args.workload, model.config.vocab_size, num_requests)
@@ -296,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_seqs is None:  # the engine's default for this card, named in the table's header
         args.max_num_seqs = default_max_num_seqs(next(model.parameters()).device, args.max_num_batched_tokens)
     bandwidth, flops = measure_ceilings()
-    floor = floor_seconds(model, workload, bandwidth, flops, args.max_num_seqs)
+    floor = floor_seconds(model, workload, bandwidth, flops, args.max_num_seqs,
+                          kv_element_bytes=1 if args.kv_cache_dtype.startswith("fp8") else 2)  # fmt: skip
     total_tokens = workload.num_prompt_tokens + workload.num_output_tokens
     floor_tps = workload.num_output_tokens / floor
     rows = []
@@ -311,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "hf-paged bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     record = make_record(
         torch.cuda.get_device_name(), command,
-        workload=dict(name=args.workload, model=args.model, dtype="bfloat16", num_requests=len(workload.prompts),
+        workload=dict(name=args.workload, model=args.model, dtype="bfloat16", quantization=args.quantization,
+                      kv_cache_dtype=args.kv_cache_dtype, num_requests=len(workload.prompts),
                       prompt_tokens=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
                       max_num_seqs=args.max_num_seqs, copy_bandwidth_gb_s=bandwidth / 1e9,
                       matmul_tflop_s=flops / 1e12, floor_s=floor, floor_output_tok_s=floor_tps),
@@ -320,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     versions = record["versions"]
     header = (
         f"### throughput: {args.workload} workload ({len(workload.prompts)} requests, "
-        f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens), {args.model}, bf16, "
+        f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens), {args.model}, bf16"
+        f"{'' if args.quantization == 'none' else ' quantized ' + args.quantization}, "
         f"random weights — {record['card']}, {record['date']}, torch {versions['torch']}, "
         f"transformers {versions['transformers']}, hf_paged {versions['hf_paged']}\n\n"
         f"`{command}` — measured copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} "

@@ -174,12 +174,14 @@ def measure_ceilings(device: str = "cuda") -> tuple[float, float]:
     return bandwidth, flops
 
 
-def floor_seconds(model, workload: Workload, bandwidth: float, flops: float, max_concurrency: int) -> float:
+def floor_seconds(model, workload: Workload, bandwidth: float, flops: float, max_concurrency: int,
+                  kv_element_bytes: int = 2) -> float:  # fmt: skip
     """Time no engine can beat: weights once per decode step + every attended KV byte + prefill FLOPs.
 
     Mixture-of-experts models: every expert counts as read each decode step (a batch of many rows routes to all of
     them) but only the active experts' FLOPs count in the prefill. MLA models keep one latent row a token a layer.
-    Sliding-window layers count every key (the floor is then a little too easy).
+    Sliding-window layers count every key (the floor is then a little too easy). ``kv_element_bytes``: 1 for an
+    FP8 KV cache.
     """
     config = model.config
     params = sum(p.numel() for p in model.parameters())
@@ -192,7 +194,8 @@ def floor_seconds(model, workload: Workload, bandwidth: float, flops: float, max
     lens = sorted(workload.output_lens, reverse=True)
     steps = sum(lens[i] for i in range(0, len(lens), max_concurrency))
     prefill_flops = 2 * active_parameters(model) * workload.num_prompt_tokens
-    return (steps * weight_bytes + kv_read * kv_bytes_per_token(config)) / bandwidth + prefill_flops / flops
+    kv_bytes = kv_bytes_per_token(config) * kv_element_bytes // 2  # kv_bytes_per_token counts bf16
+    return (steps * weight_bytes + kv_read * kv_bytes) / bandwidth + prefill_flops / flops
 
 
 def kv_bytes_per_token(config) -> int:

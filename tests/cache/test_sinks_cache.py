@@ -55,9 +55,9 @@ def test_paged_cache_on_cuda_matches_eager_dynamic_cache(monkeypatch):
     relaunches = []
     launch = decode.DecodeBinding.launch
 
-    def recording(self, *args):  # args[-1]: the layer's sinks
-        relaunches.append(args[-1] is not None)
-        return launch(self, *args)
+    def recording(self, *args, **kwargs):  # args[5]: the layer's sinks (the K/V scales follow it)
+        relaunches.append(args[5] is not None)
+        return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(decode.DecodeBinding, "launch", recording)
     cache = PagedCache(paged, num_blocks=64, block_size=8)

@@ -39,9 +39,10 @@ class Interrupt(KeyboardInterrupt):
 class _Reference:
     """Greedy outputs of requests run alone on a roomy engine (memoised)."""
 
-    def __init__(self, model, tokenizer, block_size):
+    def __init__(self, model, tokenizer, block_size, kv_cache_dtype="auto"):
         self.engine = ContinuousBatcher(model, tokenizer, num_blocks=256, block_size=block_size,
-                                        max_num_batched_tokens=256, async_scheduling=False)  # fmt: skip
+                                        max_num_batched_tokens=256, async_scheduling=False,
+                                        kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         self.memo = {}
 
     def __call__(self, prompt, params: SamplingParams, companions: int = 0):
@@ -147,12 +148,15 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
     # CUDA), checked against the references of the unfused model. Its own stream too.
     if fused_model is not None and random.Random(f"fuse-{seed}").random() < 0.5:
         model = fused_model
-    engine = ContinuousBatcher(model, tokenizer, cascade_attention=cascade, **config)
+    # Half the runs keep K/V in FP8 (e4m3 or e5m2), checked against references that do too. Its own stream too.
+    kv_cache_dtype = random.Random(f"kv-{seed}").choice(["auto", "auto", "fp8", "fp8_e5m2"])
+    engine = ContinuousBatcher(model, tokenizer, cascade_attention=cascade, kv_cache_dtype=kv_cache_dtype, **config)
     if cascade:
         engine.runner.cascade_min_saved_bytes = 0
     if rng.random() < 0.5 and not engine.runner.use_cuda_graphs:
         engine.runner.emulate_graphs = True  # every step through the padded inputs of its CUDA-graph bucket
-    reference = references.setdefault(config["block_size"], _Reference(model, tokenizer, config["block_size"]))
+    reference = references.setdefault((config["block_size"], kv_cache_dtype),
+                                      _Reference(model, tokenizer, config["block_size"], kv_cache_dtype))  # fmt: skip
     prefixes = [[rng.randint(3, 95) for _ in range(24)] for _ in range(2)]
     grammar_rng = random.Random(f"grammar-{seed}")
     accepted: dict[str, tuple] = {}  # request id -> (prompt, params)

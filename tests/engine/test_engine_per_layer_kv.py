@@ -73,9 +73,9 @@ def test_sharing_layers_never_write(monkeypatch):
     writes = collections.Counter()
     real_write, real_attention = paged_attention_module.write_kv, paged_attention_module.paged_attention
 
-    def write_kv(key, value, k_cache, v_cache, slot_mapping):
+    def write_kv(key, value, k_cache, v_cache, slot_mapping, **scales):
         writes[id(k_cache)] += 1
-        return real_write(key, value, k_cache, v_cache, slot_mapping)
+        return real_write(key, value, k_cache, v_cache, slot_mapping, **scales)
 
     def paged_attention(query, k_cache, *args, slot_mapping=None, **kwargs):
         if slot_mapping is not None:

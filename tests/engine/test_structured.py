@@ -427,7 +427,8 @@ def test_async_engine_serves_structured_requests(model, tokenizer):
 
 
 def test_half_precision_logits_are_masked(tokenizer):
-    """A bf16 model: its logits are inference tensors the mask must change in place (on the CPU through an fp32 copy)."""
+    """A bf16 model: its logits are inference tensors that the mask changes in place (on the CPU, through an fp32
+    copy)."""
     model = tiny_model("llama", device=DEVICE, vocab_size=VOCAB, eos_token_id=EOS).to(torch.bfloat16)
     engine = make_engine(model, tokenizer)
     spec = SPECS["regex-date"]

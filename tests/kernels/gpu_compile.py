@@ -30,7 +30,8 @@ from triton.compiler import ASTSource  # noqa: E402
 # Opt-in shared memory a block may use: H100/H200 227 KB, A100 163 KB (CUDA programming guide, compute capabilities).
 SHARED_LIMIT = {90: 232448, 80: 166912}
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
+           torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+           torch.float8_e5m2: "fp8e5"}  # fmt: skip
 
 
 def record_launches() -> list[tuple]:
@@ -94,7 +95,49 @@ def record_launches() -> list[tuple]:
         k2, v2 = cache(64, 16, kv_heads, head_dim, dtype), cache(64, 16, kv_heads, head_dim, dtype)
         offsets = cache_ops.layer_offsets([k, k2], [v, v2])
         cache_ops.copy_blocks_layers_triton(*offsets, k, torch.tensor([0, 1]), torch.tensor([5, 6]))
+    _record_fp8_launches(gen)
     return list(seen.values())
+
+
+def _record_fp8_launches(gen: torch.Generator) -> None:
+    """FP8 caches (kernels/kv_quant.py) under bf16 queries at the benchmark shape (32 heads, 8 KV heads, head_dim
+    128), both formats: the decode variants (splits, fused write, window and cap, shared prefix), prefill over the
+    cache (with key/value too, which an fp8 cache does not read), write_kv with per-head and per-tensor scales, and
+    the copies (bytes). Compiled for sm_90 only: e4m3fn conversions need sm_89+."""
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k = torch.randn(64, 16, 8, 128, generator=gen).to(fp8)
+        v = torch.randn(64, 16, 8, 128, generator=gen).to(fp8)
+        scales = {"k_scale": torch.rand(8, generator=gen) + 0.5, "v_scale": torch.tensor([0.7])}
+        tables = torch.arange(64, dtype=torch.int32).view(4, 16)
+        seq_lens = torch.tensor([200, 150, 0, 97], dtype=torch.int32)
+        q = torch.randn(4, 32, 128, generator=gen).to(torch.bfloat16)
+        new_k = torch.randn(4, 8, 128, generator=gen).to(torch.bfloat16)
+        slots = torch.tensor([199, 16 + 149, -1, 48 + 96], dtype=torch.int64)
+        prefix = torch.tensor([64], dtype=torch.int32)
+        for max_seq_len in (256, 40960):
+            for num_splits in (1, 3):
+                common = dict(max_seq_len=max_seq_len, num_splits=num_splits, **scales)
+                decode.paged_decode_triton(q, k, v, tables, seq_lens, 0.088, **common)
+                decode.paged_decode_triton(q, k, v, tables, seq_lens, 0.088, new_key=new_k, new_value=new_k,
+                                           slot_mapping=slots, **common)  # fmt: skip
+                decode.paged_decode_triton(q, k, v, tables, seq_lens, 0.088, sliding_window=64, soft_cap=30.0,
+                                           **common)  # fmt: skip
+                decode.paged_decode_triton(q, k, v, tables, seq_lens, 0.088, prefix_len=prefix,
+                                           max_prefix_len=max_seq_len, new_key=new_k, new_value=new_k,
+                                           slot_mapping=slots, **common)  # fmt: skip
+        qp = torch.randn(40, 32, 128, generator=gen).to(torch.bfloat16)
+        kp = torch.randn(40, 8, 128, generator=gen).to(torch.bfloat16)
+        cu = torch.tensor([0, 30, 31, 31, 40], dtype=torch.int32)
+        for max_query_len in (30, 1024):
+            prefill.paged_prefill_triton(qp, k, v, tables, seq_lens, cu, 0.088, max_query_len=max_query_len,
+                                         max_seq_len=200, key=kp, value=kp, **scales)  # fmt: skip
+            prefill.paged_prefill_triton(qp, k, v, tables, seq_lens, cu, 0.088, max_query_len=max_query_len,
+                                         max_seq_len=200, sliding_window=64, soft_cap=30.0, **scales)  # fmt: skip
+        cache_ops.write_kv_triton(kp, kp, k, v, torch.arange(40, dtype=torch.int64), **scales)
+        cache_ops.copy_blocks_triton(k, v, torch.tensor([0, 1]), torch.tensor([5, 6]))
+        k2, v2 = torch.empty_like(k), torch.empty_like(v)
+        offsets = cache_ops.layer_offsets([k, k2], [v, v2])
+        cache_ops.copy_blocks_layers_triton(*offsets, k, torch.tensor([0, 1]), torch.tensor([5, 6]))
 
 
 def _kind(param, value):
@@ -159,6 +202,16 @@ def _pdl_variants(launches: list[tuple]) -> list[tuple]:
     return out
 
 
+def _is_fp8(launch_: tuple) -> bool:
+    """Whether a recorded launch has an fp8 tensor or the KV_FP8 flag: compiled for sm_90 only (e4m3fn conversions
+    need sm_89+)."""
+    jit_fn, args = launch_[0], launch_[1]
+    values = {p.name: a for p, a in zip(jit_fn.params, args, strict=True)}
+    return values.get("KV_FP8") is True or any(
+        isinstance(a, torch.Tensor) and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for a in args
+    )
+
+
 def _memory_cases() -> dict:
     """Kernels whose global-memory accesses tests/kernels/test_gpu_compile.py checks, each as a launch with 16-byte
     aligned tensors and int arguments divisible by 16 specializes it: (kernel, signature, constexprs by name)."""
@@ -193,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shard, num_shards = (int(x) for x in argv[1].split("/")) if argv[:1] == ["--shard"] else (0, 1)
     launches = record_launches()
-    jobs = [(launch_, cc) for launch_ in launches for cc in (90, 80)] + [(v, 90) for v in _pdl_variants(launches)]
+    jobs = [(launch_, cc) for launch_ in launches for cc in ((90,) if _is_fp8(launch_) else (90, 80))]
+    jobs += [(v, 90) for v in _pdl_variants(launches)]
     jobs = jobs[shard::num_shards]
     failures = 0
     start = time.perf_counter()
