@@ -74,6 +74,7 @@ def test_graph_buckets_pass_the_scales(reference, kv_cache_dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8"], scope="module")  # one format (both: tests/kernels/test_fp8_kv.py)
 def test_engine_through_the_triton_kernels(reference, kv_cache_dtype, monkeypatch):
     """The engine's attention through the Triton kernels (interpreted on the CPU), as it runs on CUDA: the decode
     kernel's fused FP8 write (quantize in registers), write_kv's before prefill chunks, the prefill and decode reads

@@ -38,7 +38,7 @@ def test_every_example_has_a_test():
 def test_generate_paged(default_model_dir):
     out = run_example("generate_paged.py")
     assert re.search(r"greedy: What is the capital of France\? -> .*Paris", out), out
-    assert re.search(r"beam search, width 4: KV blocks used \d+/256 .* sharing saves [1-9]", out), out
+    assert re.search(r"beam search, width 4: KV cache .* KV blocks used \d+/256 .* sharing saves [1-9]", out), out
     hits = [int(h) for h in re.findall(r"prefix cache: (\d+)/\d+ prompt tokens", out)]
     assert len(hits) == 3 and hits[0] == 0 and min(hits[1:]) > 0, out  # the system prompt's blocks are reused
 
