@@ -125,3 +125,19 @@ def tiny_batcher(seed: int = 0, **settings):
 
     settings = dict(num_blocks=128, block_size=8, max_num_seqs=16, max_num_batched_tokens=128) | settings
     return ContinuousBatcher(tiny_model("llama", seed=seed), char_tokenizer(), **settings)
+
+
+def ascii_tokenizer(padding_side: str = "right"):
+    """One token per printable ASCII character (ids 3-97) after <pad> (0), <s> (1), </s> (2): grammars over text a
+    tiny random model can spell."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for code in range(32, 127):
+        vocab[chr(code)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   padding_side=padding_side)  # fmt: skip

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from helpers import assert_cache_released
-from models import cache_kwarg, tiny_model
+from models import ascii_tokenizer, cache_kwarg, tiny_model
 
 from hf_paged import PagedCache, StructuredOutput
 from hf_paged.engine.structured import GrammarLogitsProcessor
@@ -25,24 +25,10 @@ SCHEMA = {
 }
 
 
-def ascii_tokenizer():
-    """One token per printable ASCII character (ids 3-97) after <pad>, <s>, </s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": EOS}
-    for code in range(32, 127):
-        vocab[chr(code)] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   padding_side="left")  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    return tiny_model("llama", vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=0), ascii_tokenizer()
+    model = tiny_model("llama", vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=0)
+    return model, ascii_tokenizer(padding_side="left")
 
 
 def _texts(model, tokenizer, spec, **kwargs) -> list[str]:

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 from helpers import assert_engine_drained
-from models import DEVICE, tiny_model
+from models import DEVICE, ascii_tokenizer, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams, StructuredOutput
 from hf_paged.engine import structured
@@ -30,20 +30,6 @@ _ASYNC = {"on": False}
 def scheduling_mode(request):
     _ASYNC["on"] = request.param
     yield request.param
-
-
-def ascii_tokenizer():
-    """One token per printable ASCII character (ids 3-97) after <pad>, <s>, </s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": EOS}
-    for code in range(32, 127):
-        vocab[chr(code)] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(scope="module")
