@@ -26,12 +26,13 @@ def _needs(config_name: str, attention_name: str) -> None:
     """Skip unless this transformers has the family and its sharing layers take K/V from ``shared_kv_states`` (older
     releases read them from the cache's layers, which a paged cache does not expose)."""
     if not hasattr(transformers, config_name):
-        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}; runs where it ships (CI)")
     module = inspect.getmodule(getattr(transformers, config_name))
     modeling = module.__name__.replace(".configuration_", ".modeling_")
     attention = getattr(__import__(modeling, fromlist=[attention_name]), attention_name)
     if "shared_kv_states" not in inspect.signature(attention.forward).parameters:
-        pytest.skip(f"transformers {transformers.__version__}'s {attention_name} reads shared K/V from its cache")
+        pytest.skip(f"transformers {transformers.__version__}'s {attention_name} reads shared K/V from its cache; "
+                    "runs with the releases that pass it between layers (CI)")
 
 
 def gemma4_config():

@@ -17,7 +17,7 @@ def tiny_gpt_oss(attn: str = "paged", seed: int = 0, num_hidden_layers: int = 2,
     scale (std 2) where they take a good share of each softmax (the model's own init, std 0.02, would make them
     near-invisible next to the scores). Skips where transformers has no gpt-oss."""
     if not hasattr(transformers, "GptOssConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss (GptOssConfig)")
+        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss (GptOssConfig); runs where it ships (CI)")
     config = transformers.GptOssConfig(
         vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=num_hidden_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,

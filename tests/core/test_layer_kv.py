@@ -43,7 +43,7 @@ def test_model_info_counts_each_owned_tensor_once():
 
 def test_a_layer_reusing_kv_of_no_earlier_layer_is_refused():
     if not hasattr(transformers, "Gemma4TextConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no Gemma4TextConfig")
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma4TextConfig; runs where it ships (CI)")
     config = transformers.Gemma4TextConfig(num_hidden_layers=2, num_kv_shared_layers=2, layer_types=None)
     with pytest.raises(ValueError, match=r"layer 0 \(sliding_attention\) reuses the K/V of an earlier layer, but no"):
         layer_specs(config, 2)
@@ -150,7 +150,8 @@ def test_random_pools_grow_copy_and_swap_each_owned_tensor(seed, device):
     """Random per-layer specs: sharing layers alias their owner, and growth, copy-on-write and a swap round trip keep
     every owned tensor's blocks (a sharing layer sees them through its owner)."""
     if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("the one-launch copy of each layout runs on CUDA")
+        pytest.skip("the one-launch copy of each layout needs CUDA: runs on the device machine "
+                    "(benchmarks/run_gpu.sh tests-cache)")
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     layers = _random_specs(rng)
     pool = KVPool(layers, 4, 8, torch.float32, [torch.device(device)] * len(layers))

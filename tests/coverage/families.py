@@ -19,23 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from models import COMMON
 
 MATCH = "match"
 
-# Llama-style config names, shared by most families; overrides are applied on top.
-BASE = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+# Llama-style config names, shared by most families (tests/models.py's tiny shape); overrides are applied on top.
+BASE = dict(COMMON, tie_word_embeddings=False)
 # Token ids only: families with their own config names still get these.
 IDS = dict(vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 WINDOW = 8  # every sliding window and chunk; the matrix's prompts run to 20-24 tokens, then generate 8 more

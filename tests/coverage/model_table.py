@@ -12,7 +12,8 @@ import argparse
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # families.py, when run as a script
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # families.py and tests/models.py, when run as a script
 
 from families import FAMILIES, MATCH, Family  # noqa: E402
 

@@ -69,7 +69,7 @@ def test_sharing_layers_never_write(monkeypatch):
     """Every forward writes each owner's K pool once (write_kv, or the decode kernel's fused write) and no sharing
     layer writes it again."""
     if DEVICE != "cpu":
-        pytest.skip("counts the attention's write calls: CUDA graph replays make none")
+        pytest.skip("counts the attention's write calls, which CUDA graph replays do not make: runs on the CPU (CI)")
     writes = collections.Counter()
     real_write, real_attention = paged_attention_module.write_kv, paged_attention_module.paged_attention
 

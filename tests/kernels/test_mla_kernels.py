@@ -179,7 +179,8 @@ def test_prefill_kernel(num_heads, v_dim, rope, dtype):
 @needs_triton
 def test_public_functions_dispatch_to_the_kernels_on_cuda():
     if DEVICE != "cuda":
-        pytest.skip("the public functions take the references on the CPU")
+        pytest.skip("the public functions take the references on the CPU: runs on the device machine "
+                    "(benchmarks/run_gpu.sh tests-kernels)")
     seq_lens = [300, 2]
     kv_cache, block_tables, seq_lens_t = _make_cache(seq_lens, 576, 16, torch.bfloat16)
     q_cat = _query(2, 16, 576, torch.bfloat16)
