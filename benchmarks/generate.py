@@ -40,6 +40,11 @@ Run: ``python benchmarks/generate.py [--quick] [--out table.md] [--json record.j
 [--systems ...]``.
 ``--quick``: Qwen3-0.6B shape, 1x512 and 32x512, greedy and beams4, 32 new tokens. ``--device cpu``: a smoke run of
 the whole path on a tiny model (no memory numbers; static is not compiled there).
+
+``--quantization none float8 int4``: each shape's grid once per named weight quantization
+(hf_paged.engine.quantization: torchao, applied in place to the model built on the device, rebuilt for each name),
+each row with the bytes the weights occupy as stored and the decode step's weight-bound floor: those bytes over the
+card's nominal bandwidth (``--peak-gbs``, the H200's 4 800 GB/s) and over the measured copy bandwidth (read + write).
 """
 
 import argparse
@@ -57,6 +62,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from hf_paged import PagedCache
 from hf_paged.core.model_info import ModelInfo
+from hf_paged.engine.quantization import QUANTIZATIONS, torchao_config, weight_bytes
 from hf_paged.frontends.bench_record import emit_table, make_record, write_record
 from hf_paged.frontends.bench_workloads import SHAPES, build_model
 
@@ -67,6 +73,7 @@ MODES = {
     "samples4": dict(do_sample=True, num_return_sequences=4, top_k=50),
 }
 SYSTEMS = ("dynamic", "static", "paged", "paged-compiled")
+PEAK_GBS = 4800.0  # the floor's nominal bandwidth (--peak-gbs): the H200's HBM3e
 EAGER_SYSTEMS = ("dynamic", "paged")  # what --eager-repeats adds rounds of
 
 
@@ -82,6 +89,10 @@ class Cell:
     label: str
     new_tokens: int
     rows: int  # sequences returned: batch, or batch x num_return_sequences
+    quantization: str = "none"  # the weights' --quantization name
+    weight_bytes: int | None = None  # the weights as stored (with --quantization only)
+    copy_gbs: float | None = None  # the measured copy bandwidth the floor is taken at (with --quantization, CUDA)
+    peak_gbs: float = PEAK_GBS  # the nominal bandwidth the floor is taken at (--peak-gbs)
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)  # the process's CPU time per decode step
     prefill_ms: list[float] = field(default_factory=list)
@@ -274,7 +285,8 @@ def _gib(num_bytes: int | None) -> str:
 
 def format_table(cells: list[Cell], title: str) -> str:
     """Markdown: one row per cell, with time and memory ratios to the DynamicCache cell of the same grid point."""
-    dynamic = {(c.shape, c.batch, c.prompt, c.mode): c for c in cells if c.system == "dynamic" and not c.error}
+    dynamic = {(c.shape, c.quantization, c.batch, c.prompt, c.mode): c for c in cells
+               if c.system == "dynamic" and not c.error}  # fmt: skip
     lines = [
         title,
         "",
@@ -285,12 +297,13 @@ def format_table(cells: list[Cell], title: str) -> str:
     ]
     for c in cells:
         point = f"{c.batch} x {c.prompt}"
+        model = c.shape if c.quantization == "none" else f"{c.shape} {c.quantization}"
         if c.error:
             lines.append(
-                f"| {c.shape} | {point} | {c.mode} | {c.label} | - | - | - | - | - | - | - | - | - | - | {c.error} |"
+                f"| {model} | {point} | {c.mode} | {c.label} | - | - | - | - | - | - | - | - | - | - | {c.error} |"
             )
             continue
-        ref = dynamic.get((c.shape, c.batch, c.prompt, c.mode))
+        ref = dynamic.get((c.shape, c.quantization, c.batch, c.prompt, c.mode))
         step = statistics.median(c.step_ms)
         time_ratio = f"{step / statistics.median(ref.step_ms):.2f}" if ref else "-"
         cpu_ratio = f"{statistics.median(c.step_cpu_ms) / statistics.median(ref.step_cpu_ms):.2f}" if ref else "-"
@@ -308,9 +321,14 @@ def format_table(cells: list[Cell], title: str) -> str:
             notes.append(f"K/V {_gib(c.kv_bytes)} GiB{rest}")
         if c.same_tokens is not None and c.system != "dynamic":
             notes.append(f"{c.same_tokens:.1%} tokens equal to dynamic")
+        if c.weight_bytes is not None:
+            floors = floor_ms(c)
+            notes.append(f"weights {c.weight_bytes / 1e9:.2f} GB: floor {floors['nominal']:.2f} ms/step at "
+                         f"{c.peak_gbs:.0f} GB/s" + ("" if floors["copy"] is None else
+                                                   f", {floors['copy']:.2f} ms at the copy bandwidth"))  # fmt: skip
         tok_s = c.rows * c.new_tokens / statistics.median(c.total_s)
         lines.append(
-            f"| {c.shape} | {point} | {c.mode} | {c.label} | {_median_range(c.step_ms, '.2f')} | "
+            f"| {model} | {point} | {c.mode} | {c.label} | {_median_range(c.step_ms, '.2f')} | "
             f"{_median_range(c.step_cpu_ms, '.2f')} | {statistics.median(c.prefill_ms):.1f} | {tok_s:.0f} | "
             f"{_gib(c.peak_allocated)} | {_gib(c.peak_reserved)} | {time_ratio} | {paired} | {cpu_ratio} | "
             f"{memory_ratio} | "
@@ -323,6 +341,8 @@ def cell_record(c: Cell) -> dict:
     """One grid cell as a JSON record row: the medians (with min and max) of its runs and its ratios' inputs."""
     row = {"shape": c.shape, "batch": c.batch, "prompt": c.prompt, "mode": c.mode, "system": c.system,
            "label": c.label, "new_tokens": c.new_tokens}  # fmt: skip
+    if c.weight_bytes is not None:
+        row.update(quantization=c.quantization, weight_gb=c.weight_bytes / 1e9, floor_ms=floor_ms(c))
     if c.error:
         return {**row, "error": c.error}
 
@@ -355,6 +375,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--repeats); the compiled systems run --repeats rounds")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="qwen3-0.6b; 1x512 and 32x512; greedy, beams4; 32 tokens")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run on a tiny model")
+    parser.add_argument("--quantization", nargs="+", choices=sorted(QUANTIZATIONS),
+                        help="run each shape's grid once per weight quantization (torchao), with the weight-bound "
+                             "floor of each row (default: the bf16 weights, no floor)")  # fmt: skip
+    parser.add_argument("--peak-gbs", type=float, default=PEAK_GBS, help="the floor's nominal bandwidth (GB/s)")
     parser.add_argument("--out", help="also append the markdown table to this file")
     parser.add_argument("--json", help="write the figures as a JSON record to this file")
     args = parser.parse_args(argv)
@@ -378,13 +402,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def floor_ms(c: Cell) -> dict:
+    """A cell's weight-bound floor per decode step (ms): its weights as stored read once, at the nominal bandwidth
+    and at the measured copy bandwidth (None off CUDA)."""
+    return {"nominal": c.weight_bytes / (c.peak_gbs * 1e9) * 1e3,
+            "copy": None if c.copy_gbs is None else c.weight_bytes / (c.copy_gbs * 1e9) * 1e3}  # fmt: skip
+
+
+def build_quantized(shape: str, quantization: str, device: str):
+    """The shape's random-weight model on ``device`` (bf16 on CUDA, fp32 on the CPU), its weights quantized in place
+    by ``quantization`` (torchao; "none" keeps them)."""
+    model = build_model(shape, device=device)
+    if device == "cpu":
+        model = model.float()
+    config = torchao_config(quantization, device, next(model.parameters()).dtype)
+    if config is not None:
+        from torchao.quantization import quantize_
+
+        quantize_(model, config)
+    return model
+
+
 def run_grid(args: argparse.Namespace) -> list[Cell]:
-    """Every cell of the grid, in order: shape, point, mode, then the systems (DynamicCache first)."""
+    """Every cell of the grid, in order: shape, quantization, point, mode, then the systems (DynamicCache first)."""
     cells: list[Cell] = []
-    for shape in args.shapes:
-        model = build_model(shape, device=args.device)
-        if args.device == "cpu":
-            model = model.float()
+    copy_gbs = None
+    if args.quantization and args.device == "cuda":
+        from hf_paged.frontends.bench_workloads import measure_ceilings
+
+        copy_gbs = measure_ceilings()[0] / 1e9
+    for shape, quantization in [(s, q) for s in args.shapes for q in args.quantization or ["none"]]:
+        model = build_quantized(shape, quantization, args.device)
+        stored = weight_bytes(model) if args.quantization else None
         vocab = model.config.vocab_size
         for batch, prompt in args.points:
             prompts = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
@@ -392,14 +441,16 @@ def run_grid(args: argparse.Namespace) -> list[Cell]:
             for mode in args.modes:
                 rows = batch * (4 if mode == "samples4" else 1)  # sequences returned (beams return the best)
                 group = [
-                    Cell(shape, batch, prompt, mode, system, system_label(system, args.device), args.new_tokens, rows)
+                    Cell(shape, batch, prompt, mode, system, system_label(system, args.device), args.new_tokens, rows,
+                         quantization, stored, copy_gbs, args.peak_gbs)
                     for system in sorted(args.systems, key=SYSTEMS.index)  # dynamic first: the reference
-                ]
+                ]  # fmt: skip
                 run_cells(model, group, prompts, args.repeats, args.device, args.eager_repeats)
                 cells.extend(group)
                 for cell in group:
                     print(format_table([cell], "").splitlines()[-1], flush=True)
         del model
+        _release(args.device)
     return cells
 
 
@@ -421,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         device, command,
         workload=dict(shapes=args.shapes, points=[f"{b}x{p}" for b, p in args.points], modes=args.modes,
                       systems=args.systems, new_tokens=args.new_tokens, repeats=args.repeats,
-                      eager_repeats=args.eager_repeats or args.repeats,
+                      eager_repeats=args.eager_repeats or args.repeats, quantization=args.quantization,
+                      peak_gb_s=args.peak_gbs if args.quantization else None,
                       dtype="bfloat16" if args.device == "cuda" else "float32"),
         rows=[cell_record(c) for c in cells],
     )  # fmt: skip

@@ -36,6 +36,21 @@
 #                  process a (shape, point), dealt over the GPUs: one call on 8 GPUs
 #   generate-qwen / generate-llama   one shape's 4 points: one call on 4 GPUs
 #   generate-quick  Qwen3-0.6B at 1x512 and 32x512, greedy and beams4, every system                (~5 min)
+#   fp8-kernels    benchmarks/tools/fp8_kv_kernels.py: the paged decode kernel over an FP8 (e4m3) pool beside bf16 at
+#                  32 x 4096 and 1 x 32768 (Llama-3.1-8B's heads; CUDA graph, L2-cold, share of the bandwidth
+#                  floor) and the prefill kernel at 4 x 1024                                           (~1 min)
+#   fp8-engine     hf-paged bench, the long workload (1024 requests of 2048 prompt + 512 output tokens, Llama-3.1-8B):
+#                  a bf16 pool beside an FP8 one in the same memory (twice the tokens), one run each; a process a
+#                  pool, dealt over the GPUs (LONG_REQUESTS=N: N requests instead)
+#                                                                                 (~7 min on one GPU, ~4 on two)
+#   quant-engine   benchmarks/tools/quant_decode_steps.py: the engine's steady decode step (ms) at batch 1, 8 and
+#                  64, Llama-3.1-8B with bf16, float8 and int4 weights (torchao, quantized on the GPU), beside
+#                  each one's weight-bound floor; a process a quantization, dealt over the GPUs
+#                                                                                 (~5 min on one GPU, ~2 on three)
+#   quant-generate benchmarks/generate.py --quantization: compiled PagedCache's ms per decode step, the same
+#                  weights and batches (512-token prompts, greedy, a compile a batch); a process a quantization,
+#                  dealt over the GPUs: one call on 3 GPUs (~3 min); on one GPU the three need ~8 min, and the
+#                  call's budget may leave the last unrun
 #   structured     benchmarks/tools/structured_bench.py: 256 JSON-schema requests beside the same batch unconstrained,
 #                  and the TTFT of new schemas (needs xgrammar; SERVE_TOKENIZER=DIR without the embedded model's
 #                  package)                                                                          (~3 min)
@@ -48,12 +63,13 @@
 # not a git checkout, so that its records name their commit.
 set -uo pipefail
 SUITES=(tests tests-kernels tests-cache tests-engine tests-fuzz kernels engine engine-qwen engine-llama engine-models
-    generate generate-qwen generate-llama generate-quick structured serve)
+    generate generate-qwen generate-llama generate-quick fp8-kernels fp8-engine quant-engine quant-generate structured
+    serve)
 BUDGET_S=${BUDGET_S:-560}  # a dealt suite's processes all end by then: a call is 600 s
 
 # The engine table's workloads and the generate grid's points, as jobs: NAME TIMEOUT PROGRAM ARGUMENTS...
-# (PROGRAM: bench = hf-paged bench, generate = benchmarks/generate.py). Heaviest first: dealt round-robin, each GPU
-# gets a heavy job and a light one.
+# (PROGRAM: bench = hf-paged bench, generate = benchmarks/generate.py, else a script's path). Heaviest first: dealt
+# round-robin, each GPU gets a heavy job and a light one.
 ENGINE_LLAMA=("sharegpt-8b 260 bench --model llama-8b --workload sharegpt --systems hf_paged --repeats 3")
 ENGINE_QWEN=(
     "short 240 bench --workload short --systems hf_paged,hf_cb --repeats 3 --baseline-repeats 1"
@@ -71,6 +87,19 @@ for point in 64x512 32x512 8x1024 1x512; do
 done
 for point in 1x512 8x1024 32x512 64x512; do
     GENERATE_QWEN+=("qwen3-0.6b-$point 540 generate --shapes qwen3-0.6b --points $point $GRID")
+done
+# The FP8 pool takes the same share of the card as the bf16 one (the engine's default gpu_memory_utilization), so it
+# holds twice the tokens; one run each (the workload is ~2.6 M tokens). Timeouts sum to BUDGET_S: one GPU runs both.
+LONG="--model llama-8b --workload long --num-requests ${LONG_REQUESTS:-1024} --systems hf_paged --repeats 1"
+FP8_ENGINE=("long-bf16 320 bench $LONG" "long-fp8 240 bench $LONG --kv-cache-dtype fp8")
+# Weight quantizations: a process each, the 8B model built in bf16 on the GPU and quantized there.
+# On one GPU the engine's three fit the budget (~100 s each); generate's compile three graphs each (~50 s a compile).
+QUANT_ENGINE=() QUANT_GENERATE=()
+QGRID="--shapes llama-8b --points 1x512 8x512 64x512 --modes greedy --systems paged-compiled --new-tokens 32"
+QGRID+=" --repeats 3"
+for q in none float8 int4; do
+    QUANT_ENGINE+=("$q 186 benchmarks/tools/quant_decode_steps.py --model llama-8b --quantization $q")
+    QUANT_GENERATE+=("$q 540 generate $QGRID --quantization $q")
 done
 
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR SUITE... | OUTDIR --spread QUEUE...}
@@ -130,6 +159,7 @@ run_side() {  # run_side TREE TIMEOUT PROGRAM BASE ARGS...: one benchmark proces
     local tree=$1 seconds=$2 program=$3 base=$4 file=hf_paged/frontends/bench.py commit=${HF_PAGED_COMMIT:-}
     shift 4
     [ "$program" = generate ] && file=benchmarks/generate.py
+    [[ $program == *.py ]] && file=$program
     local extra=(--out "$base.md")
     grep -q -- '"--json"' "$tree/$file" 2>/dev/null && extra+=(--json "$base.json")  # a baseline may predate it
     [ "$tree" != "$PWD" ] && commit=${BASELINE_COMMIT:-}
@@ -149,9 +179,10 @@ if not os.path.realpath(hf_paged.__file__).startswith(tree + os.sep):
 if program == "bench":
     sys.argv = ["hf-paged bench", *sys.argv[3:]]
     runpy.run_module("hf_paged.frontends.bench", run_name="__main__")
-else:
-    sys.argv = ["benchmarks/generate.py", *sys.argv[3:]]
-    runpy.run_path(os.path.join(tree, "benchmarks", "generate.py"), run_name="__main__")
+else:  # benchmarks/generate.py, or a script's path in the tree
+    script = "benchmarks/generate.py" if program == "generate" else program
+    sys.argv = [script, *sys.argv[3:]]
+    runpy.run_path(os.path.join(tree, script), run_name="__main__")
 PY
     ) 2>&1 | grep -v -i "warn"
 }
@@ -257,6 +288,10 @@ run_suite() {  # run_suite SUITE: one suite, its results under $out
         generate-qwen) deal generate-qwen "${GENERATE_QWEN[@]}" ;;
         generate-llama) deal generate-llama "${GENERATE_LLAMA[@]}" ;;
         generate-quick) deal generate-quick "quick 480 generate --quick" ;;
+        fp8-kernels) deal fp8-kernels "fp8-kernels 300 benchmarks/tools/fp8_kv_kernels.py" ;;
+        fp8-engine) deal fp8-engine "${FP8_ENGINE[@]}" ;;
+        quant-engine) deal quant-engine "${QUANT_ENGINE[@]}" ;;
+        quant-generate) deal quant-generate "${QUANT_GENERATE[@]}" ;;
         structured)
             local tokenizer=()
             [ -n "${SERVE_TOKENIZER:-}" ] && tokenizer=(--tokenizer "$SERVE_TOKENIZER")

@@ -101,6 +101,21 @@ def torchao_config(name: str, device: "torch.device | str", dtype: "torch.dtype"
     return q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow())
 
 
+def weight_bytes(model: "torch.nn.Module") -> int:
+    """Bytes ``model``'s parameters occupy as stored: a quantized weight (torchao's tensor subclasses) counts its
+    inner tensors (the packed values, scales and zero points), a plain one ``numel * element_size``. A decode step
+    of a dense model reads about this much (the input embedding only its gathered rows)."""
+    import torch
+
+    def stored(t: torch.Tensor) -> int:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            return sum(stored(getattr(t, name)) for name in names)
+        return t.numel() * t.element_size()
+
+    return sum(stored(p.data) for p in model.parameters())
+
+
 def quantization_method(model: "torch.nn.Module") -> str | None:
     """How ``model``'s weights are quantized: transformers' ``quant_method`` (``"torchao"``, ``"bitsandbytes"``,
     ``"compressed-tensors"``, ``"fp8"``, ...); ``"torchao"`` for weights that ``torchao.quantization.quantize_``

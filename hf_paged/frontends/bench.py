@@ -1,7 +1,7 @@
 """Throughput benchmark: hf_paged's ContinuousBatcher beside transformers, on one GPU, in one run.
 
 Models, workloads and the physical floor: ``hf_paged.frontends.bench_workloads`` (random-weight bf16 models in
-the Qwen3-0.6B and Llama-3.1-8B shapes; the nano, sharegpt, prefix and short workloads; EOS ignored).
+the Qwen3-0.6B and Llama-3.1-8B shapes; the nano, sharegpt, prefix, short and long workloads; EOS ignored).
 Systems: hf_paged (ContinuousBatcher), hf_paged without prefix caching, hf_paged without shared-prefix decode
 (``hf_paged_no_cascade``; on by default on CUDA), hf_paged without async scheduling (``hf_paged_sync``),
 transformers ``generate`` with padded static batches, transformers' built-in continuous batching. Each reports
@@ -97,14 +97,15 @@ def run_hf_paged(
     m = engine.metrics()
     pool_gib = engine.pool.num_blocks * engine.info.bytes_per_block(engine.pool.block_size) / 2**30
     card_gib = torch.cuda.mem_get_info()[1] / 2**30
-    note = (f"{engine.pool.num_blocks} blocks, prefix hit {m.prefix_hit_rate:.0%}, "
+    pool_tokens = engine.pool.num_blocks * engine.pool.block_size
+    note = (f"{engine.pool.num_blocks} blocks ({pool_tokens} tokens), prefix hit {m.prefix_hit_rate:.0%}, "
             f"{m.num_preemptions} preemptions, {m.num_steps - steps_before} steps, "
             f"async {engine.async_scheduling}, pool {pool_gib:.1f} GiB ({engine.config.kv_cache_dtype} KV), "
             f"peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} of {card_gib:.0f} GiB")  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base
     engine.close()  # frees the graphs now (under TP, destroy_process_group hangs while they live)
     del engine
-    return dict(elapsed=elapsed, generated=generated, peak=peak, note=note, startup=startup)
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note=note, startup=startup, pool_tokens=pool_tokens)
 
 
 def run_hf_generate(model, workload: Workload, args, repeats: int) -> dict:
@@ -192,6 +193,7 @@ def summarize(system: str, result: dict, total_tokens: int, floor_tps: float) ->
         startup_s=result.get("startup"),
         peak_memory_gib=result["peak"] / 2**30,
         output_tokens=result["generated"],
+        pool_tokens=result.get("pool_tokens"),  # hf_paged's KV pool capacity; None for transformers' systems
     )  # fmt: skip
     return row
 

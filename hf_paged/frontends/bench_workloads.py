@@ -8,7 +8,9 @@ Workloads: random prompt ids, EOS ignored, seeded:
 - nano: 256 requests, prompt U[100, 1024], output U[100, 1024] (nano-vllm's bench);
 - sharegpt: 512 requests, lognormal lengths, means about 161 prompt / 338 output tokens, clipped to 2048;
 - prefix: 400 requests, a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (vLLM paper §6.4);
-- short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps).
+- short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps);
+- long: 1024 requests of 2048 prompt and 512 output tokens each (KV-bound: the pool, not max_num_seqs, caps the
+  batch of an 8B model; what an FP8 pool's doubled capacity is for).
 
 The physical floor is one formula for every workload, and an estimate, not a strict bound: the time to read
 the weights once per decode step (the fewest steps: requests in waves of ``max_num_seqs``, each wave as long
@@ -58,7 +60,7 @@ SHAPES = {
         vocab_size=1024, max_position_embeddings=4096)),
 }  # fmt: skip
 
-WORKLOADS = ("nano", "sharegpt", "prefix", "short")
+WORKLOADS = ("nano", "sharegpt", "prefix", "short", "long")
 
 
 @dataclass
@@ -107,6 +109,9 @@ def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: in
         lens_in = torch.randint(10, 101, (n,), generator=gen).tolist()
         lens_out = torch.randint(20, 201, (n,), generator=gen).tolist()
         return Workload(name, [ids(k) for k in lens_in], lens_out)
+    if name == "long":
+        n = num_requests or 1024
+        return Workload(name, [ids(2048) for _ in range(n)], [512] * n)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 

@@ -29,6 +29,9 @@ def test_workloads_have_the_documented_shapes():
     short = make_workload("short", 1000, None)
     assert len(short.prompts) == 1000
     assert all(10 <= len(p) <= 100 for p in short.prompts) and all(20 <= n <= 200 for n in short.output_lens)
+    long = make_workload("long", 1000, None)
+    assert len(long.prompts) == 1024 and {len(p) for p in long.prompts} == {2048} and set(long.output_lens) == {512}
+    assert len(make_workload("long", 1000, 8).prompts) == 8
     assert make_workload("nano", 1000, 8).prompts == make_workload("nano", 1000, 8).prompts  # seeded
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         make_workload("chat", 1000, None)
@@ -70,8 +73,8 @@ def _script(name: str):
 
 def _result(seconds: list[float], startup: float | None = 2.5) -> dict:
     result = dict(elapsed=seconds, generated=1000, peak=3 * 2**30, note="512 blocks")
-    if startup is not None:
-        result["startup"] = startup
+    if startup is not None:  # hf_paged's systems: a start-up and a pool
+        result.update(startup=startup, pool_tokens=512 * 16)
     return result
 
 
@@ -99,6 +102,7 @@ def test_a_system_summary_is_one_table_row_and_one_record_entry(tmp_path):
     assert set(loaded["versions"]) == {"torch", "triton", "transformers", "hf_paged"}
     assert [s["system"] for s in loaded["systems"]] == ["hf_paged", "hf_cb", "hf_generate"]
     assert loaded["systems"][1]["startup_s"] is None and loaded["systems"][2]["runs"] == 0
+    assert loaded["systems"][0]["pool_tokens"] == 8192 and loaded["systems"][1]["pool_tokens"] is None
 
 
 def test_the_record_commit_is_the_environment_variable_else_the_checkout_head(monkeypatch, tmp_path):
