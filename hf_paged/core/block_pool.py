@@ -181,6 +181,7 @@ class BlockPool:
         extra_key: Hashable | None = None,
         *,
         num_tokens_to_cache: int | None = None,
+        find_cached: bool = True,
     ) -> AllocationResult | None:
         """Give a new sequence the blocks for its prompt, reusing the longest cached prefix.
 
@@ -198,6 +199,8 @@ class BlockPool:
                 index now (default: all of them). Other sequences may then hit them before their
                 K/V exist, so with chunked prefill pass the end of the first chunk and call
                 ``cache_blocks`` as later chunks are scheduled.
+            find_cached: look the prompt up in the prefix index; False: every block is new (the caller needs the
+                whole prompt computed), and the lookup is not counted in the hit-rate stats.
 
         Returns:
             The block table and ``num_cached_tokens`` (write K/V from that position on), or None
@@ -214,7 +217,7 @@ class BlockPool:
         check_token_ids(seq_id, token_ids, 0, len(token_ids))
         if num_tokens_to_cache is not None and not 0 <= num_tokens_to_cache <= len(token_ids):
             raise ValueError(f"`num_tokens_to_cache` must be in [0, {len(token_ids)}], got {num_tokens_to_cache}")
-        hit_blocks, hit_hashes = self._find_cached_blocks(token_ids, extra_key)
+        hit_blocks, hit_hashes = self._find_cached_blocks(token_ids, extra_key) if find_cached else ([], [])
         num_new_blocks = math.ceil(len(token_ids) / self.block_size) - len(hit_blocks)
         # A cached-free hit block leaves the free list too, so it competes with the new blocks.
         if num_new_blocks + sum(b.ref_count == 0 for b in hit_blocks) > len(self._alloc.free):
@@ -231,8 +234,9 @@ class BlockPool:
         seq = SeqBlocks(table, len(token_ids), extra_key, hit_hashes)
         self._seqs[seq_id] = seq
         if self.enable_prefix_caching:
-            self._num_prefix_query_tokens += len(token_ids)
-            self._num_prefix_hit_tokens += num_cached_tokens
+            if find_cached:
+                self._num_prefix_query_tokens += len(token_ids)
+                self._num_prefix_hit_tokens += num_cached_tokens
             num_tokens = len(token_ids) if num_tokens_to_cache is None else num_tokens_to_cache
             self._cache_full_blocks(seq_id, seq, token_ids, num_tokens)
         return AllocationResult(block_table=list(table), num_cached_tokens=num_cached_tokens)

@@ -65,10 +65,11 @@ class KVManager:
 
     # ---- mutators ---------------------------------------------------------------------------------
 
-    def allocate(self, seq: Sequence) -> AllocationResult | None:
-        """Blocks for all of ``seq``'s tokens (prefix-cache hits reused); None if the pool is short."""
+    def allocate(self, seq: Sequence, find_cached: bool = True) -> AllocationResult | None:
+        """Blocks for all of ``seq``'s tokens (prefix-cache hits reused unless not ``find_cached``); None if the
+        pool is short."""
         self._seq_ids.add(seq.seq_id)  # first: an interrupt right after the pool call must not lose the blocks
-        result = self.pool.allocate(seq.seq_id, seq.token_ids, num_tokens_to_cache=0)
+        result = self.pool.allocate(seq.seq_id, seq.token_ids, num_tokens_to_cache=0, find_cached=find_cached)
         if result is None:
             self._seq_ids.discard(seq.seq_id)
         else:

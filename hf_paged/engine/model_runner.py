@@ -167,11 +167,12 @@ class ModelRunner(CudaGraphSteps):
                 from ``prev_sampled[row]`` (async scheduling). None when no input is a placeholder.
 
         Returns:
-            logits: [len(sched.sample_idx), vocab_size] in the dtype the model computes them in (not copied to
-            fp32: the sampler reads bf16 logits directly where no stage changes them), row r for sequence
-            ``sched.sample_idx[r]``; None for an empty step (its block movements and table diffs are still
-            applied). A captured step's logits are a view of its graph's output buffer, which the next replay of
-            that graph overwrites: read them on the current stream before then, as the sampler does.
+            logits: [len(sched.sample_idx) + prompt log-prob rows, vocab_size] in the dtype the model computes them in
+            (not copied to fp32: the sampler reads bf16 logits directly where no stage changes them), row r for
+            sequence ``sched.sample_idx[r]``, then a row per token of ``sched.prompt_logprob_spans``; None for an empty
+            step (its block movements and table diffs are still applied). A captured step's logits are a view of its
+            graph's output buffer, which the next replay of that graph overwrites: read them on the current stream
+            before then, as the sampler does.
         """
         self.kv.swap_out(sched.swap_out)
         self.kv.swap_in(sched.swap_in)
@@ -187,7 +188,14 @@ class ModelRunner(CudaGraphSteps):
             self.block_size,
         )
         input_ids = np.array(sched.input_token_ids, dtype=np.int64)
-        bucket = self.graph_bucket(len(sched.seq_ids), len(input_ids), len(sched.sample_idx))
+        logits_idx = plan.logits_idx
+        if sched.prompt_logprob_spans:  # rows past the graphs' logits buffers: such a step runs eagerly
+            starts = plan.cu_seqlens_q[:-1]
+            extra = [np.arange(n, dtype=np.int64) + starts[i] + j for i, j, n in sched.prompt_logprob_spans]
+            logits_idx = np.concatenate([logits_idx, *extra])
+            bucket = None
+        else:
+            bucket = self.graph_bucket(len(sched.seq_ids), len(input_ids), len(sched.sample_idx))
         if bucket is not None:
             return self._run_static(bucket, plan, input_ids, sched.placeholders, prev_sampled)
         ctx = to_context(plan, self.device, batch_size=1, query_len=len(input_ids), paged=True, owner=self,
@@ -205,7 +213,7 @@ class ModelRunner(CudaGraphSteps):
                 position_ids=to_device(plan.positions, torch.int64, self.input_device).unsqueeze(0),
                 attention_mask=self._no_mask,
                 use_cache=False,
-                logits_to_keep=to_device(plan.logits_idx, torch.int64, self.output_device),
+                logits_to_keep=to_device(logits_idx, torch.int64, self.output_device),
             )
         return out.logits[0]
 

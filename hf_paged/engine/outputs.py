@@ -291,7 +291,8 @@ def _rust_backend(tokenizer):
 
 
 def request_output(request: Request, with_text: bool) -> RequestOutput:
-    """A snapshot of what ``request`` has produced (beam search: its best finished hypotheses once done)."""
+    """A snapshot of what ``request`` has produced (beam search: its best finished hypotheses once done); prompt
+    log-probs once every prompt token is scored."""
     seqs = request.finished_seqs if request.is_beam_search and request.finished_seqs else request.seqs
     outputs = [
         CompletionOutput(
@@ -313,4 +314,9 @@ def request_output(request: Request, with_text: bool) -> RequestOutput:
         finished=request.is_finished,
         metrics=request.metrics,
         num_cached_tokens=request.num_cached_tokens,
+        prompt_logprobs=None if request.needs_prompt_logprobs else _copy(request.prompt_logprobs),
     )
+
+
+def _copy(entries: list | None) -> list | None:
+    return None if entries is None else list(entries)  # entries are complete: never changed again

@@ -155,6 +155,10 @@ class SamplingParams:
         logprobs: None = no log-probs; k in [0, 20] = the sampled token's log-prob plus the k most likely
             alternatives, all under the raw model distribution (before penalties and temperature; after the
             ``structured_output`` mask, which gives the tokens it rules out -inf).
+        prompt_logprobs: None = none; k in [0, 20] = for every prompt token after the first, its log-prob given the
+            tokens before it plus the k most likely alternatives there, under the raw model distribution
+            (``RequestOutput.prompt_logprobs``). Such a request's prompt is computed in full: it takes no prefix-cache
+            hits until its prompt log-probs are known.
         length_penalty: Beam scoring as in HF: ``score = sum_logprobs / num_tokens ** length_penalty``;
             > 0 favours longer beams, < 0 shorter ones.
         skip_special_tokens: Drop special tokens from the detokenized text.
@@ -181,6 +185,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     length_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -233,10 +238,13 @@ class SamplingParams:
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
         self.stop = self._normalize_stop(self.stop)
         self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
-        if self.logprobs is not None:
-            self.logprobs = _as_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"`logprobs` must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _as_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"`{name}` must be None or in [0, {MAX_LOGPROBS}], got {value}")
+                setattr(self, name, value)
         self.length_penalty = _as_float("length_penalty", self.length_penalty)
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"`length_penalty` must be finite, got {self.length_penalty}")

@@ -151,6 +151,11 @@ class Request:
         self.generator = None  # torch.Generator for seeded sampling, set by the engine
         self.forked = params.n == 1 and params.beam_width == 1  # True once the n samples / beams exist
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        # params.prompt_logprobs: entry i scores prompt token i (entry 0 is None: nothing comes before it); filled in
+        # prompt order as the forwards that compute the prompt are processed (hf_paged.engine.prompt_logprobs)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         self.beam_state = None  # hf_paged.engine.beam_search.BeamState of a beam-search request
         self.grammar = None  # hf_paged.engine.structured.RequestGrammar of a request with structured_output
         # Who collects the finished output: None = whoever calls step(); else the generate()/stream() call.
@@ -168,8 +173,23 @@ class Request:
         return self.status == Status.FINISHED
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some of the prompt log-probs it asked for are not known yet: its prompt forwards return their logits."""
+        entries = self.prompt_logprobs
+        return entries is not None and len(entries) < len(self.prompt_token_ids)
+
+    @property
     def is_beam_search(self) -> bool:
         return self.params.beam_width > 1
+
+
+@dataclass
+class Logprob:
+    """A token's log-prob at one position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None  # 1 + the number of tokens more likely there (1 = the most likely)
+    decoded_token: str | None = None  # the token's text alone (None without a tokenizer)
 
 
 @dataclass
@@ -196,3 +216,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # SamplingParams.prompt_logprobs, once the whole prompt is scored: [num_prompt_tokens] None for the first token,
+    # then {token_id: Logprob} of the prompt token and the k most likely ones (the prompt token first); None before
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

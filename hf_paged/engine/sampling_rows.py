@@ -27,6 +27,7 @@ class Launched:
     host: list | None = None  # host copies of (token_ids, logprobs, top_logprobs, top_token_ids) (pinned on CUDA)
     event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
     token_time: float | None = None  # time.monotonic() when the tokens reached the host (first-token metrics)
+    prompt_logprobs: object = None  # hf_paged.engine.prompt_logprobs.PromptLogprobRows of the step, if it scores any
 
 
 @dataclass

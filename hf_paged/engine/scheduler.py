@@ -18,7 +18,11 @@ from hf_paged.engine.kv_manager import KVManager
 from hf_paged.engine.request import PLACEHOLDER, Request, Sequence, Status
 from hf_paged.engine.scheduler_output import SchedulerOutput, StepBuilder
 
-__all__ = ["Scheduler", "SchedulerOutput"]
+__all__ = ["MAX_PROMPT_LOGPROB_ROWS", "Scheduler", "SchedulerOutput"]
+
+# Most prompt tokens of requests still scoring their prompt (``prompt_logprobs``) in one step: each returns a logits
+# row, scored in fp32 (512 rows of a 152k vocabulary: ~0.3 GiB), where a step's other tokens return none.
+MAX_PROMPT_LOGPROB_ROWS = 512
 
 
 class Scheduler:
@@ -231,17 +235,28 @@ class Scheduler:
         return True
 
     def _schedule_chunks(self, request: Request, budget: int, step: "StepBuilder") -> int:
-        """The next chunk of each of ``request``'s sequences that is still computing; returns the budget left."""
+        """The next chunk of each of ``request``'s sequences that is still computing; returns the budget left.
+
+        A request still scoring its prompt (``prompt_logprobs``) returns a logits row per prompt token: its chunks
+        are capped so that a step returns at most ``MAX_PROMPT_LOGPROB_ROWS`` of them (the rows' memory is bounded).
+        """
         seqs = _schedulable(request)
         remaining = [len(seq.token_ids) - seq.num_computed for seq in seqs]
-        sizes = _chunk_sizes(remaining, budget)
+        limit = budget
+        if request.needs_prompt_logprobs:
+            limit = min(budget, MAX_PROMPT_LOGPROB_ROWS - step.num_prompt_logprob_tokens)
+            if limit <= 0:
+                return budget
+        sizes = _chunk_sizes(remaining, limit)
         if len(seqs) > 1 and sizes != remaining:
-            sizes = _chunk_sizes([r - 1 for r in remaining], budget)  # none samples until all can
+            sizes = _chunk_sizes([r - 1 for r in remaining], limit)  # none samples until all can
         if not any(sizes):
             return budget
         ends = [seq.num_computed + n for seq, n in zip(seqs, sizes, strict=True)]
         if not self._reserve(request, seqs, ends, step):
             return budget
+        if request.needs_prompt_logprobs:
+            step.num_prompt_logprob_tokens += sum(sizes)
         for seq, n in zip(seqs, sizes, strict=True):
             if n:
                 step.add(request, seq, n)
@@ -255,8 +270,10 @@ class Scheduler:
     def _admit(self, request: Request, step: "StepBuilder") -> bool:
         """Blocks for every live sequence of ``request`` (all or nothing); swapped ones get their K/V back."""
         allocated = []
+        # Tokens served from the prefix cache are not computed, so they would have no logits to score them.
+        find_cached = not request.needs_prompt_logprobs
         for seq in request.live_seqs:
-            result = self.kv.allocate(seq)
+            result = self.kv.allocate(seq, find_cached)
             if result is None:
                 for done, _ in allocated:
                     self.kv.free(done)

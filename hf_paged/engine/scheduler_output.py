@@ -34,6 +34,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, block id): after swap_out
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst): after swap_in
     preempted: list[str] = field(default_factory=list)  # request ids preempted while scheduling this step
+    # (index into seq_ids, first token of its chunk, number of tokens): tokens whose logits the step also returns, to
+    # score the prompt token after each (``prompt_logprobs``); logits rows len(sample_idx) on, in this order
+    prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -58,6 +61,8 @@ class StepBuilder:
         self.swap_in: list[tuple[int, int]] = []
         self.copies: list[tuple[int, int, Request]] = []  # copy-on-write (src, dst, the request that asked)
         self.preempted: list[str] = []
+        self.num_prompt_logprob_tokens = 0  # tokens scheduled for requests still scoring their prompt (an upper
+        # bound on the step's prompt log-prob rows: a preempted request's stay counted)
 
     def add(self, request: Request, seq: Sequence, num_new: int) -> None:
         self.chunks.append((request, seq, num_new))
@@ -98,6 +103,13 @@ class StepBuilder:
                                          seq.sample_row))  # fmt: skip
             if end == len(seq.token_ids):
                 out.sample_idx.append(len(out.seq_ids))
+            if request.needs_prompt_logprobs:
+                # Token p's logits score prompt token p + 1: the ones of this chunk not scored yet, up to the last
+                # prompt token (the prompt's last token samples instead).
+                first = max(start, len(request.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    out.prompt_logprob_spans.append((len(out.seq_ids), first - start, last - first))
             out.seq_ids.append(seq.seq_id)
             out.request_ids.append(request.request_id)
             out.num_computed.append(start)

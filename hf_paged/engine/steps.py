@@ -1,10 +1,11 @@
 """The step pipeline of ContinuousBatcher: schedule, run, sample, then apply the tokens, as one transaction.
 
 One step, in order: the scheduler picks the tokens of the next forward (one plain ``SchedulerOutput``); the runner
-computes them in one flat forward; ``_launch`` queues the sampling (or hands beam rows to the beam search) and the
-copy of the tokens to the host; ``_process`` reads them back and applies them through the scheduler
-(``update_from_output``: stops, lengths, forks, frees), then stop strings and text (hf_paged.engine.outputs) and
-structured-output matchers (hf_paged.engine.structured).
+computes them in one flat forward; ``_launch`` queues the sampling (or hands beam rows to the beam search) and the copy
+of the tokens to the host, and the prompt tokens asked for are scored beside it (hf_paged.engine.prompt_logprobs);
+``_process`` reads them back and applies them through the scheduler (``update_from_output``: stops, lengths, forks,
+frees), then stop strings and text (hf_paged.engine.outputs) and structured-output matchers
+(hf_paged.engine.structured).
 
 Async scheduling: ``_step_once`` schedules and queues step N+1 before it processes step N, so the device never
 waits for the host's bookkeeping; a token of step N reaches step N+1's input on the device, never through the host.
@@ -16,6 +17,7 @@ import time
 import torch
 
 from hf_paged.core.transfer import to_device
+from hf_paged.engine import prompt_logprobs
 from hf_paged.engine.request import Request
 from hf_paged.engine.request import Sequence as Seq
 from hf_paged.engine.sampler import plan_rows
@@ -92,7 +94,10 @@ class StepPipeline:
             logits = self.runner.execute(sched, prev.token_ids if prev is not None else None)
             self._metrics.num_steps += 1
             self._metrics.num_computed_tokens += sched.num_batched_tokens
-            launched = self._launch(sched, logits)
+            num_sampling = len(sched.sample_idx)
+            launched = self._launch(sched, logits[:num_sampling] if sched.prompt_logprob_spans else logits)
+            if sched.prompt_logprob_spans:  # the rows past the sampling ones score prompt tokens
+                launched.prompt_logprobs = prompt_logprobs.score(sched, logits[num_sampling:], self.requests)
         else:
             self.runner.execute(sched)  # block movements and table diffs only
             if prev is None and not touched and self.scheduler.waiting and not self.scheduler.running:
@@ -158,6 +163,8 @@ class StepPipeline:
 
     def _process(self, launched: Launched, touched: dict[str, Request]) -> None:
         """Read a launched step's tokens back (the one wait on the device) and apply them."""
+        if launched.prompt_logprobs is not None:  # first: a prompt whose last chunk this is forks below
+            launched.prompt_logprobs.apply(self.detokenizer.tokenizer)
         applied = []
         if launched.host is not None:
             if launched.event is not None:

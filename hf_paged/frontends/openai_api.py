@@ -78,11 +78,18 @@ class Formatter:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, choices: list[tuple[int, Any]], usage_: dict) -> dict:
-        """The whole answer: ``choices`` are (index, CompletionOutput)."""
+    def response(self, choices: list[tuple[int, Any]], usage_: dict, prompt_logprobs: dict | None = None) -> dict:
+        """The whole answer: ``choices`` are (index, CompletionOutput); ``prompt_logprobs``: choice index -> its
+        prompt's ``RequestOutput.prompt_logprobs`` (vLLM's places: each completion choice, the top of a chat)."""
         body = self._head("text_completion" if self.kind == "completion" else "chat.completion")
+        scored = prompt_logprobs or {}
         body["choices"] = [self._choice(index, c.text or "", c.token_ids, c.logprobs, c.finish_reason,
                                         c.stop_reason) for index, c in choices]  # fmt: skip
+        if self.kind == "completion":
+            for choice in body["choices"]:
+                choice["prompt_logprobs"] = prompt_logprobs_json(scored.get(choice["index"]))
+        else:
+            body["prompt_logprobs"] = prompt_logprobs_json(next(iter(scored.values()), None))
         body["usage"] = usage_
         return body
 
@@ -178,3 +185,17 @@ class Formatter:
         if self.tokenizer is None:
             return str(token_id)
         return self.tokenizer.decode([token_id])
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's JSON of prompt log-probs: per prompt token None (the first) or {"token id": {"logprob", "rank",
+    "decoded_token"}}, with -inf as -9999.0 (JSON has no infinity; vLLM's ``clamp_prompt_logprobs``)."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            str(token_id): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]  # fmt: skip

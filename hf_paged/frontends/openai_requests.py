@@ -18,7 +18,6 @@ from hf_paged.frontends.tool_calls import FORCED, forced_calls_schema, named_par
 
 # Request field -> (the values that ask for nothing, what the refusal adds). A field set to anything else is a 400.
 _REFUSED = {
-    "prompt_logprobs": ((), ": the engine computes log-probs of generated tokens only (see `logprobs`)"),
     "allowed_token_ids": ((), ""),
     "bad_words": ((), ""),
     "logits_processors": ((), ": a server does not run code sent by its clients"),
@@ -84,8 +83,8 @@ class _SamplingFields(BaseModel):
     length_penalty: float | None = None  # beam search only
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1 = the model's context
     request_id: str | None = None  # the response's id
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's log-prob and k alternatives (not streamed)
     # Fields refused unless they ask for nothing (see _REFUSED): typed loosely so the refusal names them.
-    prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
@@ -128,6 +127,9 @@ class _SamplingFields(BaseModel):
         self.structured_output()  # a malformed constraint is a 400 before any work
         if self.length_penalty is not None and not self.use_beam_search:
             raise APIError(400, "`length_penalty` needs `use_beam_search: true`", param="length_penalty")
+        if self.prompt_logprobs is not None and self.streams:  # vLLM refuses it too: chunks have no place for it
+            raise APIError(400, "`prompt_logprobs` are not available with `stream: true`; send `stream: false`",
+                           param="prompt_logprobs")  # fmt: skip
         if self.use_beam_search and self.streams:
             raise APIError(400, "`use_beam_search` does not stream: the beams are known at the end; send "
                                 "`stream: false`", param="use_beam_search")  # fmt: skip
@@ -211,6 +213,7 @@ class _SamplingFields(BaseModel):
                 stop=() if self.stop is None else self.stop,
                 ignore_eos=given.get("ignore_eos", False),
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=given.get("skip_special_tokens", True),
                 include_stop_str_in_output=given.get("include_stop_str_in_output", False),
                 structured_output=self.structured_output(),

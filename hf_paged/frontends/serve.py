@@ -18,7 +18,7 @@ runs in this one process and is what limits the served throughput when hundreds 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events ending
 with ``data: [DONE]``; chats parse tool calls, ``hf_paged.frontends.tool_calls``), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus), and (``serve_routes.py``) ``/tokenize``, ``/detokenize``,
-``/version``, ``/ping``, ``/v1/models/{id}``, ``/docs``.
+``/version``, ``/ping``, ``/reset_prefix_cache``, ``/v1/models/{id}``, ``/docs``.
 
 Every request is checked before the engine sees it, and answered OpenAI-style
 (``{"error": {"message", "type", "param", "code"}}``):
@@ -240,9 +240,10 @@ def create_app(
         for output in outputs:
             metrics.front.observe(output)
         choices = [(p * n + c.index, c) for p, out in enumerate(outputs) for c in out.outputs]
+        scored = {p * n + c.index: out.prompt_logprobs for p, out in enumerate(outputs) for c in out.outputs}
         num_completion = sum(len(c.token_ids) for _, c in choices)
         cached = sum(out.num_cached_tokens for out in outputs)
-        return JSONResponse(fmt.response(choices, usage(sum(num_prompt_tokens), num_completion, cached)))
+        return JSONResponse(fmt.response(choices, usage(sum(num_prompt_tokens), num_completion, cached), scored))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -3,6 +3,8 @@
 - ``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...], "add_generation_prompt", "tools", ...}`` ->
   ``{"count", "max_model_len", "tokens"}``; ``POST /detokenize``: ``{"tokens": [...]}`` -> ``{"prompt"}``;
 - ``GET /version``, ``GET|POST /ping`` (200 while the engine serves, as ``/health``), ``GET /v1/models/{id}``;
+- ``POST /reset_prefix_cache``: every engine (each data-parallel replica) forgets its cached prefix blocks between
+  two steps, then 200 with an empty body (vLLM's); requests in flight keep their blocks and run on;
 - ``GET /openapi.json``, ``/docs``, ``/redoc``: behind the API key like every endpoint but ``/health`` and
   ``/ping`` (FastAPI's own serve them to anyone).
 """
@@ -11,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from hf_paged.frontends.openai_api import APIError
@@ -83,6 +85,15 @@ def add_routes(app: FastAPI, engine, model_name: str, max_model_len: int | None,
         except (EngineDeadError, RuntimeError) as err:
             raise APIError(503, f"the engine is not serving: {err}", type="server_error") from None
         return JSONResponse({})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        authorize(request)
+        try:
+            await engine.reset_prefix_cache()
+        except (EngineDeadError, RuntimeError) as err:
+            raise APIError(503, f"the engine is not serving: {err}", type="server_error") from None
+        return Response(status_code=200)
 
     app.add_api_route("/ping", ping, methods=["GET"])
     app.add_api_route("/ping", ping, methods=["POST"], name="ping_post")  # a route a method: distinct OpenAPI ids

@@ -165,6 +165,16 @@ class AsyncEngine(StreamingFront):
             self._cond.notify()
         return await future
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, on the engine thread between steps (requests in flight keep their
+        blocks; what they computed is not indexed again). Returns once it is done."""
+        future = asyncio.get_running_loop().create_future()
+        with self._cond:
+            self.check_serving()
+            self._inbox.append(("reset_prefix_cache", future))
+            self._cond.notify()
+        await future
+
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop serving: wait up to ``drain_timeout_s`` for the requests in flight to end, abort the rest (their
         streams end with finish_reason "abort"), and stop the engine thread. New requests are refused at once."""
@@ -253,6 +263,9 @@ class AsyncEngine(StreamingFront):
             scheduler = batcher.scheduler
             stats = ServingStats(batcher.metrics(), len(scheduler.running), len(scheduler.waiting))
             future.get_loop().call_soon_threadsafe(_set_result, future, stats)
+        elif kind == "reset_prefix_cache":
+            batcher.reset_prefix_cache()
+            command[1].get_loop().call_soon_threadsafe(_set_result, command[1], None)
         else:
             raise RuntimeError(f"bug in hf_paged: unknown AsyncEngine command {kind!r}")
 
@@ -300,7 +313,7 @@ class AsyncEngine(StreamingFront):
         for command in commands:
             if command[0] == "add":  # queued before shutdown() but never started
                 self._finish(command[1], RuntimeError("the AsyncEngine shut down before the request started"))
-            elif command[0] == "stats":
+            elif command[0] in _ANSWERED:
                 stopped = RuntimeError("the AsyncEngine shut down")
                 command[1].get_loop().call_soon_threadsafe(_set_exception, command[1], stopped)
         for record in list(self._live.values()):
@@ -324,10 +337,13 @@ class AsyncEngine(StreamingFront):
             dead = EngineDeadError(f"the engine thread died: {err!r}")
             dead.__cause__ = err
             _send(record.loop, [(record.queue, dead)])
-        for command in commands:  # stats() callers waiting for an answer
-            if command[0] == "stats":
+        for command in commands:  # stats() and reset_prefix_cache() callers waiting for an answer
+            if command[0] in _ANSWERED:
                 dead = EngineDeadError(f"the engine thread died: {err!r}")
                 command[1].get_loop().call_soon_threadsafe(_set_exception, command[1], dead)
+
+
+_ANSWERED = ("stats", "reset_prefix_cache")  # commands whose caller awaits a future (the command's second item)
 
 
 def _send(loop: asyncio.AbstractEventLoop, items: list) -> bool:

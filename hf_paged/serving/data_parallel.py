@@ -8,7 +8,8 @@
 A model that fits one GPU gets N times the throughput on N GPUs without tensor parallelism: each replica runs its
 own engine loop in its own process (no GIL shared with the front or the other replicas), and the front only
 tokenises, routes and hands deltas on. It has the surface ``hf_paged.frontends.serve.create_app`` uses from
-AsyncEngine (``tokenizer``, ``inputs``, ``num_unfinished``, ``stream``, ``abort``, ``stats``, ``shutdown``).
+AsyncEngine (``tokenizer``, ``inputs``, ``num_unfinished``, ``stream``, ``abort``, ``stats``,
+``reset_prefix_cache``, ``shutdown``).
 
 Processes (hf_paged.serving.replica_handle). Replicas are started with the ``spawn`` method (CUDA cannot be used
 in a forked child). ``factory`` is called in the replica and must be picklable: a module-level function or a
@@ -16,10 +17,10 @@ in a forked child). ``factory`` is called in the replica and must be picklable: 
 sees only the i-th visible GPU (``CUDA_VISIBLE_DEVICES`` is set in its environment before it starts), so
 ``factory`` puts the model on ``"cuda"``.
 
-Messages. Each replica (hf_paged.serving.replica) has two one-way pipes. The front's writer thread sends it
-commands (``add``, ``abort``, ``stats``, ``stop``), which it applies between steps; it sends back one message per
-step with every stream's deltas (made in the replica, where the text is detokenised, by ``request_deltas`` as
-AsyncEngine makes them) and the final RequestOutputs. The front's reader thread hands them to each stream's asyncio
+Messages. Each replica (hf_paged.serving.replica) has two one-way pipes. The front's writer thread sends it commands
+(``add``, ``abort``, ``stats``, ``reset_prefix_cache``, ``stop``), which it applies between steps; it sends back one
+message per step with every stream's deltas (made in the replica, where the text is detokenised, by ``request_deltas``
+as AsyncEngine makes them) and the final RequestOutputs. The front's reader thread hands them to each stream's asyncio
 queue with one ``loop.call_soon_threadsafe`` per message.
 
 Routing (hf_paged.serving.routing): a new request goes to the live replica its prompt's leading blocks were sent to
@@ -302,20 +303,7 @@ class DataParallelEngine(StreamingFront):
 
     async def stats(self) -> DataParallelStats:
         """Every live replica's metrics and queue lengths (read between its steps), summed and per replica."""
-        loop = asyncio.get_running_loop()
-        futures = []
-        with self._lock:
-            self.check_serving()
-            for replica in self._replicas:
-                future = loop.create_future()
-                if replica.alive:
-                    token = next(self._tokens)
-                    replica.stats_waiters[token] = future
-                    replica.outbox.put(("stats", token))
-                else:
-                    future.set_result(None)
-                futures.append(future)
-        replicas = list(await asyncio.gather(*futures))
+        replicas = await self._ask_every_replica("stats")
         alive = [s for s in replicas if s is not None]
         if not alive:
             raise EngineDeadError("every data-parallel replica has died")
@@ -325,6 +313,29 @@ class DataParallelEngine(StreamingFront):
             routed = [self._loads.routed(r.idx) for r in self._replicas]
         return DataParallelStats(sum_metrics([s.metrics for s in alive]), sum(s.num_running for s in alive),
                                  sum(s.num_waiting for s in alive), replicas, routed)  # fmt: skip
+
+    async def reset_prefix_cache(self) -> None:
+        """Every live replica forgets its cached prefix blocks (between its steps; requests in flight keep theirs).
+        Returns once each has."""
+        if not any(r is not None for r in await self._ask_every_replica("reset_prefix_cache")):
+            raise EngineDeadError("every data-parallel replica has died")
+
+    async def _ask_every_replica(self, kind: str) -> list:
+        """Send each live replica ``(kind, token)``; its answers ("stats" messages), None for a dead replica."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        with self._lock:
+            self.check_serving()
+            for replica in self._replicas:
+                future = loop.create_future()
+                if replica.alive:
+                    token = next(self._tokens)
+                    replica.stats_waiters[token] = future
+                    replica.outbox.put((kind, token))
+                else:
+                    future.set_result(None)
+                futures.append(future)
+        return list(await asyncio.gather(*futures))
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop serving: wait up to ``drain_timeout_s`` for the requests in flight, then each replica aborts the

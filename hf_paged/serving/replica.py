@@ -1,8 +1,8 @@
 """The replica process of a DataParallelEngine: one ContinuousBatcher driven by commands from the fronts' pipes.
 
-The process builds its engine with the front's ``factory``, sends its limits (``ready``) or its error
-(``failed``) on its first result pipe, then loops: apply the commands waiting in its command pipes (``add``,
-``abort``, ``stats``, ``detach``, ``stop``), run a step, send each front the deltas of that step's requests it
+The process builds its engine with the front's ``factory``, sends its limits (``ready``) or its error (``failed``) on
+its first result pipe, then loops: apply the commands waiting in its command pipes (``add``, ``abort``, ``stats``,
+``reset_prefix_cache``, ``detach``, ``stop``), run a step, send each front the deltas of that step's requests it
 submitted, in one ``step`` message per front. It sleeps on its pipes while it has nothing to run. See
 hf_paged.serving.data_parallel for the front.
 
@@ -197,6 +197,9 @@ class _Replica:
             scheduler = self.batcher.scheduler
             stats = ServingStats(self.batcher.metrics(), len(scheduler.running), len(scheduler.waiting))
             self._send(pipe, ("stats", command[1], stats))
+        elif kind == "reset_prefix_cache":  # every front's requests share the pool: the reset is for all of them
+            self.batcher.reset_prefix_cache()
+            self._send(pipe, ("stats", command[1], True))
         elif kind == "detach":
             self._forget(pipe, send=True)
         elif kind == "stop":

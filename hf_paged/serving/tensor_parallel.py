@@ -29,6 +29,8 @@ def broadcast_commands(sync, commands: list[tuple]) -> None:
 
 
 def _for_followers(command: tuple) -> tuple:
+    if command[0] == "reset_prefix_cache":  # without rank 0's future: every rank's pool must drop the same hashes
+        return ("reset_prefix_cache",)
     if command[0] != "add":
         return command
     _, record, token_ids, params, _prompt_text = command
@@ -38,10 +40,10 @@ def _for_followers(command: tuple) -> tuple:
 def follow(batcher: ContinuousBatcher) -> None:
     """Tensor parallelism, every rank but 0: mirror rank 0's AsyncEngine until it shuts down.
 
-    Receives each batch of commands rank 0's engine thread broadcasts, applies it to ``batcher`` as rank 0 does
-    (adds, aborts; a request rank 0 refused is refused here the same way), and runs a step whenever requests are
-    unfinished, which is exactly when rank 0 steps: the ranks hold the same requests, and the engine's lock-step
-    checks and token broadcast keep them identical. A failed step aborts every request in flight, as rank 0's
+    Receives each batch of commands rank 0's engine thread broadcasts, applies it to ``batcher`` as rank 0 does (adds,
+    aborts, prefix-cache resets; a request rank 0 refused is refused here the same way), and runs a step whenever
+    requests are unfinished, which is exactly when rank 0 steps: the ranks hold the same requests, and the engine's
+    lock-step checks and token broadcast keep them identical. A failed step aborts every request in flight, as rank 0's
     engine fails them. Returns after rank 0's shutdown, once the aborted requests have drained.
 
     Raises:
@@ -69,6 +71,8 @@ def follow(batcher: ContinuousBatcher) -> None:
                 request = batcher.requests.get(command[1])
                 if request is not None and not request.is_finished:
                     batcher.abort(command[1])
+            elif command[0] == "reset_prefix_cache":
+                batcher.reset_prefix_cache()
             elif command[0] == "stop":
                 abort_all()
                 while batcher.has_unfinished_requests():

@@ -364,6 +364,25 @@ def test_prefix_caching_off():
     pool.check_invariants()
 
 
+def test_allocate_without_looking_up_the_prefix_index():
+    """``find_cached=False`` (a request that needs every prompt token computed): new blocks for every token, no lookup
+    counted, and the blocks it fills are indexed for the next prompt all the same."""
+    pool = BlockPool(8, BS)
+    prompt = toks(0, 2 * BS + 1)
+    pool.allocate("a", prompt)
+    queried = pool.stats.num_prefix_query_tokens
+    result = pool.allocate("b", prompt, find_cached=False)
+    assert result.num_cached_tokens == 0 and not set(result.block_table) & set(pool.get_block_table("a"))
+    assert pool.stats.num_prefix_query_tokens == queried
+    pool.free("a")
+    pool.free("b")
+    pool.reset_prefix_cache()
+    pool.allocate("c", prompt, find_cached=False)
+    pool.free("c")
+    assert pool.allocate("d", prompt).num_cached_tokens == 2 * BS
+    pool.check_invariants()
+
+
 def test_reset_prefix_cache():
     pool = BlockPool(6, BS)
     pool.allocate("a", toks(0, 2 * BS + 1))

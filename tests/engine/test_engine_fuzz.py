@@ -13,6 +13,7 @@ CI runs a bounded profile (``HF_PAGED_FUZZ`` unset: a few configurations, about 
 its figures.
 """
 
+import dataclasses
 import os
 import random
 import re
@@ -87,9 +88,11 @@ GRAMMARS = [
 ]
 
 
-def _params(rng: random.Random, prefixes, grammar_rng: random.Random) -> tuple[list[int], SamplingParams]:
-    """A request drawn from ``rng``; ``grammar_rng`` (its own stream, so that ``rng``'s runs stay the same) picks
-    which greedy requests get a structured output."""
+def _params(rng: random.Random, prefixes, grammar_rng: random.Random,
+            scoring_rng: random.Random) -> tuple[list[int], SamplingParams]:  # fmt: skip
+    """A request drawn from ``rng``; ``grammar_rng`` and ``scoring_rng`` (their own streams, so that ``rng``'s runs
+    stay the same) pick which greedy requests get a structured output and which requests score their prompt
+    (``prompt_logprobs``)."""
     prompt = list(rng.choice(prefixes))[: rng.randint(0, 24)] + [rng.randint(3, 95) for _ in range(rng.randint(1, 20))]
     kind = rng.random()
     common = dict(max_new_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.7)
@@ -104,7 +107,18 @@ def _params(rng: random.Random, prefixes, grammar_rng: random.Random) -> tuple[l
         stop = [chr(ord("!") + rng.randint(3, 95))] if rng.random() < 0.3 else []
         grammar = grammar_rng.choice(GRAMMARS)[0] if grammar_rng.random() < 0.3 else None
         params = SamplingParams(temperature=0.0, stop=stop, structured_output=grammar, **common)
+    if scoring_rng.random() < 0.25:
+        params = dataclasses.replace(params, prompt_logprobs=scoring_rng.choice([0, 3]))
     return prompt, params
+
+
+def _check_prompt_logprobs(prompt, params: SamplingParams, entries) -> None:
+    """Every prompt token scored once, in order: the token first, then its k alternatives ranked 1..k."""
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None, (prompt, entries)
+    for token_id, entry in zip(prompt[1:], entries[1:], strict=True):
+        assert next(iter(entry)) == token_id
+        alternatives = sorted(lp.rank for lp in entry.values())[: params.prompt_logprobs]
+        assert alternatives == list(range(1, params.prompt_logprobs + 1)), entry
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -159,6 +173,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
                                       _Reference(model, tokenizer, config["block_size"], kv_cache_dtype))  # fmt: skip
     prefixes = [[rng.randint(3, 95) for _ in range(24)] for _ in range(2)]
     grammar_rng = random.Random(f"grammar-{seed}")
+    scoring_rng = random.Random(f"prompt-logprobs-{seed}")
     accepted: dict[str, tuple] = {}  # request id -> (prompt, params)
     finished: dict[str, object] = {}
     aborted: set[str] = set()
@@ -167,6 +182,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
         steps=0, requests=0, rejected=0, aborts=0, interrupts=0, stream_deltas=0, greedy_checked=0, numeric_ties=0
     )
     counts["structured"] = 0  # structured-output requests whose outputs were checked
+    counts["prompt_logprobs"] = 0  # requests whose prompt log-probs were checked
 
     def record(outs):
         for out in outs:
@@ -178,7 +194,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
         op = rng.random()
         try:
             if op < 0.3:
-                prompt, params = _params(rng, prefixes, grammar_rng)
+                prompt, params = _params(rng, prefixes, grammar_rng, scoring_rng)
                 try:
                     rid = engine.add_request(prompt, params)
                 except ValueError as e:  # documented: the request can never fit this pool
@@ -188,7 +204,7 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
                 accepted[rid] = (prompt, params)
                 counts["requests"] += 1
             elif op < 0.4:
-                prompt, params = _params(rng, prefixes, grammar_rng)
+                prompt, params = _params(rng, prefixes, grammar_rng, scoring_rng)
                 if params.n != 1 or params.beam_width != 1:
                     continue
                 try:
@@ -255,6 +271,9 @@ def _run(seed: int, model, tokenizer, references, fused_model=None) -> dict:
                 counts["numeric_ties"] += 1
             counts["greedy_checked"] += 1
         assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+        if params.prompt_logprobs is not None:
+            _check_prompt_logprobs(prompt, params, out.prompt_logprobs)
+            counts["prompt_logprobs"] += 1
         if params.structured_output is not None:
             pattern = next(p for g, p in GRAMMARS if g is params.structured_output)
             for c in out.outputs:

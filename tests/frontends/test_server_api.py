@@ -64,8 +64,8 @@ HONOURED = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "presence_penalty",
     "frequency_penalty", "logit_bias", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
     "repetition_penalty", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search", "length_penalty",
-    "truncate_prompt_tokens", "request_id", "response_format", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar",
+    "truncate_prompt_tokens", "request_id", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar",
     # completions
     "prompt", "logprobs", "echo", "best_of", "suffix", "add_special_tokens",
     # chat

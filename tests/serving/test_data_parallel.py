@@ -180,6 +180,33 @@ def test_a_repeated_prompt_goes_to_the_replica_that_cached_it(served):
     assert after.replicas[cached].metrics.num_used_blocks == 0
 
 
+def test_prompt_logprobs_cross_the_pipe_and_reset_prefix_cache_empties_every_replica(served, offline):
+    engine = served.engine
+    prompt = list(range(10, 50))  # 5 full blocks of 8
+    scored = SamplingParams(max_new_tokens=2, prompt_logprobs=3, **GREEDY)
+    plain = SamplingParams(max_new_tokens=2, **GREEDY)
+    expected = offline.generate([prompt], scored, use_tqdm=False)[0].prompt_logprobs
+
+    async def main():
+        await _idle(engine)
+        outs = [await engine.generate(prompt, scored), await engine.generate(prompt, plain)]
+        await engine.reset_prefix_cache()
+        outs.append(await engine.generate(prompt, plain))
+        await _idle(engine)
+        return outs
+
+    with_logprobs, hit, after_reset = _run(main())
+    got = with_logprobs.prompt_logprobs
+    assert len(got) == len(expected) == len(prompt) and got[0] is None
+    for entry, want in zip(got[1:], expected[1:], strict=True):
+        assert list(entry) == list(want)
+        for token_id, lp in entry.items():
+            assert (lp.rank, lp.decoded_token) == (want[token_id].rank, want[token_id].decoded_token)
+            assert lp.logprob == pytest.approx(want[token_id].logprob, abs=1e-5)
+    assert hit.num_cached_tokens == 32  # the blocks the scored request computed were indexed
+    assert after_reset.num_cached_tokens == 0
+
+
 @pytest.mark.parametrize("how", ["cancel", "aclose"])
 def test_leaving_a_stream_aborts_it_on_its_replica_and_frees_its_blocks(served, how):
     engine = served.engine
