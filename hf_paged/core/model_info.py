@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.core.kv_dtype import is_fp8, kv_storage_dtype, read_kv_scales
+from hf_paged.core.kv_dtype import check_fp8_devices, is_fp8, kv_storage_dtype, read_kv_scales
 from hf_paged.core.kv_pool import KVPool, LayerKV, check_layer_specs
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -46,8 +46,9 @@ class ModelInfo:
 
         Raises:
             ValueError: the model is encoder-decoder, has layers whose state blocks cannot hold, or KV heads that
-                tensor parallelism cannot split; an unknown ``kv_cache_dtype``; FP8 for latent (MLA) layers;
-                checkpoint scales of a shape the layer cannot take.
+                tensor parallelism cannot split; an unknown ``kv_cache_dtype``; FP8 for latent (MLA) layers; e4m3
+                on a CUDA device older than compute capability 8.9; checkpoint scales of a shape the layer cannot
+                take.
         """
         config = model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -67,6 +68,7 @@ class ModelInfo:
                     f"kv_cache_dtype={kv_cache_dtype!r}: {model_type!r} has latent attention (MLA), which hf_paged "
                     "pages in the model's dtype only; use kv_cache_dtype='auto' for it"
                 )
+            check_fp8_devices(kv_cache_dtype, devices)
             kv_scales = read_kv_scales(model, [spec.num_kv_heads for spec in layers], devices)
         return cls(
             model_type=model_type,

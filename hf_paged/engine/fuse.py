@@ -16,10 +16,12 @@ engine merges the user's modules in place, without touching the model's code:
   the group has read them.
 
 Quantized projections stay unfused: torchao's weights are tensor subclasses (``Int8Tensor``, ``Float8Tensor``, ...)
-whose scales and packing ``torch.cat`` does not merge into one valid quantized weight, and bitsandbytes' and
-compressed-tensors' modules are ``nn.Linear`` subclasses with their own forward. Such a model keeps five projection
-GEMMs per layer instead of two: the same weight bytes are read, so a weight-bound decode step loses only the extra
-launches (~5 µs each at small batch on an H200, fewer inside a CUDA graph), not bandwidth.
+whose scales and packing ``torch.cat`` does not merge into one valid quantized weight; bitsandbytes' modules are
+``nn.Linear`` subclasses with their own forward; compressed-tensors keeps ``nn.Linear`` but sets a forward on the
+instance (it quantizes each input, e.g. per token to FP8, before the GEMM: a fused GEMM would skip that) and, until
+its first forward decompresses them, holds FP8 weights whose scales live in a separate ``weight_scale``. Such a
+model keeps five projection GEMMs per layer instead of two: the same weight bytes are read, so a weight-bound decode
+step loses only the extra launches (~5 µs each at small batch on an H200, fewer inside a CUDA graph), not bandwidth.
 
 ``unfuse_projections`` puts the original modules back (their parameters stay views of the fused storage).
 Under torch.compile the parts trace like any module (the cache is Python state that dynamo tracks); the engine
@@ -34,6 +36,8 @@ from torch import nn
 
 # Sibling modules that read one input, by name (Llama, Qwen2/3, Mistral, Gemma, Phi-3-style layouts, ...).
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Weights F.linear multiplies as they are (quantized weights of other dtypes need their scales).
+_FUSABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(eq=False)
@@ -89,8 +93,12 @@ def _fusable(modules: list) -> bool:
         w = m.weight
         if getattr(m, "_hf_hook", None) is not None or m._forward_hooks or m._forward_pre_hooks:
             return False  # accelerate's offload hooks, tensor parallelism's input/output hooks
+        if "forward" in m.__dict__:
+            return False  # a forward set on the instance (compressed-tensors' input quantization) would be skipped
         if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor:
             return False  # DTensors, torchao's quantized weights and other tensor subclasses
+        if w.dtype not in _FUSABLE_DTYPES:
+            return False  # FP8 or integer weights: their scales are kept beside them, outside the GEMM
         if (w.dim(), w.shape[1], w.dtype, w.device) != (2, first.in_features, first.weight.dtype, first.weight.device):
             return False
         if (m.bias is None) != (first.bias is None):

@@ -140,7 +140,8 @@ def eager_reason(model: "torch.nn.Module") -> str | None:
 
     bitsandbytes' LLM.int8 (8-bit with ``llm_int8_threshold`` > 0) splits out the outlier columns of each input by a
     data-dependent mask: a host sync that a CUDA graph cannot capture, and a graph break per projection under
-    dynamo. torchao's tensor subclasses, bitsandbytes 4-bit and compressed-tensors' FP8 trace.
+    dynamo. torchao's tensor subclasses and bitsandbytes 4-bit trace; compressed-tensors' decompressed modules
+    trace with a graph break each (its offload wrapper compares data pointers; the layers compile without fullgraph).
     """
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     if quantization_method(model) != "bitsandbytes" or config is None:

@@ -1,5 +1,5 @@
 """FP8 KV pool: the kv_cache_dtype names, half the bytes a block (twice the tokens a budget), per-layer scales from
-the checkpoint's attention modules, bit-exact block moves, and the refusals."""
+the checkpoint's attention modules, bit-exact block moves, and the refusals (e4m3 on GPUs before sm_89 included)."""
 
 import pytest
 import torch
@@ -7,7 +7,8 @@ from mla_models import tiny_mla_model
 from models import tiny_model
 
 from hf_paged import ContinuousBatcher, EngineConfig, PagedCache
-from hf_paged.core.kv_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype, kv_storage_dtype
+from hf_paged.core import model_info
+from hf_paged.core.kv_dtype import KV_CACHE_DTYPES, check_fp8_devices, check_kv_cache_dtype, kv_storage_dtype
 from hf_paged.core.kv_pool import KVPool, LayerKV
 from hf_paged.core.model_info import ModelInfo
 from hf_paged.engine.memory import kv_bytes_per_device
@@ -130,6 +131,39 @@ def test_scales_are_read_from_the_attention_modules():
     assert cache.kv.kv_scales[0][0].tolist() == [0.25]
 
 
+def test_scales_the_loader_dropped_are_read_from_the_checkpoint(tmp_path):
+    """A config with a static kv_cache_scheme whose scales are not on the modules (compressed-tensors under
+    transformers 5.24): the checkpoint's "<module>.k_scale" tensors, here over two shards of an index; the modules'
+    own scales win where they have them; a dynamic scheme stores none (1.0, nothing read)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")  # 2 layers, 2 KV heads
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor([0.5]), "model.layers.0.self_attn.v_scale":
+               torch.tensor(0.25), "model.norm.weight": torch.ones(4)}, tmp_path / "a.safetensors")  # fmt: skip
+    save_file({"model.layers.1.self_attn.k_scale": torch.tensor([2.0, 4.0]),
+               "model.layers.1.self_attn.v_scale": torch.tensor([0.125])}, tmp_path / "b.safetensors")  # fmt: skip
+    names = ["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale", "model.norm.weight"]
+    weight_map = {name: "a.safetensors" for name in names} | {
+        f"model.layers.1.self_attn.{n}": "b.safetensors" for n in ("k_scale", "v_scale")
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    model.config.quantization_config = {"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}
+    model.config._name_or_path = str(tmp_path)
+    scales = [[s.tolist() for s in pair] for pair in ModelInfo.from_model(model, "fp8").kv_scales]
+    assert scales == [[[0.5], [0.25]], [[2.0, 4.0], [0.125]]]
+    _attention(model, 1).register_buffer("k_scale", torch.tensor([3.0]))
+    _attention(model, 1).register_buffer("v_scale", torch.tensor([6.0]))
+    scales = [[s.tolist() for s in pair] for pair in ModelInfo.from_model(model, "fp8").kv_scales]
+    assert scales == [[[0.5], [0.25]], [[3.0], [6.0]]]
+    scheme["dynamic"] = True
+    (tmp_path / "model.safetensors.index.json").unlink()  # a read would now find no files and raise
+    scales = [[s.tolist() for s in pair] for pair in ModelInfo.from_model(model, "fp8").kv_scales]
+    assert scales == [[[1.0], [1.0]], [[3.0], [6.0]]]
+
+
 @pytest.mark.parametrize(
     ("k_scale", "v_scale", "message"),
     [
@@ -156,3 +190,30 @@ def test_fp8_with_latent_attention_is_refused():
     with pytest.raises(ValueError, match=message.replace("'fp8'", "'fp8_e5m2'")):
         ContinuousBatcher(model, num_blocks=8, kv_cache_dtype="fp8_e5m2")
     assert PagedCache(model, num_blocks=8).kv.dtype == next(model.parameters()).dtype  # "auto" still pages it
+
+
+def test_e4m3_is_refused_on_gpus_before_sm89(monkeypatch):
+    """Triton has no e4m3 type before sm_89 (tests/kernels/test_gpu_compile.py shows its compile error for sm_80): an
+    A100 (8.0) refuses "fp8"/"fp8_e4m3" when PagedCache or the engine is built, naming the device and fp8_e5m2; an
+    Ada or Hopper card takes e4m3, and e5m2 runs from 8.0. torch's answer for the capability is patched: no GPU
+    here."""
+    capabilities = {0: (8, 0), 1: (8, 9)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capabilities[device.index])
+    a100, ada = torch.device("cuda", 0), torch.device("cuda", 1)
+    message = (
+        r"kv_cache_dtype='fp8' stores float8 e4m3, which Triton supports on CUDA GPUs of compute capability "
+        r">= 8\.9 \(Ada, Hopper or newer\); cuda:0 has compute capability 8\.0: use kv_cache_dtype='fp8_e5m2'"
+    )
+    with pytest.raises(ValueError, match=message):
+        check_fp8_devices("fp8", [ada, a100])
+    with pytest.raises(ValueError, match=message.replace("'fp8'", "'fp8_e4m3'", 1)):
+        check_fp8_devices("fp8_e4m3", [a100])
+    for kv_cache_dtype, devices in (("fp8", [ada, CPU]), ("fp8_e4m3", [ada]), ("fp8_e5m2", [a100]), ("auto", [a100])):
+        check_fp8_devices(kv_cache_dtype, devices)  # no error
+    # Both constructors check their layers' devices before allocating anything (here: layers "on" the A100).
+    monkeypatch.setattr(model_info, "_layer_devices", lambda model, num_layers: [a100] * num_layers)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=message):
+        PagedCache(model, num_blocks=4, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=message):
+        ContinuousBatcher(model, num_blocks=4, kv_cache_dtype="fp8")

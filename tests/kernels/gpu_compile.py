@@ -11,7 +11,8 @@ variants (SM90 only, chosen on a CUDA device) are compiled for sm_90 too.
 
 Run without ``TRITON_INTERPRET`` (the interpreter replaces the kernels' helper functions):
 ``python tests/kernels/gpu_compile.py [--shard I/N]`` prints one line a compile and exits 1 on any failure
-(``--memory-ops CASE``: one kernel's global-memory instructions);
+(``--memory-ops CASE``: one kernel's global-memory instructions; ``--e4m3-sm80``: the error an e4m3 cache's kernel
+gets for sm_80);
 tests/kernels/test_gpu_compile.py runs it in one subprocess a core.
 """
 
@@ -103,8 +104,9 @@ def _record_fp8_launches(gen: torch.Generator) -> None:
     """FP8 caches (kernels/kv_quant.py) under bf16 queries at the benchmark shape (32 heads, 8 KV heads, head_dim
     128), both formats: the decode variants (splits, fused write, window and cap, shared prefix), prefill over the
     cache (with key/value too, which an fp8 cache does not read), write_kv with per-head and per-tensor scales, and
-    the copies (bytes). Compiled for sm_90 only: e4m3fn conversions need sm_89+. Every variant in e4m3; e5m2
-    differs only in its conversions, so one variant of each kernel in it (the check's CI time)."""
+    the copies (bytes). e4m3 launches compile for sm_90 only (Triton has no e4m3 type before sm_89: ``e4m3_on_sm80``),
+    e5m2 ones for sm_80 too. Every variant in e4m3; e5m2 differs only in its conversions, so one variant of each
+    kernel in it (the check's CI time)."""
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         every = fp8 is torch.float8_e4m3fn
         k = torch.randn(64, 16, 8, 128, generator=gen).to(fp8)
@@ -207,14 +209,25 @@ def _pdl_variants(launches: list[tuple]) -> list[tuple]:
     return out
 
 
-def _is_fp8(launch_: tuple) -> bool:
-    """Whether a recorded launch has an fp8 tensor or the KV_FP8 flag: compiled for sm_90 only (e4m3fn conversions
-    need sm_89+)."""
-    jit_fn, args = launch_[0], launch_[1]
-    values = {p.name: a for p, a in zip(jit_fn.params, args, strict=True)}
-    return values.get("KV_FP8") is True or any(
-        isinstance(a, torch.Tensor) and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for a in args
-    )
+def _capabilities(launch_: tuple) -> tuple[int, ...]:
+    """The compute capabilities a recorded launch compiles for: sm_90 only for one over an e4m3 tensor (Triton's
+    float8e4nv exists from sm_89 on), sm_90 and sm_80 for the rest, e5m2 caches included."""
+    e4m3 = any(isinstance(a, torch.Tensor) and a.dtype is torch.float8_e4m3fn for a in launch_[1])
+    return (90,) if e4m3 else (90, 80)
+
+
+def e4m3_on_sm80() -> str:
+    """Compile the e4m3 write_kv launch for sm_80 and return the first error line that names the fp8 type, or
+    "compiled" (a Triton that converts e4m3 on sm_80: hf_paged.core.kv_dtype's refusal could then go)."""
+    fp8_writes = [
+        launch_ for launch_ in record_launches()
+        if launch_[0].__name__ == "_write_kv_kernel" and _capabilities(launch_) == (90,)
+    ]  # fmt: skip
+    try:
+        compile_launch(*fp8_writes[0][:5], 80)
+    except Exception as exc:
+        return next((line.strip() for line in str(exc).splitlines() if "fp8e4nv" in line), repr(exc))
+    return "compiled"
 
 
 def _memory_cases() -> dict:
@@ -244,14 +257,18 @@ def memory_ops(case: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``--shard I/N``: compile every N-th job from the I-th (the test runs the shards in parallel processes).
-    ``--memory-ops CASE``: print one compile's global-memory instructions (``memory_ops``)."""
+    ``--memory-ops CASE``: print one compile's global-memory instructions (``memory_ops``). ``--e4m3-sm80``: print
+    ``e4m3_on_sm80()``."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--memory-ops"]:
         print(" ".join(memory_ops(argv[1])))
         return 0
+    if argv[:1] == ["--e4m3-sm80"]:
+        print(e4m3_on_sm80())
+        return 0
     shard, num_shards = (int(x) for x in argv[1].split("/")) if argv[:1] == ["--shard"] else (0, 1)
     launches = record_launches()
-    jobs = [(launch_, cc) for launch_ in launches for cc in ((90,) if _is_fp8(launch_) else (90, 80))]
+    jobs = [(launch_, cc) for launch_ in launches for cc in _capabilities(launch_)]
     jobs += [(v, 90) for v in _pdl_variants(launches)]
     jobs = jobs[shard::num_shards]
     failures = 0
