@@ -82,7 +82,7 @@ def parse_grammar(spec: StructuredOutput):
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+            return _strict_strings(xgr, xgr.Grammar.from_json_schema(schema, any_whitespace=False))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
@@ -94,6 +94,21 @@ def parse_grammar(spec: StructuredOutput):
         message = _XGR_LOCATION.sub("", str(e)).strip()
         value = getattr(spec, kind)
         raise ValueError(f"`structured_output.{kind}` is invalid: {message} (got {value!r:.300})") from None
+
+
+# xgrammar (0.2.x) writes the characters of a length-bounded JSON string (minLength/maxLength) as [^"\\\r\n], which
+# lets raw control characters (U+0000-U+001F) through: JSON forbids them in strings, and json.loads, pydantic and
+# the openai client refuse such output (random-weight models emit them often). Its unbounded string rule already
+# excludes them; the bounded one is rewritten to match. A grammar without the loose class is returned unchanged.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _strict_strings(xgr, grammar):
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
 
 
 class GrammarCache:
