@@ -96,6 +96,8 @@ def parse_grammar(spec: StructuredOutput):
         raise ValueError(f"`structured_output.{kind}` is invalid: {message} (got {value!r:.300})") from None
 
 
+_BATCH_MIN_ROWS = 16  # below this, a step's matchers run serially: a thread hand-off costs more than it saves
+
 # xgrammar (0.2.x) writes the characters of a length-bounded JSON string (minLength/maxLength) as [^"\\\r\n], which
 # lets raw control characters (U+0000-U+001F) through: JSON forbids them in strings, and json.loads, pydantic and
 # the openai client refuse such output (random-weight models emit them often). Its unbounded string rule already
@@ -109,6 +111,19 @@ def _strict_strings(xgr, grammar):
     if _LOOSE_STRING_CHAR not in text:
         return grammar
     return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
+
+
+def grammar_vocab_size(tokenizer, vocab_size: int, stop_token_ids) -> int:
+    """How many ids the grammars know: the tokenizer's (its largest id + 1) and the stop ids, within the logits'
+    width ``vocab_size``.
+
+    Logits are often wider than the tokenizer (padded to a multiple of 64 or 128, or a head shared by several
+    vocabularies). xgrammar counts every id past the tokenizer as a special token and pays for each one at every
+    accepted token (~20 µs a token with 100k of them, against ~1 µs without): those ids are left out of the
+    grammars and masked apart (``apply_bitmask``).
+    """
+    top = max(max(tokenizer.get_vocab().values(), default=-1), max(stop_token_ids, default=-1)) + 1
+    return min(vocab_size, top)
 
 
 class GrammarCache:
@@ -191,12 +206,13 @@ class RequestGrammar:
 
 
 def apply_bitmask(
-    logits: torch.Tensor,  # [num_rows, vocab_size], contiguous; changed in place
+    logits: torch.Tensor,  # [num_rows, width >= vocab_size], contiguous; changed in place
     bitmask: torch.Tensor,  # [num_rows, ceil(vocab_size / 32)] int32 on the host
-    vocab_size: int,
+    vocab_size: int,  # the grammars' ids: the columns past it are masked in every given row
     rows: list[int] | None,  # the rows to mask (None: all)
 ) -> None:
-    """xgrammar's ``apply_token_bitmask_inplace`` on ``logits``' device, in one launch, across xgrammar versions.
+    """xgrammar's ``apply_token_bitmask_inplace`` on ``logits``' device, in one launch (two when the logits are wider
+    than the grammars' vocabulary), across xgrammar versions.
 
     ``rows`` goes as a list (the type every version takes: a device tensor is copied again by some). Older versions
     mask only fp32 logits on the CPU and read the row stride from the width, so other dtypes go through an fp32 copy
@@ -218,6 +234,11 @@ def _apply_bitmask(xgr, logits, bitmask, vocab_size, rows) -> None:
                                         indices=rows)  # fmt: skip
     if target is not logits:
         logits.copy_(target)
+    if logits.shape[1] > vocab_size:  # ids no token of the tokenizer has: never part of an output
+        if rows is None:
+            logits[:, vocab_size:] = float("-inf")
+        else:
+            logits[to_device(rows, torch.int64, device), vocab_size:] = float("-inf")
 
 
 class SeqMatcher:
@@ -269,6 +290,23 @@ class StructuredDecoding:
         self.blocking = blocking
         self.cache: GrammarCache | None = None
         self.waiting: list[Request] = []  # submitted, grammar compiling: not in the scheduler yet (arrival order)
+        self._batch = None  # xgrammar's BatchGrammarMatcher (a thread pool), made by the first batched call
+        self.grammar_vocab = vocab_size  # the ids the grammars know (grammar_vocab_size), set with the cache
+
+    def _batcher(self, num_matchers: int):
+        """xgrammar's batch matcher when a step has enough matchers to share out over threads, else None (serial).
+
+        A JSON-schema mask costs ~20-30 µs a row: 256 constrained rows take ~6 ms of host time a step serially, more
+        than a small model's forward; the batch call fills them on a pool of threads.
+        """
+        if num_matchers < _BATCH_MIN_ROWS:
+            return None
+        if self._batch is None:
+            xgr = import_xgrammar()
+            if not hasattr(xgr, "BatchGrammarMatcher"):  # older xgrammar: serial
+                return None
+            self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        return self._batch
 
     def grammar_for(self, params: SamplingParams) -> RequestGrammar | None:
         """The grammar of a request with these parameters (None without ``structured_output``).
@@ -286,7 +324,8 @@ class StructuredDecoding:
             )
         if self.cache is None:
             import_xgrammar()
-            self.cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids, blocking=self.blocking)
+            self.grammar_vocab = grammar_vocab_size(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            self.cache = GrammarCache(self.tokenizer, self.grammar_vocab, self.stop_token_ids, blocking=self.blocking)
         return RequestGrammar(spec, self.cache.get(spec))
 
     def has_waiting(self) -> bool:
@@ -343,12 +382,13 @@ class StructuredDecoding:
                 f"bug in hf_paged: logits have {logits.shape[1]} columns, the grammars {self.vocab_size}"
             )
         # Rows of the other requests stay unfilled: ``indices`` keeps the kernel off them.
-        bitmask = torch.empty(xgr.get_bitmask_shape(logits.shape[0], self.vocab_size), dtype=xgr.bitmask_dtype)
+        bitmask = torch.empty(xgr.get_bitmask_shape(logits.shape[0], self.grammar_vocab), dtype=xgr.bitmask_dtype)
+        matchers, fill_rows, copies = [], [], []
         prev_seq, prev_row = None, -1
         for row in rows:
             seq = seqs[row]
             if seq is prev_seq:  # a prompt forking into n samples: n rows of one state
-                bitmask[row] = bitmask[prev_row]
+                copies.append((row, prev_row))
                 continue
             if seq.num_inflight:  # its last token is still on the device: the mask would miss it
                 raise RuntimeError(
@@ -357,9 +397,18 @@ class StructuredDecoding:
             state = SeqMatcher.sync(requests[row], seq)
             if state.rejected is not None or state.matcher.is_terminated():
                 raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar ended")
-            state.matcher.fill_next_token_bitmask(bitmask, row)
+            matchers.append(state.matcher)
+            fill_rows.append(row)
             prev_seq, prev_row = seq, row
-        apply_bitmask(logits, bitmask, self.vocab_size, rows if len(rows) < logits.shape[0] else None)
+        batch = self._batcher(len(matchers))
+        if batch is not None:
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=fill_rows)
+        else:
+            for matcher, row in zip(matchers, fill_rows, strict=True):
+                matcher.fill_next_token_bitmask(bitmask, row)
+        for row, source in copies:
+            bitmask[row] = bitmask[source]
+        apply_bitmask(logits, bitmask, self.grammar_vocab, rows if len(rows) < logits.shape[0] else None)
 
     def advance(self, request: "Request", seq: "Sequence") -> str | None:
         """Feed ``seq``'s new tokens to its matcher; how the sequence must end, if it must.
@@ -410,9 +459,9 @@ class GrammarLogitsProcessor:
         if stop_token_ids is None and tokenizer.eos_token_id is not None:
             stop_token_ids = [tokenizer.eos_token_id]
         stop_token_ids = list(stop_token_ids) if stop_token_ids else None  # None: xgrammar takes the tokenizer's
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.vocab_size = grammar_vocab_size(tokenizer, vocab_size, stop_token_ids or ())
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids)
         self.compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(parse_grammar(spec))
-        self.vocab_size = vocab_size
         self.stop_token_ids = list(info.stop_token_ids)
         self.matchers: list = []  # one per batch row, made by the first call
         self.prompt_len = 0

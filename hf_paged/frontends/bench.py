@@ -141,15 +141,21 @@ def _hf_generate_once(model, workload: Workload, args) -> tuple[float, int]:
 
 
 def run_hf_cb(model, workload: Workload, args, repeats: int) -> dict:
-    """transformers' built-in continuous batching (ContinuousBatchingManager), sdpa attention."""
-    model.set_attn_implementation("sdpa")
+    """transformers' built-in continuous batching (ContinuousBatchingManager), sdpa attention, or eager attention
+    for a model that has no sdpa (gpt-oss: its sinks)."""
+    attention = "sdpa"
+    try:
+        model.set_attn_implementation(attention)
+    except ValueError:  # "does not support an attention implementation through ... scaled_dot_product_attention"
+        attention = "eager"
+        model.set_attn_implementation(attention)
     base = _reset_memory()
     elapsed = []
     for _ in range(repeats):
         t, generated = _hf_cb_once(model, workload)
         elapsed.append(t)
     peak = torch.cuda.max_memory_allocated() - base
-    return dict(elapsed=elapsed, generated=generated, peak=peak, note="ContinuousBatchingManager, sdpa")
+    return dict(elapsed=elapsed, generated=generated, peak=peak, note=f"ContinuousBatchingManager, {attention}")
 
 
 def _hf_cb_once(model, workload: Workload) -> tuple[float, int]:
@@ -172,6 +178,8 @@ def _hf_cb_once(model, workload: Workload) -> tuple[float, int]:
                 done += 1
                 generated += len(result.generated_tokens)
     torch.cuda.synchronize()
+    if generated == 0:  # its generation loop failed (logged above): the results came back empty
+        raise RuntimeError("transformers continuous batching generated no token (its generation loop failed)")
     return time.perf_counter() - start, generated
 
 

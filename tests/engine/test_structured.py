@@ -437,3 +437,17 @@ def test_length_bounded_json_strings_refuse_control_characters(tokenizer):
         grammar = compiler.compile_grammar(structured.parse_grammar(StructuredOutput(json=schema)))
         for text, ok in (('"ab c"', True), ('"ab\x0bc"', False), ('"a\tb"', False), ('"a\x00"', False)):
             assert xgr.GrammarMatcher(grammar).accept_string(text) is ok, (schema, text)
+
+
+def test_grammars_know_only_the_tokenizers_ids_and_the_rest_is_masked(tokenizer):
+    """Logits wider than the tokenizer: the grammars cover its ids (and the stop ids), the columns past them are
+    masked in the constrained rows alone."""
+    assert structured.grammar_vocab_size(tokenizer, VOCAB, [EOS]) == len(tokenizer.get_vocab()) < VOCAB
+    assert structured.grammar_vocab_size(tokenizer, VOCAB, [EOS, 120]) == 121  # a stop id past the tokenizer's
+    assert structured.grammar_vocab_size(tokenizer, 50, [EOS]) == 50  # never past the logits
+    logits = torch.randn(3, 70)
+    bitmask = torch.full((3, 2), -1, dtype=torch.int32)  # [rows, ceil(40 / 32)]: every grammar id allowed
+    expected = logits.clone()
+    expected[[0, 2], 40:] = float("-inf")
+    structured.apply_bitmask(logits, bitmask, 40, [0, 2])
+    torch.testing.assert_close(logits, expected)
