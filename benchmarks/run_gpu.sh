@@ -31,7 +31,7 @@
 #   engine-qwen / engine-llama   the Qwen3-0.6B workloads / the Llama-3.1-8B one                   (~6 / ~3 min)
 #   engine-models  hf-paged bench, sharegpt-like (64 requests) on the shapes of gpt-oss-20b (sinks), DeepSeek-V2-Lite
 #                  (MLA), Gemma-3-4B and Mixtral-8x7B, each beside transformers' continuous batching; a process
-#                  a model, dealt over the GPUs                                           (~8 min on 2 GPUs)
+#                  a model, dealt over the GPUs (MODELS="SHAPE ...": those shapes only)   (~8 min on 2 GPUs)
 #   generate       benchmarks/generate.py, the whole grid (2 shapes x 4 points x 3 modes x 4 systems), a
 #                  process a (shape, point), dealt over the GPUs: one call on 8 GPUs
 #   generate-qwen / generate-llama   one shape's 4 points: one call on 4 GPUs
@@ -77,7 +77,7 @@ ENGINE_QWEN=(
     "prefix 150 bench --workload prefix --systems hf_paged,hf_paged_no_prefix --repeats 3"
 )
 ENGINE_MODELS=() HF_CB="--systems hf_paged,hf_cb --baseline-repeats 1"
-for shape in mixtral-8x7b gpt-oss-20b deepseek-v2-lite gemma-3-4b; do
+for shape in ${MODELS:-mixtral-8x7b gpt-oss-20b deepseek-v2-lite gemma-3-4b}; do
     ENGINE_MODELS+=("$shape 270 bench --model $shape --workload sharegpt --num-requests 64 --repeats 1 $HF_CB")
 done
 GRID="--modes greedy samples4 beams4 --systems dynamic static paged paged-compiled --new-tokens 32 --repeats 3"
