@@ -27,6 +27,7 @@ class Launched:
     host: list | None = None  # host copies of (token_ids, logprobs, top_logprobs, top_token_ids) (pinned on CUDA)
     event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
     token_time: float | None = None  # time.monotonic() when the tokens reached the host (first-token metrics)
+    processed: bool = False  # its tokens were read back and applied (StepPipeline._process)
     prompt_logprobs: object = None  # hf_paged.engine.prompt_logprobs.PromptLogprobRows of the step, if it scores any
 
 
@@ -57,7 +58,7 @@ class SamplingRows:
     identity: bool = False  # row_idx is range(num_logits): the sampler takes the logits as they are
     deferrable: bool = True  # every row is a plain sample: the step may be processed after the next is queued
     constrained: list[int] = field(default_factory=list)  # rows of requests with structured_output, ascending:
-    # their grammar masks the logits, and the next mask needs this token on the host (such a step is not deferrable)
+    # their grammar masks the logits (the engine reads the previous step's tokens first: StepPipeline._launch)
     reusable: bool = False  # see the class doc
     plan: RowPlan | None = None  # the sampler's checked summary of params and generators, made on first use
     row_of: dict[int, int] | None = None  # sequence id -> its row (reusable rows), made on first use by ``take``
@@ -79,7 +80,6 @@ class SamplingRows:
             rows.generators = [r.generator for r in requests]
             rows.constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
             rows.identity = rows.reusable = True
-            rows.deferrable = not rows.constrained
             return rows
         for r, (seq, request) in enumerate(pairs):
             if request.is_beam_search:
@@ -100,7 +100,6 @@ class SamplingRows:
                 rows.requests.append(request)
                 if request.grammar is not None:
                     rows.constrained.append(len(rows.row_idx) - 1)
-        rows.deferrable = rows.deferrable and not rows.constrained
         rows.identity = rows.row_idx == list(range(len(pairs)))
         return rows
 
@@ -129,7 +128,7 @@ class SamplingRows:
             list(seq_ids), list(sched.sample_idx), row_idx=list(range(len(idx))), params=params,
             outputs=[()] * len(idx), prompts=[self.prompts[r] for r in idx],
             generators=[self.generators[r] for r in idx], seqs=[self.seqs[r] for r in idx],
-            requests=[self.requests[r] for r in idx], identity=True, deferrable=not constrained,
+            requests=[self.requests[r] for r in idx], identity=True, deferrable=True,
             constrained=constrained, reusable=True,
             plan=self.plan.take(idx, params) if self.plan is not None else None,
         )  # fmt: skip

@@ -9,7 +9,8 @@ frees), then stop strings and text (hf_paged.engine.outputs) and structured-outp
 
 Async scheduling: ``_step_once`` schedules and queues step N+1 before it processes step N, so the device never
 waits for the host's bookkeeping; a token of step N reaches step N+1's input on the device, never through the host.
-A step with a structured-output row is processed at once: its next mask needs the token on the host.
+A step with structured-output rows reads the previous step's tokens back as soon as its own forward is queued: its
+masks need them on the host, and they are made while the device runs that forward.
 """
 
 import time
@@ -95,7 +96,8 @@ class StepPipeline:
             self._metrics.num_steps += 1
             self._metrics.num_computed_tokens += sched.num_batched_tokens
             num_sampling = len(sched.sample_idx)
-            launched = self._launch(sched, logits[:num_sampling] if sched.prompt_logprob_spans else logits)
+            launched = self._launch(sched, logits[:num_sampling] if sched.prompt_logprob_spans else logits, prev,
+                                    touched)  # fmt: skip
             if sched.prompt_logprob_spans:  # the rows past the sampling ones score prompt tokens
                 launched.prompt_logprobs = prompt_logprobs.score(sched, logits[num_sampling:], self.requests)
         else:
@@ -105,7 +107,7 @@ class StepPipeline:
                     "bug in hf_paged: requests are waiting but none can be admitted into an empty pool "
                     f"({self.pool.num_free_blocks}/{self.pool.num_blocks} blocks free)"
                 )
-        if prev is not None:  # the previous step: its tokens are needed by now
+        if prev is not None and not prev.processed:  # the previous step: its tokens are needed by now
             self._inflight = None
             self._process(prev, touched)
         if launched is not None:
@@ -116,16 +118,18 @@ class StepPipeline:
         self._unreported = {}
         return touched
 
-    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> Launched:
+    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor, prev: Launched | None = None,
+                touched: dict[str, Request] | None = None) -> Launched:
         """Queue the sampling of one step and the copy of its tokens to the host; wait for nothing.
 
         Logits row ``r`` belongs to sequence ``sched.seq_ids[sched.sample_idx[r]]``; the sampler's rows are an
         explicit map into them (a prompt that forks into ``n`` samples gives its row ``n`` times; beam rows go
         to the beam search). The step is *deferred* (processed after the next step is queued) when async
         scheduling is on and every sampling row is a plain sample: no beam search, no prompt that forks into
-        ``n`` samples, no penalty or ``min_tokens`` (they need the previous token on the host), no structured output
-        (its next mask needs this token on the host). Structured-output rows get their grammar's mask here, while
-        the device runs the forward: -inf for the tokens it rules out, before the sampler (logprobs included).
+        ``n`` samples, no penalty or ``min_tokens`` (they need the previous token on the host). Structured-output
+        rows get their grammar's mask here, while the device runs the forward: -inf for the tokens it rules out,
+        before the sampler (logprobs included). The masks need the tokens of the step queued before (``prev``,
+        deferred): it is processed first, its requests going to ``touched``.
         """
         rows = self._rows
         if rows is None or rows.seq_ids != sched.seq_ids or rows.sample_idx != sched.sample_idx:
@@ -139,6 +143,9 @@ class StepPipeline:
         if rows.row_idx:
             identity = rows.identity and len(rows.row_idx) == logits.shape[0]
             row_logits = logits if identity else logits[to_device(rows.row_idx, torch.int64, logits.device)]
+            if rows.constrained and prev is not None and not prev.processed:
+                self._inflight = None
+                self._process(prev, touched)
             if rows.constrained:  # in place: a captured graph's logits buffer is rewritten by its next replay
                 self.structured.apply_masks(row_logits, rows.seqs, rows.requests, rows.constrained)
             if rows.plan is None or rows.plan.device_type != row_logits.device.type:
@@ -163,6 +170,7 @@ class StepPipeline:
 
     def _process(self, launched: Launched, touched: dict[str, Request]) -> None:
         """Read a launched step's tokens back (the one wait on the device) and apply them."""
+        launched.processed = True
         if launched.prompt_logprobs is not None:  # first: a prompt whose last chunk this is forks below
             launched.prompt_logprobs.apply(self.detokenizer.tokenizer)
         applied = []

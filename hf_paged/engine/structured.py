@@ -21,8 +21,10 @@ output tokens it has not read, and rebuilds it by replay when the output got sho
 (``n`` > 1: the samples fork after the prompt, with no output yet), a preemption by recompute or swap (the tokens
 do not change) and a recovered step need no grammar bookkeeping of their own.
 
-Async scheduling: a constrained row's mask needs the token sampled just before it on the host, so a step with a
-constrained row is processed at once (``SamplingRows.deferrable``); steps without one keep running ahead.
+Async scheduling: a constrained row's mask needs the token sampled just before it on the host. Steps stay deferred;
+a step with constrained rows reads the previous step's tokens back once its own forward is queued, then fills its
+masks while the device runs that forward (``StepPipeline._launch``). A row whose sequence that read-back ended gets
+no mask (its token is dropped).
 """
 
 import collections
@@ -389,6 +391,9 @@ class StructuredDecoding:
             seq = seqs[row]
             if seq is prev_seq:  # a prompt forking into n samples: n rows of one state
                 copies.append((row, prev_row))
+                continue
+            if seq.finish_reason is not None:  # ended by the step read back just before: its token is dropped
+                bitmask[row] = -1
                 continue
             if seq.num_inflight:  # its last token is still on the device: the mask would miss it
                 raise RuntimeError(

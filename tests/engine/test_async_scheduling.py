@@ -146,7 +146,7 @@ def test_sampling_rows_are_reused_only_while_the_step_sequences_stay_the_same(as
         launch, sampling_rows, sample = engine._launch, engine._sampling_rows, engine.sampler
         record = {"rebuilt": [], "changed": [], "joined": [], "key": None, "sampled": set()}
 
-        def checked_launch(sched, logits):
+        def checked_launch(sched, logits, *args):
             if not reuse:
                 engine._rows = None
             key = (list(sched.seq_ids), list(sched.sample_idx))
@@ -155,7 +155,7 @@ def test_sampling_rows_are_reused_only_while_the_step_sequences_stay_the_same(as
             record["joined"].append(key != record["key"] and not sampled <= record["sampled"])
             record["key"], record["sampled"] = key, sampled
             record["sched"] = sched
-            return launch(sched, logits)
+            return launch(sched, logits, *args)
 
         def counted_sampling_rows(sched):
             record["rebuilt"].append(len(record["changed"]) - 1)
