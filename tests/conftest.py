@@ -19,6 +19,18 @@ from hf_paged.frontends import models as frontend_models
 os.environ.setdefault("HF_PAGED_COMPILE", "0")
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmul_precision_restored():
+    """Puts back the process's float32 matmul precision after each test: torchao < 0.18 sets it to "high" (TF32 on
+    CUDA) whenever it quantizes a model, through quantize_ or transformers' TorchAoConfig, and every later CUDA test
+    would run its float32 matmuls in TF32."""
+    import torch
+
+    precision = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """The default model (SmolLM2-135M-Instruct) converted once into the default cache (``$HF_PAGED_CACHE`` or

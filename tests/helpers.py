@@ -1,4 +1,4 @@
-"""Helpers shared by the test files: skip markers, the subprocess hang guard and leak checks.
+"""Helpers shared by the test files: skip markers, the subprocess hang guard, leak checks and the near-tie check.
 
 Plain names, imported as ``from helpers import ...`` (pytest puts tests/ on ``sys.path``). Fixtures live in
 ``conftest.py``; the tiny random-weight model builders (``tiny_model``, ``FAMILIES``, ``DEVICE``, ``cache_kwarg``)
@@ -125,6 +125,33 @@ def assert_engine_drained(engine) -> None:
     stats = engine.pool.stats
     assert stats.num_used_blocks == 0, stats
     engine.pool.check_invariants()
+
+
+def assert_greedy_equal_up_to_a_near_tie(
+    model: torch.nn.Module, prompt: list[int], got: list[int], expected: list[int], tolerance: float
+) -> None:
+    """Greedy tokens ``got`` equal ``expected`` (``model``'s own greedy tokens for ``prompt``), or first differ at a
+    near tie: there ``model``'s log-probabilities for the common prefix (one plain forward) rank the expected token
+    at most ``tolerance`` nats above the other. Nothing after that position is compared: from there the two
+    continue different texts.
+
+    For computations that round differently for the same inputs (a GEMM's result depends on its row count on CUDA),
+    where a greedy choice between two tokens closer than the rounding error can go either way. ``tolerance`` is the
+    caller's bound on that error, in nats; a divergence at a wider gap fails with the gap in the message.
+    """
+    idx = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if idx is None:
+        assert len(got) == len(expected), (got, expected)
+        return
+    ids = torch.tensor([prompt + expected[:idx]], device=model.device)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+    gap = (logprobs[expected[idx]] - logprobs[got[idx]]).item()
+    assert gap <= tolerance, (
+        f"greedy tokens first differ at output position {idx}: {got[idx]} instead of {expected[idx]}, whose "
+        f"log-probability is {gap:.2e} nats higher there, over the near-tie tolerance {tolerance:.0e} "
+        f"(got {got}, expected {expected})"
+    )
 
 
 def assert_cache_released(cache) -> None:

@@ -11,8 +11,9 @@ Two ways in, both through transformers' own integrations (hf_paged has no quanti
 
 Quantized projections are tensor subclasses (torchao: ``Int8Tensor``, ``Float8Tensor``, ...) or module classes
 (bitsandbytes ``Linear4bit``/``Linear8bitLt``); attention, the KV cache and the engine see plain activations, so
-PagedCache and the engine need nothing of them beyond two rules: projection fusion leaves them unfused
-(``hf_paged.engine.fuse``), and a quantization that cannot be traced runs eagerly (``eager_reason``).
+PagedCache and the engine need nothing of them beyond three rules: projection fusion leaves them unfused
+(``hf_paged.engine.fuse``), a quantization that cannot be traced runs eagerly (``eager_reason``), and one whose
+eager GEMMs sync with the host runs without CUDA graphs (``graph_reason``).
 """
 
 from typing import TYPE_CHECKING
@@ -105,15 +106,20 @@ def weight_bytes(model: "torch.nn.Module") -> int:
     """Bytes ``model``'s parameters occupy as stored: a quantized weight (torchao's tensor subclasses) counts its
     inner tensors (the packed values, scales and zero points), a plain one ``numel * element_size``. A decode step
     of a dense model reads about this much (the input embedding only its gathered rows)."""
+    return sum(t.numel() * t.element_size() for p in model.parameters() for t in _inner_tensors(p.data))
+
+
+def _inner_tensors(t: "torch.Tensor"):
+    """The plain tensors a (possibly nested) tensor subclass stores: its ``__tensor_flatten__`` names, recursively;
+    a plain tensor is its own."""
     import torch
 
-    def stored(t: torch.Tensor) -> int:
-        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            return sum(stored(getattr(t, name)) for name in names)
-        return t.numel() * t.element_size()
-
-    return sum(stored(p.data) for p in model.parameters())
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _inner_tensors(getattr(t, name))
+    else:
+        yield t
 
 
 def quantization_method(model: "torch.nn.Module") -> str | None:
@@ -155,20 +161,73 @@ def eager_reason(model: "torch.nn.Module") -> str | None:
     return None
 
 
+def _quantizes_activations_to_int8(weight: "torch.Tensor") -> bool:
+    """Whether ``weight`` is a torchao tensor whose linear rounds its input to int8 and multiplies int8 by int8:
+    ``Int8Tensor`` with an activation quantization (version 2 configs: torchao 0.18's only kind, 0.17's on request)
+    or a ``LinearActivationQuantizedTensor`` around int8 weights (version 1, torchao 0.17's default). Matched by
+    class name, not imported: the classes move between torchao's private modules from one version to the next."""
+    import torch
+
+    cls = type(weight)
+    if not cls.__module__.startswith("torchao"):
+        return False
+    if cls.__name__ == "Int8Tensor":
+        return getattr(weight, "act_quant_kwargs", None) is not None
+    if cls.__name__ == "LinearActivationQuantizedTensor":
+        inner = getattr(weight, "original_weight_tensor", None)
+        return inner is not None and any(t.dtype == torch.int8 for t in _inner_tensors(inner))
+    return False
+
+
+def graph_reason(model: "torch.nn.Module", device: "torch.device | str") -> str | None:
+    """Why ``model``'s steps on ``device`` cannot be captured in a CUDA graph though they may run and compile; None
+    when they can.
+
+    torchao's int8 x int8 GEMM (``Int8DynamicActivationInt8WeightConfig``, torchao 0.17 and 0.18) reaches
+    ``torchao.kernel.intmm.safe_int_mm`` eagerly, which tests ``"FakeTensor" in input.__repr__()``: formatting the
+    CUDA input copies its values to the host, a sync that stream capture refuses ("operation not permitted when
+    stream is capturing") and that invalidates the capture. Under ``torch.compile`` that test is skipped while
+    tracing (``dynamo_is_compiling()`` comes first), so compiled layers do not run it.
+    """
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    names = [name for name, p in model.named_parameters() if _quantizes_activations_to_int8(p.data)]
+    if not names:
+        return None
+    return (
+        f"torchao int8 dynamic activation quantization ({len(names)} weights, e.g. {names[0]}) syncs with the host "
+        "in every eager GEMM (torchao.kernel.intmm.safe_int_mm formats its input), which a CUDA graph cannot capture"
+    )
+
+
 def traceable_config(config, model: "torch.nn.Module", device: "torch.device"):
-    """``config`` (an EngineConfig) for a model on ``device``: unchanged, or without CUDA graphs and torch.compile
-    when the model's quantization cannot be traced (``eager_reason``) and they were left to their defaults.
+    """``config`` (an EngineConfig) for a model on ``device``: unchanged; or without CUDA graphs and torch.compile
+    when the model's quantization cannot be traced (``eager_reason``); or without CUDA graphs when its steps cannot
+    be captured (``graph_reason``; ``compile_model`` then stays as given, its None meaning eager as it does for any
+    engine without graphs). Only settings left to their defaults are turned off, with a warning that says why.
 
     Raises:
-        ValueError: CUDA graphs or compilation asked for explicitly on such a model; the message names why.
+        ValueError: CUDA graphs or compilation asked for explicitly on a model that cannot have them; the message
+            names why.
     """
     import dataclasses
     import logging
 
-    reason = eager_reason(model)
-    if reason is None or device.type != "cuda":
+    if device.type != "cuda":
         return config
-    if config.use_cuda_graphs or config.compile_model not in (None, False):
-        raise ValueError(f"{reason}: pass use_cuda_graphs=False and compile_model=False, or leave them unset")
-    logging.getLogger(__name__).warning("%s: the engine runs it without CUDA graphs or torch.compile", reason)
-    return dataclasses.replace(config, use_cuda_graphs=False, compile_model=False)
+    logger = logging.getLogger(__name__)
+    reason = eager_reason(model)
+    if reason is not None:
+        if config.use_cuda_graphs or config.compile_model not in (None, False):
+            raise ValueError(f"{reason}: pass use_cuda_graphs=False and compile_model=False, or leave them unset")
+        logger.warning("%s: the engine runs it without CUDA graphs or torch.compile", reason)
+        return dataclasses.replace(config, use_cuda_graphs=False, compile_model=False)
+    reason = graph_reason(model, device)
+    if reason is None or config.use_cuda_graphs is False:
+        return config
+    if config.use_cuda_graphs:
+        raise ValueError(f"{reason}: pass use_cuda_graphs=False, or leave it unset")
+    logger.warning("%s: the engine runs it without CUDA graphs", reason)
+    return dataclasses.replace(config, use_cuda_graphs=False)
