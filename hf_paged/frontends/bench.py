@@ -152,26 +152,33 @@ def run_hf_cb(model, workload: Workload, args, repeats: int) -> dict:
     base = _reset_memory()
     elapsed = []
     for _ in range(repeats):
-        t, generated = _hf_cb_once(model, workload)
+        t, generated = _hf_cb_once(model, workload, args.baseline_timeout)
         elapsed.append(t)
     peak = torch.cuda.max_memory_allocated() - base
     return dict(elapsed=elapsed, generated=generated, peak=peak, note=f"ContinuousBatchingManager, {attention}")
 
 
-def _hf_cb_once(model, workload: Workload) -> tuple[float, int]:
+def _hf_cb_once(model, workload: Workload, timeout_s: float | None = None) -> tuple[float, int]:
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1,
                               pad_token_id=model.config.pad_token_id)  # fmt: skip
     start = None
     generated = 0
-    with model.continuous_batching_context_manager(generation_config=config) as manager:
+    # Past ``timeout_s`` the manager is stopped (its thread ends after its current step) and the run reported as
+    # unfinished: its throughput is then below the tokens of the whole workload over that time.
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=60) as manager:
         start = time.perf_counter()
         for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len, eos_token_id=-1)
         done = 0
         while done < len(workload.prompts):
-            result = manager.get_result(timeout=600)
+            left = 600 if timeout_s is None else timeout_s - (time.perf_counter() - start)
+            result = manager.get_result(timeout=max(left, 0.001))
+            if result is None and timeout_s is not None:
+                total = sum(workload.output_lens)
+                raise RuntimeError(f"unfinished: {done} of {len(workload.prompts)} requests in {timeout_s:.0f} s "
+                                   f"(below {total / timeout_s:.0f} tok/s)")  # fmt: skip
             if result is None:
                 raise RuntimeError("transformers continuous batching returned no result within 600 s")
             if result.is_finished() if hasattr(result, "is_finished") else True:
@@ -238,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="16 requests, outputs clipped to 128 tokens: < 2 min of GPU for all systems")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median, min and max)")
+    parser.add_argument("--baseline-timeout", type=float, default=None,
+                        help="seconds after which a run of hf_cb is stopped and reported unfinished")
     parser.add_argument("--baseline-repeats", type=int, default=None,
                         help="timed runs of hf_generate and hf_cb (default: --repeats)")  # fmt: skip
     parser.add_argument("--num-blocks", type=int, default=None)
