@@ -38,7 +38,8 @@
 #   generate-quick  Qwen3-0.6B at 1x512 and 32x512, greedy and beams4, every system                (~5 min)
 #   fp8-kernels    benchmarks/tools/fp8_kv_kernels.py: the paged decode kernel over an FP8 (e4m3) pool beside bf16 at
 #                  32 x 4096 and 1 x 32768 (Llama-3.1-8B's heads; CUDA graph, L2-cold, share of the bandwidth
-#                  floor) and the prefill kernel at 4 x 1024                                           (~1 min)
+#                  floor) and the prefill kernel at 4 x 1024 (FP8_SETTINGS="N/S/W ...": also each split-kernel
+#                  setting forced, both pools)                                                        (~1 min)
 #   fp8-engine     hf-paged bench, the long workload (1024 requests of 2048 prompt + 512 output tokens, Llama-3.1-8B):
 #                  a bf16 pool beside an FP8 one in the same memory (twice the tokens), one run each; a process a
 #                  pool, dealt over the GPUs (LONG_REQUESTS=N: N requests instead)
@@ -291,7 +292,7 @@ run_suite() {  # run_suite SUITE: one suite, its results under $out
         generate-qwen) deal generate-qwen "${GENERATE_QWEN[@]}" ;;
         generate-llama) deal generate-llama "${GENERATE_LLAMA[@]}" ;;
         generate-quick) deal generate-quick "quick 480 generate --quick" ;;
-        fp8-kernels) deal fp8-kernels "fp8-kernels 300 benchmarks/tools/fp8_kv_kernels.py" ;;
+        fp8-kernels) deal fp8-kernels "fp8-kernels 300 benchmarks/tools/fp8_kv_kernels.py${FP8_SETTINGS:+ --settings $FP8_SETTINGS}" ;;
         fp8-engine) deal fp8-engine "${FP8_ENGINE[@]}" ;;
         quant-engine) deal quant-engine "${QUANT_ENGINE[@]}" ;;
         quant-generate) deal quant-generate "${QUANT_GENERATE[@]}" ;;

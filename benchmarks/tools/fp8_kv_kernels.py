@@ -97,16 +97,16 @@ def decode_sets(dtype, batch, context, heads, l2_bytes, device, generator):
     return sets, query, new_key, new_value, seq_lens, moved
 
 
-def decode_call(query, new_key, new_value, seq_lens, max_seq_len, out, on_cuda: bool):
-    """A function of one input set making the engine's decode call (kernels.paged_attention on CUDA; on the CPU the
-    launcher it dispatches to there, with the same arguments)."""
+def decode_call(query, new_key, new_value, seq_lens, max_seq_len, out, on_cuda: bool, tile_settings=None):
+    """A function of one input set making the engine's decode call (kernels.paged_attention on CUDA; on the CPU, or
+    with ``tile_settings`` forced (``--settings``), the launcher it dispatches to, with the same arguments)."""
     from hf_paged import kernels
 
     scale = query.shape[-1] ** -0.5
     cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
 
     def call(s: dict) -> torch.Tensor:
-        if on_cuda:
+        if on_cuda and tile_settings is None:
             return kernels.paged_attention(
                 query, s["k_cache"], s["v_cache"], s["block_tables"], seq_lens, cu_seqlens_q, scale, max_query_len=1,
                 max_seq_len=max_seq_len, out=out, key=new_key, value=new_value, slot_mapping=s["slot_mapping"],
@@ -115,7 +115,7 @@ def decode_call(query, new_key, new_value, seq_lens, max_seq_len, out, on_cuda: 
         return kernels._triton().decode.paged_decode_triton(
             query, s["k_cache"], s["v_cache"], s["block_tables"], seq_lens, scale, max_seq_len=max_seq_len, out=out,
             new_key=new_key, new_value=new_value, slot_mapping=s["slot_mapping"], k_scale=s["k_scale"],
-            v_scale=s["v_scale"],
+            v_scale=s["v_scale"], tile_settings=tile_settings,
         )  # fmt: skip
 
     return call
@@ -131,13 +131,13 @@ def decode_diff(call, s: dict, query, seq_lens) -> float:
     return (out - ref.float()).abs().max().item()
 
 
-def bench_decode(dtype, batch, context, heads, max_seq_len, l2_bytes, device, timer) -> dict:
+def bench_decode(dtype, batch, context, heads, max_seq_len, l2_bytes, device, timer, tile_settings=None) -> dict:
     """One decode row: µs per call (``timer``: None times nothing), bytes read, max abs diff vs reference."""
     generator = torch.Generator(device=device).manual_seed(0)
     sets, query, new_key, new_value, seq_lens, moved = decode_sets(dtype, batch, context, heads, l2_bytes, device,
                                                                    generator)  # fmt: skip
     out = torch.empty_like(query)
-    call = decode_call(query, new_key, new_value, seq_lens, max_seq_len, out, device.type == "cuda")
+    call = decode_call(query, new_key, new_value, seq_lens, max_seq_len, out, device.type == "cuda", tile_settings)
     diff = decode_diff(call, sets[0], query, seq_lens)
     rotation = itertools.cycle(sets)
     us = None if timer is None else timer(lambda: call(next(rotation)))
@@ -241,8 +241,10 @@ def format_tables(rows: list[dict], bandwidth: float | None, header: str) -> str
     return "\n".join(lines) + "\n"
 
 
-def run(shapes: list[tuple[int, int]], max_seq_len: int, prefill: bool, check: bool) -> tuple[list[dict], float]:
-    """Every row, bf16 then fp8 per shape; and the copy bandwidth (None under ``check``)."""
+def run(shapes: list[tuple[int, int]], max_seq_len: int, prefill: bool, check: bool,
+        settings: list[tuple[int, int, int]] = ()) -> tuple[list[dict], float]:
+    """Every row, bf16 then fp8 per shape (then each of ``settings`` forced on both); and the copy bandwidth (None
+    under ``check``)."""
     if check:
         device, heads, l2_bytes, timer, bandwidth = torch.device("cpu"), CHECK_HEADS, 0, None, None
         num_sms = 4
@@ -263,6 +265,15 @@ def run(shapes: list[tuple[int, int]], max_seq_len: int, prefill: bool, check: b
             print(f"decode {batch}x{context} {pool}: {row}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    for setting in settings:  # after the defaults: the table keeps its pairs, the sweep rows follow
+        for batch, context in shapes:
+            for pool, dtype in POOLS.items():
+                row = bench_decode(dtype, batch, context, heads, max_seq_len, l2_bytes, device, timer, setting)
+                row.update(pool=pool, kind="decode-setting", setting="/".join(map(str, setting)))
+                rows.append(row)
+                print(f"decode {batch}x{context} {pool} setting {row['setting']}: {row['us']} us", flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     if prefill:
         batch, length = (2, 40) if check else (PREFILL_BATCH, PREFILL_LEN)
         for pool, dtype in POOLS.items():
@@ -286,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU (TRITON_INTERPRET=1): the same calls at tiny shapes against the reference, untimed",
     )
+    parser.add_argument("--settings", nargs="*", default=[],
+                        help="BLOCK_N/stages/warps: also time the split kernel with each forced, both pools")
     parser.add_argument("--out", help="also append the markdown to this file")
     parser.add_argument("--json", help="write the figures as a JSON record to this file")
     args = parser.parse_args(argv)
@@ -304,7 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hf_paged.frontends.bench_record import emit_table, make_record, write_record
 
-    rows, bandwidth = run(shapes, args.max_seq_len, not args.no_prefill, args.check)
+    try:
+        settings = [tuple(int(x) for x in setting.split("/")) for setting in args.settings]
+    except ValueError:
+        parser.error(f"--settings takes BLOCK_N/stages/warps, got {args.settings}")
+    if any(len(setting) != 3 for setting in settings):
+        parser.error(f"--settings takes BLOCK_N/stages/warps, got {args.settings}")
+    rows, bandwidth = run(shapes, args.max_seq_len, not args.no_prefill, args.check, settings)
     if args.check:
         worst = max(r["max_abs_diff"] for r in rows)
         print(f"fp8_kv_kernels.py --check: {len(rows)} calls, max abs diff vs reference {worst:.2e}")
@@ -320,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     versions = record["versions"]
     speedups = [a["us"] / b["us"] for a, b in zip(rows[::2], rows[1::2], strict=True) if a["kind"] == "decode"]
+    sweep = [r for r in rows if r["kind"] == "decode-setting"]
+    rows = [r for r in rows if r["kind"] != "decode-setting"]
     header = (
         f"### FP8 (e4m3) KV pool beside bf16: paged decode — {device}, {record['date']}, torch {versions['torch']}, "
         f"triton {versions['triton']}\n\n"
@@ -329,6 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         f"bandwidth {bandwidth:.0f} GB/s (2 GiB, read + write) / nominal {NOMINAL_GBS:.0f} GB/s. Median fp8 "
         f"speed-up {statistics.median(speedups):.2f}x. `{command}`"
     )
+    if sweep:
+        lines = ["", "Split-kernel settings forced (BLOCK_N/stages/warps), µs:", "",
+                 "| setting | shape | bf16 µs | fp8 µs | fp8 / default bf16 |", "|---|---|---:|---:|---:|"]  # fmt: skip
+        default = {(r["batch"], r["context"]): r["us"] for r in rows if r["kind"] == "decode" and r["pool"] == "bf16"}
+        for a, b in zip(sweep[::2], sweep[1::2], strict=True):
+            shape = (a["batch"], a["context"])
+            lines.append(f"| {a['setting']} | {shape[0]} x {shape[1]} | {a['us']:.1f} | {b['us']:.1f} "
+                         f"| {default[shape] / b['us']:.2f}x |")  # fmt: skip
+        header += "\n" + "\n".join(lines)
     emit_table("\n" + format_tables(rows, bandwidth, header), args.out)
     if args.json:
         write_record(args.json, record)
