@@ -54,8 +54,8 @@
 #                  dealt over the GPUs: one call on 3 GPUs (~3 min); on one GPU the three need ~8 min, and the
 #                  call's budget may leave the last unrun
 #   structured     benchmarks/tools/structured_bench.py: 256 JSON-schema requests beside the same batch unconstrained,
-#                  and the TTFT of new schemas (needs xgrammar; SERVE_TOKENIZER=DIR without the embedded model's
-#                  package)                                                                          (~3 min)
+#                  and the TTFT of new schemas, and the host's time by function of a constrained run (structured.log;
+#                  needs xgrammar; SERVE_TOKENIZER=DIR without the embedded model's package)         (~3 min)
 #   serve          benchmarks/serve_compare.py: hf-paged serve beside transformers serve and the offline engine
 #                  (needs the serve extra; SERVE_TOKENIZER=DIR without the embedded model's package)  (~8 min)
 #
@@ -300,7 +300,7 @@ run_suite() {  # run_suite SUITE: one suite, its results under $out
             local tokenizer=()
             [ -n "${SERVE_TOKENIZER:-}" ] && tokenizer=(--tokenizer "$SERVE_TOKENIZER")
             timeout 540 python3 benchmarks/tools/structured_bench.py "${tokenizer[@]}" --json "$out/structured.json" \
-                2>&1 | grep -v -i warn | tail -12
+                --profile 2>&1 | grep -v -i warn | tee "$out/structured.log" | tail -6
             ;;
         serve)
             local tokenizer=()

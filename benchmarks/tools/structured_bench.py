@@ -84,8 +84,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(engine, prompts, constrained, device: str, repeats: int) -> dict:
-    """Median output tok/s of the constrained batch and of the same batch unconstrained, same token counts."""
+def measure(engine, prompts, constrained, device: str, repeats: int, profile: bool = False) -> dict:
+    """Median output tok/s of the constrained batch and of the same batch unconstrained, same token counts; with
+    ``profile``, the host's time by function of one more constrained run (cProfile; not in the figures)."""
     from hf_paged import SamplingParams
 
     figures = {"constrained": [], "unconstrained": []}
@@ -107,6 +108,15 @@ def measure(engine, prompts, constrained, device: str, repeats: int) -> dict:
         outs = engine.generate(prompts, free, use_tqdm=False)
         _sync(device)
         figures["unconstrained"].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+    if profile:
+        import cProfile
+        import pstats
+
+        engine.reset_prefix_cache()
+        with cProfile.Profile() as profiler:
+            engine.generate(prompts, constrained, use_tqdm=False)
+            _sync(device)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return dict(constrained_tok_s=statistics.median(figures["constrained"]),
                 unconstrained_tok_s=statistics.median(figures["unconstrained"]),
                 mean_output_tokens=sum(lengths) / len(lengths), num_invalid=num_invalid,
@@ -152,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-schemas", type=int, default=20)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--profile", action="store_true", help="print the host's time by function of a constrained run")
     parser.add_argument("--json", help="write the figures as a JSON record to this file")
     args = parser.parse_args(argv)
 
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = ContinuousBatcher(model, tokenizer, EngineConfig(max_num_seqs=max(args.num_requests, 1)))
     engine.generate(prompts[:2], constrained[:2], use_tqdm=False)  # compile, graphs, the schema's grammar
     startup = time.perf_counter() - start
-    figures = measure(engine, prompts, constrained, args.device, args.repeats)
+    figures = measure(engine, prompts, constrained, args.device, args.repeats, args.profile)
     ttfts = sorted(new_schema_ttft(engine, prompts, constrained, args.new_schemas, 16))
     ratio = figures["constrained_tok_s"] / figures["unconstrained_tok_s"]
     p50, p99 = ttfts[len(ttfts) // 2], ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]

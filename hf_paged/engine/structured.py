@@ -100,6 +100,12 @@ def parse_grammar(spec: StructuredOutput):
 
 _BATCH_MIN_ROWS = 16  # below this, a step's matchers run serially: a thread hand-off costs more than it saves
 
+
+def _mask_threads() -> int:
+    """Threads of the batch mask fill: the cores this process may run on, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores))
+
 # xgrammar (0.2.x) writes the characters of a length-bounded JSON string (minLength/maxLength) as [^"\\\r\n], which
 # lets raw control characters (U+0000-U+001F) through: JSON forbids them in strings, and json.loads, pydantic and
 # the openai client refuse such output (random-weight models emit them often). Its unbounded string rule already
@@ -307,7 +313,9 @@ class StructuredDecoding:
             xgr = import_xgrammar()
             if not hasattr(xgr, "BatchGrammarMatcher"):  # older xgrammar: serial
                 return None
-            self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+            # A few threads (not xgrammar's "auto": half the host's cores, 32 and more on a GPU server): the fill
+            # shares the host with the step loop and with other processes, and a mask is tens of microseconds.
+            self._batch = xgr.BatchGrammarMatcher(max_threads=_mask_threads())
         return self._batch
 
     def grammar_for(self, params: SamplingParams) -> RequestGrammar | None:
