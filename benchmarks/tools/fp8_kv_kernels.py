@@ -147,9 +147,10 @@ def bench_decode(dtype, batch, context, heads, max_seq_len, l2_bytes, device, ti
 
 def bench_prefill(dtype, batch, length, heads, device, timer) -> dict:
     """One prefill row: fresh prompts as the engine runs them (bf16 reads the new K/V, fp8 the blocks)."""
-    from hf_paged import kernels
     from hf_paged.kernels.kv_quant import is_fp8
     from hf_paged.kernels.reference import paged_attention_ref
+
+    from hf_paged import kernels
 
     num_heads, num_kv_heads, head_dim = heads
     generator = torch.Generator(device=device).manual_seed(2)
@@ -241,8 +242,13 @@ def format_tables(rows: list[dict], bandwidth: float | None, header: str) -> str
     return "\n".join(lines) + "\n"
 
 
-def run(shapes: list[tuple[int, int]], max_seq_len: int, prefill: bool, check: bool,
-        settings: list[tuple[int, int, int]] = ()) -> tuple[list[dict], float]:
+def run(
+    shapes: list[tuple[int, int]],
+    max_seq_len: int,
+    prefill: bool,
+    check: bool,
+    settings: list[tuple[int, int, int]] = (),
+) -> tuple[list[dict], float]:
     """Every row, bf16 then fp8 per shape (then each of ``settings`` forced on both); and the copy bandwidth (None
     under ``check``)."""
     if check:
@@ -297,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU (TRITON_INTERPRET=1): the same calls at tiny shapes against the reference, untimed",
     )
-    parser.add_argument("--settings", nargs="*", default=[],
-                        help="BLOCK_N/stages/warps: also time the split kernel with each forced, both pools")
+    parser.add_argument(
+        "--settings",
+        nargs="*",
+        default=[],
+        help="BLOCK_N/stages/warps: also time the split kernel with each forced, both pools",
+    )
     parser.add_argument("--out", help="also append the markdown to this file")
     parser.add_argument("--json", help="write the figures as a JSON record to this file")
     args = parser.parse_args(argv)
@@ -351,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         f"speed-up {statistics.median(speedups):.2f}x. `{command}`"
     )
     if sweep:
-        lines = ["", "Split-kernel settings forced (BLOCK_N/stages/warps), µs:", "",
-                 "| setting | shape | bf16 µs | fp8 µs | fp8 / default bf16 |", "|---|---|---:|---:|---:|"]  # fmt: skip
+        lines = ["", "Split-kernel settings forced (BLOCK_N/stages/warps), µs:", ""]
+        lines += ["| setting | shape | bf16 µs | fp8 µs | fp8 / default bf16 |", "|---|---|---:|---:|---:|"]
         default = {(r["batch"], r["context"]): r["us"] for r in rows if r["kind"] == "decode" and r["pool"] == "bf16"}
         for a, b in zip(sweep[::2], sweep[1::2], strict=True):
             shape = (a["batch"], a["context"])

@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-schemas", type=int, default=20)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--profile", action="store_true", help="print the host's time by function of a constrained run")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the host's time by function of a constrained run"
+    )
     parser.add_argument("--json", help="write the figures as a JSON record to this file")
     args = parser.parse_args(argv)
 

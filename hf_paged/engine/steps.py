@@ -118,8 +118,13 @@ class StepPipeline:
         self._unreported = {}
         return touched
 
-    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor, prev: Launched | None = None,
-                touched: dict[str, Request] | None = None) -> Launched:
+    def _launch(
+        self,
+        sched: SchedulerOutput,
+        logits: torch.Tensor,
+        prev: Launched | None = None,
+        touched: dict[str, Request] | None = None,
+    ) -> Launched:
         """Queue the sampling of one step and the copy of its tokens to the host; wait for nothing.
 
         Logits row ``r`` belongs to sequence ``sched.seq_ids[sched.sample_idx[r]]``; the sampler's rows are an

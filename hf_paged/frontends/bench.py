@@ -245,8 +245,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="16 requests, outputs clipped to 128 tokens: < 2 min of GPU for all systems")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median, min and max)")
-    parser.add_argument("--baseline-timeout", type=float, default=None,
-                        help="seconds after which a run of hf_cb is stopped and reported unfinished")
+    parser.add_argument(
+        "--baseline-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a run of hf_cb is stopped and reported unfinished",
+    )
     parser.add_argument("--baseline-repeats", type=int, default=None,
                         help="timed runs of hf_generate and hf_cb (default: --repeats)")  # fmt: skip
     parser.add_argument("--num-blocks", type=int, default=None)

@@ -13,7 +13,7 @@ from helpers import assert_cache_released
 from models import ascii_tokenizer, cache_kwarg, tiny_model
 
 from hf_paged import PagedCache, StructuredOutput
-from hf_paged.engine.structured import GrammarLogitsProcessor
+from hf_paged.engine.grammar_processor import GrammarLogitsProcessor
 
 CACHE = cache_kwarg()
 VOCAB = 128

@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 from helpers import assert_cache_released, assert_engine_drained
+from hf_paged.kernels.kv_quant import dequantize_ref, quantize_ref
 from models import cache_kwarg, char_tokenizer, tiny_model
 from transformers import AutoModelForCausalLM, CompileConfig, DynamicCache
 
@@ -24,7 +25,6 @@ from hf_paged.core.model_info import ModelInfo
 from hf_paged.engine.fuse import FusedPart
 from hf_paged.engine.quantization import quantization_method
 from hf_paged.frontends.cli import main
-from hf_paged.kernels.kv_quant import dequantize_ref, quantize_ref
 
 pytest.importorskip(
     "compressed_tensors", reason="needs compressed-tensors (the test extra; CI installs it), which transformers' "
