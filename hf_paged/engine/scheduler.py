@@ -320,9 +320,12 @@ class Scheduler:
         """Async scheduling: row ``i``'s token, sampled on the device, is the next token of ``rows[i]``.
 
         Each sequence gets a ``PLACEHOLDER`` the next step's input reads from row ``i`` on the device;
-        ``update_from_output`` fills it in once the id is on the host.
+        ``update_from_output`` fills it in once the id is on the host. A sequence that has ended since the step was
+        scheduled (a step with structured outputs reads the previous one back first) gets none: its token is dropped.
         """
         for row, seq in enumerate(rows):
+            if seq.finish_reason is not None:
+                continue
             token_ids = seq.token_ids
             token_ids.append(PLACEHOLDER)
             seq.num_inflight += 1

@@ -468,6 +468,8 @@ def test_constrained_steps_run_deferred_and_equal_the_synchronous_engine(model, 
         launched = launch(sched, logits, *args)
         if any(r.grammar is not None for r in launched.requests):
             deferred.append(launched.deferred)
+        # a sequence the read-back of the step before ended takes no placeholder for this step's token
+        assert all(seq.num_inflight == 0 for seq in launched.rows if seq.finish_reason is not None)
         return launched
 
     engine._launch = spy
