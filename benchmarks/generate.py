@@ -62,9 +62,9 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from hf_paged import PagedCache
 from hf_paged.core.model_info import ModelInfo
-from hf_paged.engine.quantization import QUANTIZATIONS, torchao_config, weight_bytes
+from hf_paged.engine.quantization import QUANTIZATIONS, weight_bytes
 from hf_paged.frontends.bench_record import emit_table, make_record, write_record
-from hf_paged.frontends.bench_workloads import SHAPES, build_model
+from hf_paged.frontends.bench_workloads import SHAPES, build_quantized
 
 POINTS = [(1, 512), (8, 1024), (32, 512), (64, 512)]
 MODES = {
@@ -407,20 +407,6 @@ def floor_ms(c: Cell) -> dict:
     and at the measured copy bandwidth (None off CUDA)."""
     return {"nominal": c.weight_bytes / (c.peak_gbs * 1e9) * 1e3,
             "copy": None if c.copy_gbs is None else c.weight_bytes / (c.copy_gbs * 1e9) * 1e3}  # fmt: skip
-
-
-def build_quantized(shape: str, quantization: str, device: str):
-    """The shape's random-weight model on ``device`` (bf16 on CUDA, fp32 on the CPU), its weights quantized in place
-    by ``quantization`` (torchao; "none" keeps them)."""
-    model = build_model(shape, device=device)
-    if device == "cpu":
-        model = model.float()
-    config = torchao_config(quantization, device, next(model.parameters()).dtype)
-    if config is not None:
-        from torchao.quantization import quantize_
-
-        quantize_(model, config)
-    return model
 
 
 def run_grid(args: argparse.Namespace) -> list[Cell]:

@@ -53,22 +53,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_quantized(shape: str, quantization: str, device: str) -> torch.nn.Module:
-    """The shape's random-weight model on ``device`` (bf16; fp32 on the CPU), quantized in place there."""
-    from hf_paged.engine.quantization import torchao_config
-    from hf_paged.frontends.bench_workloads import build_model
-
-    model = build_model(shape, device=device)
-    if device == "cpu":
-        model = model.float()
-    config = torchao_config(quantization, device, next(model.parameters()).dtype)
-    if config is not None:
-        from torchao.quantization import quantize_
-
-        quantize_(model, config)
-    return model
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -109,6 +93,7 @@ def run_quantization(quantization: str, args, copy_gbs: float | None) -> list[di
     """One engine over the quantized model; a row per batch (a failure is a row with ``error``)."""
     from hf_paged import ContinuousBatcher, EngineConfig
     from hf_paged.engine.quantization import weight_bytes
+    from hf_paged.frontends.bench_workloads import build_quantized
 
     unquantized = "bf16" if args.device == "cuda" else "fp32"
     base = dict(quantization=quantization, weights=unquantized if quantization == "none" else quantization,

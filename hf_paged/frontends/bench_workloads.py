@@ -222,3 +222,19 @@ def active_parameters(model) -> int:
         return params
     routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name or name.endswith(".experts"))
     return params - routed + routed * config.num_experts_per_tok // num_experts
+
+
+def build_quantized(shape: str, quantization: str, device: str = "cuda"):
+    """The shape's random-weight model on ``device`` (bf16; fp32 on the CPU), its weights quantized in place there
+    by ``quantization`` (torchao, hf_paged.engine.quantization; "none" keeps them)."""
+    from hf_paged.engine.quantization import torchao_config
+
+    model = build_model(shape, device=device)
+    if device == "cpu":
+        model = model.float()
+    config = torchao_config(quantization, device, next(model.parameters()).dtype)
+    if config is not None:
+        from torchao.quantization import quantize_
+
+        quantize_(model, config)
+    return model

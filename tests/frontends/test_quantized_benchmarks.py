@@ -10,6 +10,8 @@ import pytest
 import torch
 from helpers import needs_triton
 
+from hf_paged.frontends.bench_workloads import build_quantized
+
 ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -47,7 +49,7 @@ def test_quant_decode_steps_cpu_smoke_run_writes_a_row_per_batch(tmp_path):
     assert record["card"] == "CPU" and record["workload"]["quantization"] == ["int4"]
     # every timed step decodes both rows
     assert [(r["weights"], r["batch"], r["tokens_per_step"]) for r in record["rows"]] == [("int4", 2, 2.0)]
-    full = tool.build_quantized("tiny", "none", "cpu")
+    full = build_quantized("tiny", "none", "cpu")
     assert record["rows"][0]["weight_gb"] < 0.6 * sum(p.numel() * 4 for p in full.parameters()) / 1e9
     assert record["rows"][0]["floor_ms"]["copy"] is None and record["rows"][0]["ms_per_step"]["median"] > 0
 
