@@ -22,7 +22,7 @@ import json
 import time
 
 import torch
-from accuracy_set import MAX_NEW_TOKENS, PROMPTS, TEXT  # benchmarks/tools/, first on sys.path for a script
+from accuracy_set import MAX_NEW_TOKENS, PROMPTS, TEXT, agreement  # benchmarks/tools/, first on sys.path for a script
 
 KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 
@@ -49,18 +49,6 @@ def token_log_likelihoods(model, input_ids: torch.Tensor, kv_cache_dtype: str) -
         logits = model(input_ids=input_ids[:, t : t + 1], use_cache=True, **{name: cache}).logits[0, -1]
         out.append(torch.log_softmax(logits.float(), dim=-1)[input_ids[0, t + 1]])
     return torch.stack(out)
-
-
-def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
-    """(share of equal positions, mean share of each answer before its first differing token)."""
-    equal = total = 0
-    prefixes = []
-    for got, want in zip(answers, reference, strict=True):
-        same = [a == b for a, b in zip(got, want, strict=True)]
-        equal += sum(same)
-        total += len(same)
-        prefixes.append((same.index(False) if False in same else len(same)) / len(same))
-    return equal / total, sum(prefixes) / len(prefixes)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

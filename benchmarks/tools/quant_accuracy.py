@@ -21,7 +21,7 @@ import json
 import time
 
 import torch
-from accuracy_set import MAX_NEW_TOKENS, PROMPTS, TEXT  # benchmarks/tools/, first on sys.path for a script
+from accuracy_set import MAX_NEW_TOKENS, PROMPTS, TEXT, agreement  # benchmarks/tools/, first on sys.path for a script
 
 CPU_QUANTIZATIONS = ("int8", "int8-dynamic", "int4", "float8")
 
@@ -50,18 +50,6 @@ def token_log_likelihoods(model, input_ids: torch.Tensor) -> torch.Tensor:
     """
     logits = model(input_ids).logits[0, :-1].double()  # [num_tokens - 1, vocab_size]
     return logits.log_softmax(-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1)
-
-
-def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
-    """(share of equal tokens position by position, mean share of each answer before its first differing token)."""
-    equal = total = 0
-    prefix = []
-    for got, want in zip(answers, reference, strict=True):
-        same = [a == b for a, b in zip(got, want, strict=True)]
-        equal += sum(same)
-        total += len(same)
-        prefix.append((same.index(False) if False in same else len(same)) / len(same))
-    return equal / total, sum(prefix) / len(prefix)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
