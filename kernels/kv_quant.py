@@ -10,8 +10,9 @@ holds each K/V value in 8 bits with a scale: a per-tensor ``[1]`` or per-KV-head
 
 No scale with an fp8 cache means 1.0. A scale with a bf16/fp16/fp32 cache is an error (there is nothing to scale).
 The kernels apply the scales per KV head where it costs least: ``k_scale`` joins the softmax scale of each score,
-``v_scale`` multiplies a program's accumulator once after its last key (kernels/split_decode.py, kernels/prefill.py,
-kernels/cascade.py); the references dequantize the K/V rows instead, the same attention up to fp32 rounding.
+``v_scale`` multiplies a program's accumulator once after its last key (kernels/split_decode.py,
+kernels/prefill_attend.py, kernels/cascade.py); the references dequantize the K/V rows instead, the same attention up
+to fp32 rounding.
 """
 
 import torch
