@@ -26,8 +26,10 @@ Not covered (the caller passes no prefix): sliding-window layers (their window a
 reads, and a window cutting through the prefix would need a per-row lower bound here). Soft capping is applied.
 Attention sinks are not applied here: this kernel's partials hold keys only, and the sink joins once, where every
 partial of a row meets (the merge, or the one-split fold; kernels/split_decode.py). FP8 caches (``KV_FP8``,
-kernels/kv_quant.py): K/V tiles are converted to the query's dtype as they load, the KV head's ``k_scale`` joins the
-score scale and its ``v_scale`` multiplies the partial's accumulator.
+kernels/kv_quant.py): with a bf16 or fp16 query the dots run in fp16, as in the decode kernel
+(kernels/split_decode.py): K/V tiles convert to fp16 as they load (exact; one instruction for two values), a bf16
+query once per program, clamped to +-65504, and the probabilities for the P.V dot (an fp32 query keeps fp32 dots);
+the KV head's ``k_scale`` joins the score scale and its ``v_scale`` multiplies the partial's accumulator.
 
 Bytes model (KV bytes read per decode step; Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, so a key
 costs 8 * 128 * 2 B * 2 (K and V) = 4 KiB per layer). The bench's "prefix" workload: ~200 decode rows sharing a
@@ -140,7 +142,7 @@ def _shared_prefix_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a split streams at least this many tiles
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreter bf16 tl.dot bug), False on GPU
     LAUNCH_DEPENDENTS: tl.constexpr,  # the split kernel is launched with PDL: let it start (it waits for our partials)
-    KV_FP8: tl.constexpr,  # fp8 caches: dequantize as K/V load (kernels/kv_quant.py)
+    KV_FP8: tl.constexpr,  # fp8 caches: fp16 dots for a bf16/fp16 query, the scales per KV head (kernels/kv_quant.py)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -183,6 +185,11 @@ def _shared_prefix_kernel(
     # q: [BLOCK_M, HEAD_DIM_PAD]; rows past num_rows and padded lanes are 0.
     q_ptrs = query_ptr + seq_idx[:, None] * stride_qs + head_idx[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8 and q.dtype == tl.bfloat16:
+        # fp16 dots, as the decode kernel: fp8 -> fp16 is one instruction for two values, exact. q saturates to
+        # fp16's finite range (NaN stays NaN); values in fp16's normal range convert exactly. Under DOT_FP32 the
+        # dots take these same values in fp32.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -208,7 +215,7 @@ def _shared_prefix_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         # k: [BLOCK_N, HEAD_DIM_PAD]
         k = tl.load(k_head_ptr + k_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # fp8 -> the query's dtype (exact), fp32 under DOT_FP32; else no conversion
+        k = k.to(q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
         # scores: [BLOCK_M, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if USE_SOFT_CAP:

@@ -11,8 +11,11 @@ holds each K/V value in 8 bits with a scale: a per-tensor ``[1]`` or per-KV-head
 No scale with an fp8 cache means 1.0. A scale with a bf16/fp16/fp32 cache is an error (there is nothing to scale).
 The kernels apply the scales per KV head where it costs least: ``k_scale`` joins the softmax scale of each score,
 ``v_scale`` multiplies a program's accumulator once after its last key (kernels/split_decode.py,
-kernels/prefill_attend.py, kernels/cascade.py); the references dequantize the K/V rows instead, the same attention up
-to fp32 rounding.
+kernels/prefill_attend.py, kernels/cascade.py). With a bf16 or fp16 query their dots run in fp16: the fp8 K/V convert
+to fp16 exactly (one instruction for two values), a bf16 query is clamped to fp16's finite range (+-65504) and
+converted to fp16 (exact for values in fp16's normal range), the probabilities are rounded to fp16 for the P.V dot;
+an fp32 query keeps fp32 operands. The references dequantize the K/V rows instead and keep the query as it is: the
+same attention up to rounding, except that a bf16 query value beyond +-65504 counts as +-65504 in the kernels.
 """
 
 import torch

@@ -23,10 +23,15 @@ of the masked tiles (the fused one needs scale > 0).
 
 K/V are read through the block table, except that with ``CONTIG_KV`` (the launcher's ``key=/value=``) a fresh prompt
 (no cached context) reads them from the contiguous new-token tensors instead. FP8 caches (``KV_FP8``,
-kernels/kv_quant.py): K/V tiles are converted to the query's dtype as they load, the KV head's ``k_scale`` joins the
-score scale and its ``v_scale`` multiplies the accumulator after the last key; the launcher then leaves ``CONTIG_KV``
-off, so every sequence reads the cache and a prompt attends to the quantized values its later decode steps read. With
-``HAS_SINKS`` (gpt-oss) each query head's sink logit joins the softmax's denominator once, after the last key.
+kernels/kv_quant.py): with a bf16 or fp16 query the dots run in fp16, as in the decode kernel
+(kernels/split_decode.py): K/V tiles convert to fp16 as they load (exact: every e4m3/e5m2 value is an fp16 value; one
+instruction for two values), a bf16 query once per slot (clamped to fp16's finite range, +-65504, so a larger value
+saturates instead of becoming inf; values in fp16's normal range convert exactly) and the probabilities for the P.V
+dot; ``out`` keeps the query's dtype; an fp32 query keeps fp32 operands, as with an fp32 cache. The KV head's
+``k_scale`` joins the score scale and its ``v_scale`` multiplies the accumulator after the last key; the launcher then
+leaves ``CONTIG_KV`` off, so every sequence reads the cache and a prompt attends to the quantized values its later
+decode steps read. With ``HAS_SINKS`` (gpt-oss) each query head's sink logit joins the softmax's denominator once,
+after the last key.
 """
 
 import triton
@@ -105,7 +110,7 @@ def _attend_tile(
     else:
         kv_mask_t = key_in_ctx[None, :] & d_mask[:, None]  # [BLOCK_D, BLOCK_N]: real key, real dim
         k = tl.load(k_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)  # k: [BLOCK_D, BLOCK_N]
-    k = k.to(q.dtype)  # fp8 -> the query's dtype (exact); else no conversion
+    k = k.to(q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query); else no conversion
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -153,7 +158,7 @@ def _attend_tile(
         v_ptr + v_offs[:, None] + offs_d[None, :],
         mask=key_in_ctx[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(q.dtype)  # v: [BLOCK_N, BLOCK_D]; fp8 -> the query's dtype, as k
+    ).to(q.dtype)  # v: [BLOCK_N, BLOCK_D]; fp8 -> fp16 as k
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -292,6 +297,11 @@ def attend_slot(
         mask=q_mask,
         other=0.0,
     )  # q: [BLOCK_M, BLOCK_D]
+    if KV_FP8 and q.dtype == tl.bfloat16:
+        # fp16 dots (the module docstring): fp8 -> fp16 is one instruction for two values, exact. q saturates to
+        # fp16's finite range (NaN stays NaN); values in fp16's normal range convert exactly. Under DOT_FP32 the
+        # dots take these same values in fp32.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
 
     # Key ranges (see the module docstring); every bound is a multiple of BLOCK_N.
     tile_first_pos = first_pos + row_start // GROUP

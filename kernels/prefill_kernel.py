@@ -72,7 +72,7 @@ def _paged_prefill_kernel(
     EXACT_SOFTMAX: tl.constexpr,  # scale <= 0: no fused update of the interior tiles
     CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
     HAS_SINKS: tl.constexpr,  # a sink logit per query head joins the softmax's denominator (gpt-oss)
-    KV_FP8: tl.constexpr,  # fp8 caches: dequantize as K/V load (kernels/kv_quant.py)
+    KV_FP8: tl.constexpr,  # fp8 caches: fp16 dots for a bf16/fp16 query, the scales per KV head (prefill_attend.py)
     SEQS_PAD: tl.constexpr,  # power of two >= num_seqs: the exact tile map; 0 = the binary-search bound grid
 ):
     # Tile slots (see "Grid" in kernels/prefill.py). Causal: later tiles attend to more keys, and chunks sit after

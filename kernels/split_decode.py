@@ -32,10 +32,15 @@ With ``HAS_SINKS`` (gpt-oss) each query head's sink logit joins the softmax's de
 softmax meets: in the merge (a term ``exp2(sink - lse_max)`` with no value), or with one split in the split kernel
 after its last key and the prefix fold. Partials never contain it, so neither a split nor a prefix split counts it.
 
-With ``KV_FP8`` (fp8 caches, kernels/kv_quant.py) K/V tiles are converted to the query's dtype as they load (exact),
-the KV head's ``k_scale`` joins the score scale and its ``v_scale`` multiplies the accumulator once, after the last
-key and before the prefix fold (the prefix partials carry theirs); the fused write quantizes the new K/V as
-``write_kv`` does and attends to the stored (quantized) values.
+With ``KV_FP8`` (fp8 caches, kernels/kv_quant.py) and a bf16 or fp16 query the dots run in fp16: K/V tiles are
+converted to fp16 as they load (exact: every e4m3/e5m2 value is an fp16 value; one instruction converts two e4m3
+values to fp16 on sm_89+, and e5m2 -> fp16 is a shift, where e4m3 -> bf16 takes several per value), a bf16 query once
+per program (clamped to fp16's finite range, +-65504: a larger value saturates instead of becoming inf; values in
+fp16's normal range convert exactly) and the probabilities for the P.V dot; scores, softmax and accumulator stay fp32
+and ``out`` keeps the query's dtype; an fp32 query keeps fp32 dots. The KV head's ``k_scale`` joins the score scale
+and its ``v_scale`` multiplies the accumulator once, after the last key and before the prefix fold (the prefix
+partials carry theirs); the fused write quantizes the new K/V as ``write_kv`` does and attends to the stored
+(quantized) values, in the tiles' dtype.
 
 The split is per sequence (each sequence divides its own length, and uses only as many of the grid's splits as give
 each ``MIN_TILES_PER_SPLIT`` tiles), so the grid's split count never affects correctness: a CUDA graph captured with
@@ -145,7 +150,8 @@ def _paged_decode_kernel(
     # A sink logit per query head joins the softmax's denominator (gpt-oss): here when WRITE_OUT, else in the merge,
     # so that it counts once per head, not once per split.
     HAS_SINKS: tl.constexpr,
-    # fp8 caches (new_k/new_v then hold the query's dtype): dequantize as K/V load, quantize the fused write.
+    # fp8 caches (new_k/new_v then hold the query's dtype): fp16 dots for a bf16/fp16 query (the module docstring),
+    # the scales per KV head, quantize the fused write.
     KV_FP8: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
@@ -197,6 +203,11 @@ def _paged_decode_kernel(
     # q: [GROUP_PAD, HEAD_DIM_PAD]; padded rows/lanes are 0, so they add nothing to any score.
     q_ptrs = query_ptr + seq_idx * stride_qs + head_idx[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8 and q.dtype == tl.bfloat16:
+        # fp16 dots (the module docstring): fp8 -> fp16 is one instruction for two values, exact. q saturates to
+        # fp16's finite range (NaN stays NaN); values in fp16's normal range convert exactly. Under DOT_FP32 the
+        # dots take these same values in fp32.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -228,7 +239,7 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         # k: [BLOCK_N, HEAD_DIM_PAD]
         k = tl.load(k_head_ptr + row_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # fp8 -> the query's dtype (exact), fp32 under DOT_FP32; else no conversion
+        k = k.to(q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
         # scores: [GROUP_PAD, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if USE_SOFT_CAP:

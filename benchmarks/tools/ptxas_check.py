@@ -100,6 +100,8 @@ def compile_prefill(prefill, contig_kv: bool, group: int, seqs_pad: int | None) 
                       EXACT_SOFTMAX=False, CONTIG_KV=contig_kv, HAS_SINKS=False)  # fmt: skip
     if seqs_pad is not None:
         constexprs["SEQS_PAD"] = seqs_pad
+    if any(param.name == "KV_FP8" for param in fn.params):  # a bf16 cache (a revision before fp8 caches has no flag)
+        constexprs["KV_FP8"] = False
     signature, attrs = _signature(fn, constexprs)
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),

@@ -49,10 +49,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _paged_batch(seq_lens: list[int], fp8: torch.dtype, scales: dict, seed: int = 0):
-    """Dense K/V of each sequence (fp32, [seq_len, num_kv_heads, head_dim]) written quantized into fp8 caches through
-    shuffled block tables; the blocks no sequence owns hold NaN bytes (a read of one would show). Returns (k_cache,
-    v_cache, block_tables [num_seqs, max_blocks] int32, seq_lens int32, dense_k, dense_v)."""
+def _paged_batch(seq_lens: list[int], fp8: torch.dtype, scales: dict, seed: int = 0, k_std: float = 0.5):
+    """Dense K/V of each sequence (fp32, [seq_len, num_kv_heads, head_dim]; standard deviation k_std for K, 1 for V)
+    written quantized into fp8 caches through shuffled block tables; the blocks no sequence owns hold NaN bytes (a read
+    of one would show). Returns (k_cache, v_cache, block_tables [num_seqs, max_blocks] int32, seq_lens int32, dense_k,
+    dense_v)."""
     gen = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks + 2
@@ -62,7 +63,7 @@ def _paged_batch(seq_lens: list[int], fp8: torch.dtype, scales: dict, seed: int 
     tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
     dense_k, dense_v = [], []
     for s, n in enumerate(seq_lens):
-        k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen) * 0.5
+        k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen) * k_std
         v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         pos = torch.arange(n)
         slots = tables[s, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
@@ -306,6 +307,50 @@ def test_cascade_matches_reference(fp8, num_splits):
     expected = paged_decode_ref(query, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, prefix_len=prefix_len,
                                 **scales)  # fmt: skip
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8", FP8)
+def test_bf16_query_beyond_fp16_range_saturates(fp8):
+    """With an fp8 cache the kernels' dots run in fp16 (kernels/split_decode.py): a bf16 query value beyond fp16's
+    finite range counts as +-65504 (a finite output, not inf/NaN), and values within it (up to 6e4 here) convert
+    exactly. Prefill, one-split and multi-split decode, and the shared-prefix kernel (folded and merged) match the
+    references on the clamped query. K is small (and k_scale with it) so that the scores stay near 1 with queries
+    of ~1e4: the clamp changes them, so the unclamped query's reference differs."""
+    k_scale = 1e-4
+    scales = {"k_scale": torch.tensor([k_scale], device=DEVICE), "v_scale": torch.tensor([0.05], device=DEVICE)}
+    seq_lens = [40, 35, 33]
+    k_cache, v_cache, tables, lens, _, _ = _paged_batch(seq_lens, fp8, scales, seed=8, k_std=2 * k_scale)
+    tables[1:, :2] = tables[0, :2]  # the first two blocks are shared (the prefix runs)
+    gen = torch.Generator().manual_seed(9)
+    query = torch.randn(7, NUM_HEADS, HEAD_DIM, generator=gen) * 1e4
+    query[:, :, 0] = 7e4  # beyond fp16's finite max
+    query[:, :, 1] = -3e5
+    query[:, 1::2, 2] = 6e4  # within it: its bf16 value (59904) is an fp16 value
+    query[:, ::2, 2] = -65504.0  # -fp16's max, rounded to bf16 (-65536): beyond it
+    query = query.to(DEVICE).to(torch.bfloat16)
+    clamped = query.float().clamp(-65504.0, 65504.0)  # fp32: 65504 is no bf16 value
+    scale = HEAD_DIM**-0.5
+    atol, rtol = TOLERANCES[torch.bfloat16]
+
+    def check(out, expected, unclamped):  # expected: the reference on the clamped query; unclamped: on the query
+        assert out.dtype == torch.bfloat16 and out.isfinite().all()
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+        assert not torch.allclose(out.float(), unclamped.float(), atol=atol, rtol=rtol)
+
+    cu = torch.tensor([0, 5, 6, 7], dtype=torch.int32, device=DEVICE)  # q_len 5, 1, 1
+    out = paged_prefill_triton(query, k_cache, v_cache, tables, lens, cu, scale, max_query_len=5, max_seq_len=40,
+                               **scales)  # fmt: skip
+    check(
+        out, *(paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, scale, **scales) for q in (clamped, query))
+    )
+    decode_q = query[[4, 5, 6]]
+    prefix_len = torch.tensor([32], dtype=torch.int32, device=DEVICE)
+    for num_splits, prefix in ((1, None), (3, None), (1, prefix_len), (3, prefix_len)):
+        out = paged_decode_triton(decode_q, k_cache, v_cache, tables, lens, scale, max_seq_len=64,
+                                  num_splits=num_splits, prefix_len=prefix, **scales)  # fmt: skip
+        check(out, *(paged_decode_ref(q[[4, 5, 6]], k_cache, v_cache, tables, lens, scale, prefix_len=prefix, **scales)
+                     for q in (clamped, query)))  # fmt: skip
 
 
 def test_public_functions_quantize_and_dequantize():
