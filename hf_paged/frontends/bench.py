@@ -242,6 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", default="nano", choices=WORKLOADS)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--input-len", type=int, help="the long workload's prompt tokens (default 2048)")
+    parser.add_argument("--output-len", type=int, help="the long workload's output tokens (default 512)")
     parser.add_argument("--quick", action="store_true",
                         help="16 requests, outputs clipped to 128 tokens: < 2 min of GPU for all systems")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (median, min and max)")
@@ -326,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         quantize_(model, quantization)
     rank = torch.distributed.get_rank() if args.tp else 0
     num_requests = args.num_requests or (16 if args.quick else None)
-    workload = make_workload(args.workload, model.config.vocab_size, num_requests)
+    lengths = None
+    if args.input_len is not None or args.output_len is not None:
+        lengths = (args.input_len or 2048, args.output_len or 512)
+    workload = make_workload(args.workload, model.config.vocab_size, num_requests, lengths=lengths)
     if args.quick:
         workload.output_lens = [min(n, 128) for n in workload.output_lens]
     if args.max_num_seqs is None:  # the engine's default for this card, named in the table's header

@@ -10,7 +10,7 @@ Workloads: random prompt ids, EOS ignored, seeded:
 - prefix: 400 requests, a 341-token shared prefix plus 10-40 unique tokens, outputs 20-80 (vLLM paper §6.4);
 - short: 1000 short requests, prompt U[10, 100], output U[20, 200] (chat-like traffic: a prompt in most steps);
 - long: 1024 requests of 2048 prompt and 512 output tokens each (KV-bound: the pool, not max_num_seqs, caps the
-  batch of an 8B model; what an FP8 pool's doubled capacity is for).
+  batch of an 8B model; what an FP8 pool's doubled capacity is for); ``lengths`` sets other fixed lengths.
 
 The physical floor is one formula for every workload, and an estimate, not a strict bound: the time to read
 the weights once per decode step (the fewest steps: requests in waves of ``max_num_seqs``, each wave as long
@@ -78,8 +78,13 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: int = 0) -> Workload:
-    """The seeded prompts and output lengths of a named workload."""
+def make_workload(
+    name: str, vocab_size: int, num_requests: int | None, seed: int = 0, lengths: tuple[int, int] | None = None
+) -> Workload:
+    """The seeded prompts and output lengths of a named workload; ``lengths`` (prompt, output): the long workload's."""
+    if lengths is not None and (name != "long" or min(lengths) < 1):
+        raise ValueError(f"prompt and output lengths {lengths} apply to the long workload only, each >= 1 "
+                         f"(got workload {name!r})")  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
 
     def ids(n: int) -> list[int]:
@@ -111,7 +116,8 @@ def make_workload(name: str, vocab_size: int, num_requests: int | None, seed: in
         return Workload(name, [ids(k) for k in lens_in], lens_out)
     if name == "long":
         n = num_requests or 1024
-        return Workload(name, [ids(2048) for _ in range(n)], [512] * n)
+        prompt_len, output_len = lengths or (2048, 512)
+        return Workload(name, [ids(prompt_len) for _ in range(n)], [output_len] * n)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 

@@ -32,6 +32,10 @@ def test_workloads_have_the_documented_shapes():
     long = make_workload("long", 1000, None)
     assert len(long.prompts) == 1024 and {len(p) for p in long.prompts} == {2048} and set(long.output_lens) == {512}
     assert len(make_workload("long", 1000, 8).prompts) == 8
+    custom = make_workload("long", 1000, 4, lengths=(64, 300))
+    assert {len(p) for p in custom.prompts} == {64} and custom.output_lens == [300] * 4
+    with pytest.raises(ValueError, match="long workload only"):
+        make_workload("nano", 1000, 4, lengths=(64, 300))
     assert make_workload("nano", 1000, 8).prompts == make_workload("nano", 1000, 8).prompts  # seeded
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         make_workload("chat", 1000, None)
