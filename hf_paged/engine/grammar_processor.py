@@ -3,8 +3,9 @@
 
 import torch
 
+from hf_paged.engine.bitmask import apply_bitmask, import_xgrammar
 from hf_paged.engine.params import StructuredOutput
-from hf_paged.engine.structured import apply_bitmask, grammar_vocab_size, import_xgrammar, parse_grammar
+from hf_paged.engine.structured import grammar_vocab_size, parse_grammar
 
 
 class GrammarLogitsProcessor:

@@ -10,9 +10,11 @@ cannot continue a valid output get -inf. In order, for one request:
 2. The grammar is compiled against the vocabulary (the token-mask tables: the expensive part) on a worker thread,
    once per distinct spec (``GrammarCache``). Until it is ready the request waits outside the scheduler; the other
    requests run on. A compile that still fails ends the request with finish_reason "abort" and a logged error.
-3. Each step with constrained rows: the host fills their rows of a token bitmask while the device runs the forward,
-   copies it up and applies it to those rows of the logits in one launch (xgrammar's kernel: Triton on CUDA, C++
-   on the CPU), before the sampler, outside the CUDA graphs. Steps without constrained rows do no mask work.
+3. Each step with constrained rows: the host fills their rows of a token bitmask while the device runs the forward
+   (a worker thread fills a large batch while the step loop makes the previous step's text), copies it up
+   (hf_paged.engine.bitmask) and applies it to those rows of the logits in one launch (xgrammar's kernel: Triton
+   on CUDA, C++ on the CPU), before the sampler, outside the CUDA graphs. Steps without constrained rows do no
+   mask work.
 4. Each accepted token advances the sequence's matcher. The output ends with finish_reason "stop" when the model
    picks EOS (allowed only once the output is complete) or the matcher terminates.
 
@@ -28,7 +30,6 @@ no mask (its token is dropped).
 """
 
 import collections
-import contextlib
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_paged.core.transfer import to_device
+from hf_paged.engine.bitmask import MaskStaging, apply_bitmask, import_xgrammar
 from hf_paged.engine.params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -48,21 +49,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'hf_paged[structured]'"
 _XGR_LOCATION = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")  # "[14:00:04] /project/cpp/file.cc:94: " on C++ errors
 _NUM_WORKERS = 4  # compile threads of an engine
 _IDLE_WAIT_S = 0.1  # longest wait for a compile when nothing else can run (aborts are applied in between)
-
-
-def import_xgrammar():
-    """The xgrammar module, or a ``ValueError`` saying how to install it (a request asked for structured output)."""
-    try:
-        import xgrammar
-    except ImportError:
-        raise ValueError(
-            f"`structured_output` needs the xgrammar package, which is not installed: {INSTALL_HINT}"
-        ) from None
-    return xgrammar
 
 
 def choice_ebnf(choice: tuple[str, ...]) -> str:
@@ -214,85 +203,6 @@ class RequestGrammar:
         return import_xgrammar().GrammarMatcher(self.compiled)
 
 
-def apply_bitmask(
-    logits: torch.Tensor,  # [num_rows, width >= vocab_size], contiguous; changed in place
-    bitmask: torch.Tensor,  # [num_rows, ceil(vocab_size / 32)] int32, on the host or on the logits' device
-    vocab_size: int,  # the grammars' ids: the columns past it are masked in every given row
-    rows: list[int] | torch.Tensor | None,  # the rows to mask (None: all); a tensor is on the logits' device
-) -> None:
-    """xgrammar's ``apply_token_bitmask_inplace`` on ``logits``' device, in one launch (two when the logits are wider
-    than the grammars' vocabulary), across xgrammar versions.
-
-    Older versions mask only fp32 logits on the CPU and read the row stride from the width, so other dtypes go
-    through an fp32 copy there and the logits must be contiguous.
-    """
-    xgr = import_xgrammar()
-    if not logits.is_contiguous():
-        raise RuntimeError(f"bug in hf_paged: logits to mask must be contiguous, got strides {logits.stride()}")
-    with torch.inference_mode():  # the runner's logits are inference tensors: changed in place only in that mode
-        _apply_bitmask(xgr, logits, bitmask, vocab_size, rows)
-
-
-def _apply_bitmask(xgr, logits, bitmask, vocab_size, rows) -> None:
-    device = logits.device
-    target = logits if device.type != "cpu" or logits.dtype == torch.float32 else logits.float()
-    if bitmask.device != device:
-        bitmask = to_device(bitmask, bitmask.dtype, device)
-    if isinstance(rows, torch.Tensor) and device.type == "cpu":
-        rows = rows.tolist()  # the CPU kernel of some versions takes a list only
-    # The Triton kernel launches on the current CUDA device: make it the logits' (device_map puts the head anywhere).
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        xgr.apply_token_bitmask_inplace(target, bitmask, vocab_size=vocab_size, indices=rows)
-    if target is not logits:
-        logits.copy_(target)
-    if logits.shape[1] > vocab_size:  # ids no token of the tokenizer has: never part of an output
-        if rows is None:
-            logits[:, vocab_size:] = float("-inf")
-        else:
-            index = rows if isinstance(rows, torch.Tensor) else to_device(rows, torch.int64, device)
-            logits[index, vocab_size:] = float("-inf")
-
-
-class MaskStaging:
-    """The host memory of a step's bitmask and row indices, reused step after step, and their copy to the device.
-
-    Fresh pinned memory each step cost ~3 ms at 256 rows on an H200's host (1.5 MB, page-locked by the caching host
-    allocator), longer than the forward of a small model. On CUDA two pinned buffers serve in turn; a buffer is
-    refilled once the copy out of it (two steps back, long done) has run. On the CPU the mask is used where it is.
-    """
-
-    def __init__(self):
-        self._buffers: list[torch.Tensor | None] = [None, None]  # flat int32, pinned
-        self._copied: list[torch.cuda.Event | None] = [None, None]  # the copy out of each buffer
-        self._turn = 0
-
-    def host(self, shape: tuple[int, int], num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A bitmask of ``shape`` and a row-index vector of ``num_rows`` (int32), both on the host, to fill."""
-        size = shape[0] * shape[1] + num_rows
-        if device.type != "cuda":
-            flat = torch.empty(size, dtype=torch.int32)
-        else:
-            turn = self._turn
-            if self._copied[turn] is not None:
-                self._copied[turn].synchronize()
-            flat = self._buffers[turn]
-            if flat is None or flat.numel() < size:
-                flat = self._buffers[turn] = torch.empty(max(size, 2 * (flat.numel() if flat is not None else 0)),
-                                                         dtype=torch.int32, pin_memory=True)  # fmt: skip
-        return flat[: shape[0] * shape[1]].view(shape), flat[shape[0] * shape[1] : size]
-
-    def upload(self, bitmask: torch.Tensor, rows: torch.Tensor, device: torch.device):
-        """``bitmask`` and ``rows`` (views of ``host``'s buffer) on ``device``, in one copy that waits for nothing."""
-        if device.type != "cuda":
-            return bitmask, rows
-        size = bitmask.numel() + rows.numel()
-        flat = self._buffers[self._turn][:size].to(device, non_blocking=True)
-        self._copied[self._turn] = torch.cuda.Event()
-        self._copied[self._turn].record()
-        self._turn = 1 - self._turn
-        return flat[: bitmask.numel()].view(bitmask.shape), flat[bitmask.numel() :]
-
-
 class SeqMatcher:
     """One sequence's grammar matcher and how many of its output tokens it has read (``num_accepted``).
 
@@ -323,6 +233,23 @@ class SeqMatcher:
         return state
 
 
+class MaskJob:
+    """A step's masks between ``StructuredDecoding.start_masks`` and ``finish_masks``."""
+
+    def __init__(self, rows: list[int], every_row: bool):
+        self.rows = rows
+        self.every_row = every_row  # every logits row is constrained: no indices
+        self.bitmask: torch.Tensor | None = None  # [num_rows, words] int32 on the host
+        self.row_index: torch.Tensor | None = None  # [len(rows)] int32 on the host (empty with every_row)
+        self.copies: list[tuple[int, int]] = []  # (row, source row): a fork's rows share its mask
+        self.fill: Future | None = None  # the batch fill on the worker thread
+
+    def wait(self) -> None:
+        """Wait for the fill, whatever its outcome (the job is dropped: a step failed)."""
+        if self.fill is not None:
+            wait_futures([self.fill])
+
+
 class StructuredDecoding:
     """The engine's structured outputs: requests waiting for their grammar, the step's masks, matcher advances.
 
@@ -344,6 +271,7 @@ class StructuredDecoding:
         self.waiting: list[Request] = []  # submitted, grammar compiling: not in the scheduler yet (arrival order)
         self._batch = None  # xgrammar's BatchGrammarMatcher (a thread pool), made by the first batched call
         self._staging = MaskStaging()
+        self._fill_thread: ThreadPoolExecutor | None = None  # runs a batch fill beside the step loop
         self.grammar_vocab = vocab_size  # the ids the grammars know (grammar_vocab_size), set with the cache
 
     def _batcher(self, num_matchers: int):
@@ -423,32 +351,34 @@ class StructuredDecoding:
         self.waiting = still
         return failed
 
-    def apply_masks(
+    def start_masks(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab_size]: the sampler's rows, changed in place
+        logits: torch.Tensor,  # [num_rows, vocab_size]: the sampler's rows (read for their shape and device)
         seqs: list,  # [num_rows] the Sequence of each row (a forking prompt: n rows of one sequence)
         requests: list,  # [num_rows] the Request of each row
         rows: list[int],  # the constrained rows, ascending
-    ) -> None:
-        """Give -inf to the tokens each constrained row's grammar rules out (one launch on the logits' device)."""
+    ) -> "MaskJob":
+        """Begin the masks of a step's constrained rows: the rows' matchers are synced here and their bitmask is
+        filled, on a worker thread when the step has enough of them (``_batcher``), so that the caller's own host
+        work runs meanwhile; no matcher may advance until ``finish_masks``."""
         xgr = import_xgrammar()
         if logits.shape[1] != self.vocab_size:
             raise RuntimeError(
                 f"bug in hf_paged: logits have {logits.shape[1]} columns, the grammars {self.vocab_size}"
             )
         # Rows of the other requests stay unfilled: ``indices`` keeps the kernel off them.
-        every_row = len(rows) == logits.shape[0]
+        job = MaskJob(rows, every_row=len(rows) == logits.shape[0])
         shape = tuple(xgr.get_bitmask_shape(logits.shape[0], self.grammar_vocab))
-        bitmask, row_index = self._staging.host(shape, 0 if every_row else len(rows), logits.device)
-        matchers, fill_rows, copies = [], [], []
+        job.bitmask, job.row_index = self._staging.host(shape, 0 if job.every_row else len(rows), logits.device)
+        matchers, fill_rows = [], []
         prev_seq, prev_row = None, -1
         for row in rows:
             seq = seqs[row]
             if seq is prev_seq:  # a prompt forking into n samples: n rows of one state
-                copies.append((row, prev_row))
+                job.copies.append((row, prev_row))
                 continue
             if seq.finish_reason is not None:  # ended by the step read back just before: its token is dropped
-                bitmask[row] = -1
+                job.bitmask[row] = -1
                 continue
             if seq.num_inflight:  # its last token is still on the device: the mask would miss it
                 raise RuntimeError(
@@ -461,17 +391,28 @@ class StructuredDecoding:
             fill_rows.append(row)
             prev_seq, prev_row = seq, row
         batch = self._batcher(len(matchers))
-        if batch is not None:
-            batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=fill_rows)
+        if batch is not None:  # xgrammar's batch fill releases the GIL: it runs beside the caller
+            if self._fill_thread is None:
+                self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-paged-mask")
+            job.fill = self._fill_thread.submit(batch.batch_fill_next_token_bitmask, matchers, job.bitmask,
+                                                indices=fill_rows)  # fmt: skip
         else:
             for matcher, row in zip(matchers, fill_rows, strict=True):
-                matcher.fill_next_token_bitmask(bitmask, row)
-        for row, source in copies:
+                matcher.fill_next_token_bitmask(job.bitmask, row)
+        return job
+
+    def finish_masks(self, logits: torch.Tensor, job: "MaskJob") -> None:
+        """Give -inf to the tokens each constrained row's grammar rules out: wait for the fill, copy the masks up
+        and apply them to ``logits`` in place (one launch on their device)."""
+        if job.fill is not None:
+            job.fill.result()
+        bitmask, row_index = job.bitmask, job.row_index
+        for row, source in job.copies:
             bitmask[row] = bitmask[source]
-        if not every_row:
-            row_index.copy_(torch.tensor(rows, dtype=torch.int32))
+        if not job.every_row:
+            row_index.copy_(torch.tensor(job.rows, dtype=torch.int32))
         bitmask, row_index = self._staging.upload(bitmask, row_index, logits.device)
-        apply_bitmask(logits, bitmask, self.grammar_vocab, None if every_row else row_index)
+        apply_bitmask(logits, bitmask, self.grammar_vocab, None if job.every_row else row_index)
 
     def advance(self, request: "Request", seq: "Sequence") -> str | None:
         """Feed ``seq``'s new tokens to its matcher; how the sequence must end, if it must.

@@ -19,6 +19,7 @@ from models import DEVICE, ascii_tokenizer, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams, StructuredOutput
 from hf_paged.engine import structured
+from hf_paged.engine.bitmask import apply_bitmask
 
 MAX_NEW = 120
 VOCAB = 128
@@ -167,13 +168,13 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(model, t
     """Unconstrained outputs equal a run without constrained requests; masks touch only constrained rows, and a
     step without one does no mask work."""
     calls = []
-    apply_masks = structured.StructuredDecoding.apply_masks
+    start_masks = structured.StructuredDecoding.start_masks
 
     def recording(self, logits, seqs, requests, rows):
         calls.append((rows, [i for i, r in enumerate(requests) if r.grammar is not None]))
-        return apply_masks(self, logits, seqs, requests, rows)
+        return start_masks(self, logits, seqs, requests, rows)
 
-    monkeypatch.setattr(structured.StructuredDecoding, "apply_masks", recording)
+    monkeypatch.setattr(structured.StructuredDecoding, "start_masks", recording)
     prompts = ["abc", "hello world", "xyz" * 5]
     plain = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     alone = make_engine(model, tokenizer).generate(prompts, plain, use_tqdm=False)
@@ -322,7 +323,7 @@ def test_apply_bitmask_masks_only_the_given_rows(dtype):
     expected = logits.clone()
     expected[1] = float("-inf")
     expected[1, [1, 3]] = logits[1, [1, 3]]
-    structured.apply_bitmask(logits, bitmask, 70, [1, 2])
+    apply_bitmask(logits, bitmask, 70, [1, 2])
     torch.testing.assert_close(logits, expected)
 
 
@@ -449,7 +450,7 @@ def test_grammars_know_only_the_tokenizers_ids_and_the_rest_is_masked(tokenizer)
     bitmask = torch.full((3, 2), -1, dtype=torch.int32)  # [rows, ceil(40 / 32)]: every grammar id allowed
     expected = logits.clone()
     expected[[0, 2], 40:] = float("-inf")
-    structured.apply_bitmask(logits, bitmask, 40, [0, 2])
+    apply_bitmask(logits, bitmask, 40, [0, 2])
     torch.testing.assert_close(logits, expected)
 
 
