@@ -31,9 +31,11 @@ SHORT_SPLIT_KEYS = 256
 SHORT_SETTINGS = (32, 3, 4)
 # 64-key tiles, 3 stages: fastest long-split setting on H100/H200 at head_dim 128 (benchmarks/tools/decode_sweep.py)
 LONG_SETTINGS = (64, 3, 4)
-# FP8 pools: 128-key tiles (the same bytes a tile as bf16's 64): 132.9 against 168.8 µs at 32 x 4096, 43.8 against
-# 50.1 at 1 x 32768 on the H200 (benchmarks/tools/fp8_kv_kernels.py --settings; record 2026-11-28-h200-fp8-kernels)
-LONG_SETTINGS_FP8 = (128, 3, 4)
+# FP8 pools: 128-key tiles (the same bytes a tile as bf16's 64), 5 stages where the shared memory holds them (sm_90+:
+# 160 KB of K/V tiles): 108.8 µs against 122.5 with 3 stages at 32 x 4096, 36.9 against 39.3 at 1 x 32768 on the
+# H200 (benchmarks/tools/fp8_kv_kernels.py --settings; record 2026-11-28-h200-fp8-kernels-sweep); 3 stages below.
+LONG_SETTINGS_FP8 = (128, 5, 4)
+LONG_SETTINGS_FP8_SMALL_SMEM = (128, 3, 4)
 # Shared-prefix calls read only each row's keys past the prefix, often a few tiles: 16-key tiles over 2 warps take
 # 157 registers (six programs an SM) against the long settings' 255; fastest on the H100 for suffixes of a few
 # hundred keys (benchmarks/tools/decode_sweep.py --prefix-len 336).
@@ -179,6 +181,11 @@ def num_sms(device_index: int) -> int:
 
 
 @functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
 def _pdl_supported(device_index: int) -> bool:
     import triton.language as language
 
@@ -215,7 +222,10 @@ class DecodePlan:
         if tile_settings is not None:
             settings = {"short": tile_settings, "long": tile_settings, "cascade": tile_settings}
         elif head_dim_pad == 128:
-            long_settings = LONG_SETTINGS_FP8 if k_cache.element_size() == 1 else LONG_SETTINGS
+            long_settings = LONG_SETTINGS
+            if k_cache.element_size() == 1:
+                deep = not query.is_cuda or _capability(query.device.index or 0) >= (9, 0)
+                long_settings = LONG_SETTINGS_FP8 if deep else LONG_SETTINGS_FP8_SMALL_SMEM
             settings = {"short": SHORT_SETTINGS, "long": long_settings, "cascade": CASCADE_SUFFIX_SETTINGS}
         else:
             settings = {"short": (base_block_n, 2, 4), "long": (base_block_n, 2, 4)}
