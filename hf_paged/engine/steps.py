@@ -148,19 +148,11 @@ class StepPipeline:
         if rows.row_idx:
             identity = rows.identity and len(rows.row_idx) == logits.shape[0]
             row_logits = logits if identity else logits[to_device(rows.row_idx, torch.int64, logits.device)]
+            if rows.constrained and prev is not None and not prev.processed:
+                self._inflight = None
+                self._process(prev, touched)
             if rows.constrained:  # in place: a captured graph's logits buffer is rewritten by its next replay
-                pending = prev is not None and not prev.processed
-                if pending:  # the masks need its tokens; its text is made while they fill
-                    self._inflight = None
-                    applied = self._read_back(prev, touched)
-                job = self.structured.start_masks(row_logits, rows.seqs, rows.requests, rows.constrained)
-                if pending:
-                    try:
-                        self._apply_text(prev, applied, touched)
-                    except BaseException:
-                        job.wait()  # the fill writes into a buffer the next step reuses
-                        raise
-                self.structured.finish_masks(row_logits, job)
+                self.structured.apply_masks(row_logits, rows.seqs, rows.requests, rows.constrained)
             if rows.plan is None or rows.plan.device_type != row_logits.device.type:
                 rows.plan = plan_rows(rows.params, rows.generators, row_logits.device)
             out = self.sampler(row_logits, rows.params, rows.outputs, rows.prompts, rows.generators,
@@ -183,11 +175,6 @@ class StepPipeline:
 
     def _process(self, launched: Launched, touched: dict[str, Request]) -> None:
         """Read a launched step's tokens back (the one wait on the device) and apply them."""
-        self._apply_text(launched, self._read_back(launched, touched), touched)
-
-    def _read_back(self, launched: Launched, touched: dict[str, Request]) -> list[tuple[Request, Seq]]:
-        """The first half of ``_process``: the tokens into their sequences, and into their grammars' matchers
-        (which end a sequence whose grammar is complete); returns the (request, sequence) pairs that got one."""
         launched.processed = True
         if launched.prompt_logprobs is not None:  # first: a prompt whose last chunk this is forks below
             launched.prompt_logprobs.apply(self.detokenizer.tokenizer)
@@ -210,14 +197,6 @@ class StepPipeline:
             applied = self.scheduler.update_from_output(launched.rows, tokens, launched.deferred, launched.token_time,
                                                         logprobs)  # fmt: skip
         self._metrics.num_generated_tokens += len(applied)
-        for request, seq in applied:
-            if request.grammar is not None:
-                self._advance_grammar(request, seq)
-        return applied
-
-    def _apply_text(self, launched: Launched, applied: list[tuple[Request, Seq]], touched: dict[str, Request]) -> None:
-        """The second half of ``_process``: text and stop strings, beam steps, the requests that ended. It touches
-        no grammar matcher, so it runs while a step's masks fill (``_launch``)."""
         # A request can lose its last live sequence only here: one of its rows ended (a stop, the length, a stop
         # string) or its beam search did. Those are the requests to finish (every other touched one either has a
         # live sequence or was finished already: aborts, preemptions, the step processed before this one).
@@ -227,6 +206,8 @@ class StepPipeline:
             touched[request.request_id] = request
             if detokenize:
                 self._end_on_stop_string(request, seq)
+            if request.grammar is not None:
+                self._advance_grammar(request, seq)
             if seq.finish_reason is not None:
                 ended[request.request_id] = request
         for request_id, rows in launched.beam_rows.items():

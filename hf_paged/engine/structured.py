@@ -10,11 +10,10 @@ cannot continue a valid output get -inf. In order, for one request:
 2. The grammar is compiled against the vocabulary (the token-mask tables: the expensive part) on a worker thread,
    once per distinct spec (``GrammarCache``). Until it is ready the request waits outside the scheduler; the other
    requests run on. A compile that still fails ends the request with finish_reason "abort" and a logged error.
-3. Each step with constrained rows: the host fills their rows of a token bitmask while the device runs the forward
-   (a worker thread fills a large batch while the step loop makes the previous step's text), copies it up
-   (hf_paged.engine.bitmask) and applies it to those rows of the logits in one launch (xgrammar's kernel: Triton
-   on CUDA, C++ on the CPU), before the sampler, outside the CUDA graphs. Steps without constrained rows do no
-   mask work.
+3. Each step with constrained rows: the host fills their rows of a token bitmask while the device runs the forward,
+   copies it up (hf_paged.engine.bitmask) and applies it to those rows of the logits in one launch (xgrammar's
+   kernel: Triton on CUDA, C++ on the CPU), before the sampler, outside the CUDA graphs. Steps without constrained
+   rows do no mask work.
 4. Each accepted token advances the sequence's matcher. The output ends with finish_reason "stop" when the model
    picks EOS (allowed only once the output is complete) or the matcher terminates.
 
@@ -233,23 +232,6 @@ class SeqMatcher:
         return state
 
 
-class MaskJob:
-    """A step's masks between ``StructuredDecoding.start_masks`` and ``finish_masks``."""
-
-    def __init__(self, rows: list[int], every_row: bool):
-        self.rows = rows
-        self.every_row = every_row  # every logits row is constrained: no indices
-        self.bitmask: torch.Tensor | None = None  # [num_rows, words] int32 on the host
-        self.row_index: torch.Tensor | None = None  # [len(rows)] int32 on the host (empty with every_row)
-        self.copies: list[tuple[int, int]] = []  # (row, source row): a fork's rows share its mask
-        self.fill: Future | None = None  # the batch fill on the worker thread
-
-    def wait(self) -> None:
-        """Wait for the fill, whatever its outcome (the job is dropped: a step failed)."""
-        if self.fill is not None:
-            wait_futures([self.fill])
-
-
 class StructuredDecoding:
     """The engine's structured outputs: requests waiting for their grammar, the step's masks, matcher advances.
 
@@ -271,7 +253,6 @@ class StructuredDecoding:
         self.waiting: list[Request] = []  # submitted, grammar compiling: not in the scheduler yet (arrival order)
         self._batch = None  # xgrammar's BatchGrammarMatcher (a thread pool), made by the first batched call
         self._staging = MaskStaging()
-        self._fill_thread: ThreadPoolExecutor | None = None  # runs a batch fill beside the step loop
         self.grammar_vocab = vocab_size  # the ids the grammars know (grammar_vocab_size), set with the cache
 
     def _batcher(self, num_matchers: int):
@@ -351,34 +332,32 @@ class StructuredDecoding:
         self.waiting = still
         return failed
 
-    def start_masks(
+    def apply_masks(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab_size]: the sampler's rows (read for their shape and device)
+        logits: torch.Tensor,  # [num_rows, vocab_size]: the sampler's rows, changed in place
         seqs: list,  # [num_rows] the Sequence of each row (a forking prompt: n rows of one sequence)
         requests: list,  # [num_rows] the Request of each row
         rows: list[int],  # the constrained rows, ascending
-    ) -> "MaskJob":
-        """Begin the masks of a step's constrained rows: the rows' matchers are synced here and their bitmask is
-        filled, on a worker thread when the step has enough of them (``_batcher``), so that the caller's own host
-        work runs meanwhile; no matcher may advance until ``finish_masks``."""
+    ) -> None:
+        """Give -inf to the tokens each constrained row's grammar rules out (one launch on the logits' device)."""
         xgr = import_xgrammar()
         if logits.shape[1] != self.vocab_size:
             raise RuntimeError(
                 f"bug in hf_paged: logits have {logits.shape[1]} columns, the grammars {self.vocab_size}"
             )
         # Rows of the other requests stay unfilled: ``indices`` keeps the kernel off them.
-        job = MaskJob(rows, every_row=len(rows) == logits.shape[0])
+        every_row = len(rows) == logits.shape[0]
         shape = tuple(xgr.get_bitmask_shape(logits.shape[0], self.grammar_vocab))
-        job.bitmask, job.row_index = self._staging.host(shape, 0 if job.every_row else len(rows), logits.device)
-        matchers, fill_rows = [], []
+        bitmask, row_index = self._staging.host(shape, 0 if every_row else len(rows), logits.device)
+        matchers, fill_rows, copies = [], [], []
         prev_seq, prev_row = None, -1
         for row in rows:
             seq = seqs[row]
             if seq is prev_seq:  # a prompt forking into n samples: n rows of one state
-                job.copies.append((row, prev_row))
+                copies.append((row, prev_row))
                 continue
             if seq.finish_reason is not None:  # ended by the step read back just before: its token is dropped
-                job.bitmask[row] = -1
+                bitmask[row] = -1
                 continue
             if seq.num_inflight:  # its last token is still on the device: the mask would miss it
                 raise RuntimeError(
@@ -391,28 +370,17 @@ class StructuredDecoding:
             fill_rows.append(row)
             prev_seq, prev_row = seq, row
         batch = self._batcher(len(matchers))
-        if batch is not None:  # xgrammar's batch fill releases the GIL: it runs beside the caller
-            if self._fill_thread is None:
-                self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-paged-mask")
-            job.fill = self._fill_thread.submit(batch.batch_fill_next_token_bitmask, matchers, job.bitmask,
-                                                indices=fill_rows)  # fmt: skip
+        if batch is not None:
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=fill_rows)
         else:
             for matcher, row in zip(matchers, fill_rows, strict=True):
-                matcher.fill_next_token_bitmask(job.bitmask, row)
-        return job
-
-    def finish_masks(self, logits: torch.Tensor, job: "MaskJob") -> None:
-        """Give -inf to the tokens each constrained row's grammar rules out: wait for the fill, copy the masks up
-        and apply them to ``logits`` in place (one launch on their device)."""
-        if job.fill is not None:
-            job.fill.result()
-        bitmask, row_index = job.bitmask, job.row_index
-        for row, source in job.copies:
+                matcher.fill_next_token_bitmask(bitmask, row)
+        for row, source in copies:
             bitmask[row] = bitmask[source]
-        if not job.every_row:
-            row_index.copy_(torch.tensor(job.rows, dtype=torch.int32))
+        if not every_row:
+            row_index.copy_(torch.tensor(rows, dtype=torch.int32))
         bitmask, row_index = self._staging.upload(bitmask, row_index, logits.device)
-        apply_bitmask(logits, bitmask, self.grammar_vocab, None if job.every_row else row_index)
+        apply_bitmask(logits, bitmask, self.grammar_vocab, None if every_row else row_index)
 
     def advance(self, request: "Request", seq: "Sequence") -> str | None:
         """Feed ``seq``'s new tokens to its matcher; how the sequence must end, if it must.

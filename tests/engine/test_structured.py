@@ -168,13 +168,13 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(model, t
     """Unconstrained outputs equal a run without constrained requests; masks touch only constrained rows, and a
     step without one does no mask work."""
     calls = []
-    start_masks = structured.StructuredDecoding.start_masks
+    apply_masks = structured.StructuredDecoding.apply_masks
 
     def recording(self, logits, seqs, requests, rows):
         calls.append((rows, [i for i, r in enumerate(requests) if r.grammar is not None]))
-        return start_masks(self, logits, seqs, requests, rows)
+        return apply_masks(self, logits, seqs, requests, rows)
 
-    monkeypatch.setattr(structured.StructuredDecoding, "start_masks", recording)
+    monkeypatch.setattr(structured.StructuredDecoding, "apply_masks", recording)
     prompts = ["abc", "hello world", "xyz" * 5]
     plain = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     alone = make_engine(model, tokenizer).generate(prompts, plain, use_tqdm=False)
