@@ -51,6 +51,7 @@ rows, and launch overheads are not in this model).
 import triton
 import triton.language as tl
 
+from .kv_quant_triton import from_kv
 from .launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["PREFIX", "choose_num_prefix_splits", "block_m_for"]
@@ -215,7 +216,7 @@ def _shared_prefix_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         # k: [BLOCK_N, HEAD_DIM_PAD]
         k = tl.load(k_head_ptr + k_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
+        k = from_kv(k, q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
         # scores: [BLOCK_M, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if USE_SOFT_CAP:
@@ -237,7 +238,7 @@ def _shared_prefix_kernel(
 
         # v: [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_head_ptr + v_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        v = v.to(q.dtype)  # as k
+        v = from_kv(v, q.dtype)  # as k
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 

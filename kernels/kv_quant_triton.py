@@ -5,7 +5,7 @@ fp8 wrongly (a rounding carry into the exponent is lost: 7.9 becomes 4.0), so th
 tested on the CPU. ``to_fp8`` rounds by integer operations on the fp32 bits, which the interpreter and the GPU
 execute alike, bit-exact with torch's cast after a clamp (``kv_quant.quantize_ref``). It costs a few integer
 operations an element in the writes only (write_kv and the decode kernel's fused write); attention reads fp8 with
-``.to()`` (exact for every finite value, on the GPU and in the interpreter).
+``from_kv`` (exact for every finite value, on the GPU and in the interpreter).
 
 fp8 tensors are passed to the kernels as they are (the interpreter loads and stores them; on a GPU e4m3fn needs
 sm_89+ for its conversions, e5m2 does not).
@@ -14,7 +14,7 @@ sm_89+ for its conversions, e5m2 does not).
 import triton
 import triton.language as tl
 
-__all__ = ["to_fp8"]
+__all__ = ["from_kv", "to_fp8"]
 
 
 @triton.jit
@@ -52,3 +52,16 @@ def to_fp8(x, FP8: tl.constexpr):
     else:
         bits = _fp8_bits(x, 2, 15, 0x47600000)  # max 57344 = 1.75 * 2^15
     return bits.to(tl.uint8).to(FP8, bitcast=True)
+
+
+@triton.jit
+def from_kv(x, dtype: tl.constexpr):
+    """A loaded K/V tile as ``dtype`` (the dots' operand type); exact for fp8 tiles going to fp16 or fp32.
+
+    e5m2 is the high byte of an fp16, so it converts by a shift on every architecture: Triton 3.6 lowers
+    ``.to(tl.float16)`` of e5m2 to an sm_89 instruction even for sm_80, which ptxas rejects (the A100 runs e5m2
+    caches). e4m3 (sm_89+) takes the native conversion, one instruction for two values to fp16. Other dtypes: ``.to``.
+    """
+    if x.dtype == tl.float8e5:
+        x = (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    return x.to(dtype)

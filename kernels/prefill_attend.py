@@ -37,6 +37,8 @@ after the last key.
 import triton
 import triton.language as tl
 
+from .kv_quant_triton import from_kv
+
 __all__ = ["attend_slot"]
 
 
@@ -110,7 +112,7 @@ def _attend_tile(
     else:
         kv_mask_t = key_in_ctx[None, :] & d_mask[:, None]  # [BLOCK_D, BLOCK_N]: real key, real dim
         k = tl.load(k_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)  # k: [BLOCK_D, BLOCK_N]
-    k = k.to(q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query); else no conversion
+    k = from_kv(k, q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query); else no conversion
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -154,11 +156,10 @@ def _attend_tile(
             p = tl.exp2(s * qk_scale - m_i[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i + tl.sum(p, 1)
 
-    v = tl.load(
-        v_ptr + v_offs[:, None] + offs_d[None, :],
-        mask=key_in_ctx[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(q.dtype)  # v: [BLOCK_N, BLOCK_D]; fp8 -> fp16 as k
+    v = from_kv(
+        tl.load(v_ptr + v_offs[:, None] + offs_d[None, :], mask=key_in_ctx[:, None] & d_mask[None, :], other=0.0),
+        q.dtype,
+    )  # v: [BLOCK_N, BLOCK_D]; fp8 -> fp16 as k
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:

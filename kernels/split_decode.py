@@ -55,7 +55,7 @@ group 8 at BLOCK_N 64, D 128) and spill.
 import triton
 import triton.language as tl
 
-from .kv_quant_triton import to_fp8
+from .kv_quant_triton import from_kv, to_fp8
 from .launch import Launcher
 
 __all__ = ["SPLIT", "MERGE", "BOUND_POSITIONS"]
@@ -239,7 +239,7 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         # k: [BLOCK_N, HEAD_DIM_PAD]
         k = tl.load(k_head_ptr + row_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
+        k = from_kv(k, q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
         # scores: [GROUP_PAD, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         if USE_SOFT_CAP:
@@ -260,7 +260,7 @@ def _paged_decode_kernel(
 
         # v: [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_head_ptr + v_row_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        v = v.to(q.dtype)  # as k
+        v = from_kv(v, q.dtype)  # as k
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -282,8 +282,8 @@ def _paged_decode_kernel(
                 tl.store(v_head_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
                          + offs_d * stride_vd, nv, mask=d_mask)  # fmt: skip
             if KV_FP8:  # attend to the stored values, in the dtype the loop's tiles take
-                nk = nk.to(q.dtype)
-                nv = nv.to(q.dtype)
+                nk = from_kv(nk, q.dtype)
+                nv = from_kv(nv, q.dtype)
             nk_rows, nv_rows = nk[None, :], nv[None, :]  # [1, HEAD_DIM_PAD]: the new K/V of every query row
             # The new key's score for each query row ([GROUP_PAD]), as the tile loop scores a key (fp32 products of
             # the stored dtype), then one more online-softmax step.
