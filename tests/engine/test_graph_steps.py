@@ -77,7 +77,10 @@ def _assert_same(got, expected):
         (dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96), 0),  # chunked prefill, mixed steps
         (dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=96), 2),  # arrivals: a prompt in most steps
         (dict(max_num_batched_tokens=24, max_num_seqs=6, num_blocks=14), 1),  # tiny pool: preemption
-        (dict(max_num_batched_tokens=24, max_num_seqs=6, num_blocks=14, preemption_mode="swap"), 1),
+        (
+            dict(max_num_batched_tokens=24, max_num_seqs=6, num_blocks=14, preemption_mode="swap", swap_space_gb=0.01),
+            1,
+        ),  # swapped out, not recomputed (a small swap space: its default 4 GB of CPU memory is zeroed per engine)
         (dict(max_num_batched_tokens=256, max_num_seqs=16, num_blocks=96), 0),  # whole prompts, steps above buckets
     ],
     ids=["chunked", "arrivals", "preempt-recompute", "preempt-swap", "large-steps"],

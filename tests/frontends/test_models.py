@@ -1,7 +1,8 @@
 """hf_paged.frontends.models: the embedded default model, its safetensors cache, and the errors for missing models.
 
-The real GGUF is converted once per test module (~20 s on 2 CPU cores) into a temp cache; the atomicity
-and error tests use a fake GGUF and a stubbed loader, so they take milliseconds.
+The real GGUF is converted once per test run (~20 s on 2 CPU cores) into a temp cache, by the session fixture
+``default_model_first_load`` (conftest.py), whose folder also fills an empty default cache; the atomicity and error
+tests use a fake GGUF and a stubbed loader, so they take milliseconds.
 """
 
 import os
@@ -20,12 +21,9 @@ def _tree(root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def default_load(tmp_path_factory):
+def default_load(default_model_first_load):
     """The default model and tokenizer, converted into a fresh cache: (model, tokenizer, cache_dir, seconds)."""
-    cache_dir = tmp_path_factory.mktemp("hf_paged_cache")
-    start = time.perf_counter()
-    model, tokenizer = models.load_model(cache_dir=str(cache_dir), device="cpu", attn_implementation="sdpa")
-    return model, tokenizer, cache_dir, time.perf_counter() - start
+    return default_model_first_load
 
 
 @needs_smollm2
