@@ -40,10 +40,10 @@
 #                  32 x 4096 and 1 x 32768 (Llama-3.1-8B's heads; CUDA graph, L2-cold, share of the bandwidth
 #                  floor) and the prefill kernel at 4 x 1024 (FP8_SETTINGS="N/S/W ...": also each split-kernel
 #                  setting forced, both pools)                                                        (~1 min)
-#   fp8-engine     hf-paged bench, the long workload (1024 requests of 2048 prompt + 512 output tokens, Llama-3.1-8B):
-#                  a bf16 pool beside an FP8 one in the same memory (twice the tokens), one run each; a process a
-#                  pool, dealt over the GPUs (LONG_REQUESTS=N: N requests instead)
-#                                                                                 (~7 min on one GPU, ~4 on two)
+#   fp8-engine     hf-paged bench, the long workload where the pool caps the batch (512 requests of 1024 prompt + 1024
+#                  output tokens, Llama-3.1-8B, an 8.9 GiB pool): a bf16 pool beside an FP8 one in the same memory
+#                  (twice the tokens), one run each; a process a pool, dealt over the GPUs (LONG_REQUESTS=N: N requests)
+#                                                                                 (~7 min on one GPU, ~3 on two)
 #   quant-engine   benchmarks/tools/quant_decode_steps.py: the engine's steady decode step (ms) at batch 1, 8 and
 #                  64, Llama-3.1-8B with bf16, float8 and int4 weights (torchao, quantized on the GPU), beside
 #                  each one's weight-bound floor; a process a quantization, dealt over the GPUs (QUANTS="Q ...":
@@ -92,10 +92,12 @@ done
 for point in 1x512 8x1024 32x512 64x512; do
     GENERATE_QWEN+=("qwen3-0.6b-$point 540 generate --shapes qwen3-0.6b --points $point $GRID")
 done
-# The FP8 pool takes the same share of the card as the bf16 one (the engine's default gpu_memory_utilization), so it
-# holds twice the tokens; one run each (the workload is ~2.6 M tokens). Timeouts sum to BUDGET_S: one GPU runs both.
-LONG="--model llama-8b --workload long --num-requests ${LONG_REQUESTS:-1024} --systems hf_paged --repeats 1"
-FP8_ENGINE=("long-bf16 320 bench $LONG" "long-fp8 240 bench $LONG --kv-cache-dtype fp8")
+# The FP8 pool takes the same share of the card as the bf16 one, so it holds twice the tokens. A KV-bound workload: an
+# 8.9 GiB pool (a 40-48 GB card's) that alone caps the batch (max_num_seqs 1024), 1024 + 1024 tokens a request; one run
+# each (~110 and ~80 s after a ~60 s start-up). Timeouts sum to BUDGET_S: one GPU runs both.
+LONG="--model llama-8b --workload long --num-requests ${LONG_REQUESTS:-512} --input-len 1024 --output-len 1024"
+LONG+=" --gpu-memory-utilization 0.3 --max-num-seqs 1024 --systems hf_paged --repeats 1"
+FP8_ENGINE=("long-bf16 280 bench $LONG" "long-fp8 240 bench $LONG --kv-cache-dtype fp8")
 # Weight quantizations: a process each, the 8B model built in bf16 on the GPU and quantized there.
 # On one GPU the engine's three fit the budget (~100 s each); generate's compile three graphs each (~50 s a compile).
 QUANT_ENGINE=() QUANT_GENERATE=()
