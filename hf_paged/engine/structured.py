@@ -363,9 +363,15 @@ class StructuredDecoding:
                 raise RuntimeError(
                     f"bug in hf_paged: sequence {seq.seq_id} has a structured output and tokens in flight"
                 )
-            state = SeqMatcher.sync(requests[row], seq)
-            if state.rejected is not None or state.matcher.is_terminated():
-                raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar ended")
+            state = seq.grammar_state
+            # ``advance`` has fed the matcher every output token and ended the sequence if its grammar ended: sync
+            # only a matcher behind its sequence (a fork's first sample), without a per-row call.
+            if state is None or state.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:
+                state = SeqMatcher.sync(requests[row], seq)
+                if state.matcher.is_terminated():
+                    raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar ended")
+            if state.rejected is not None:
+                raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar refused a token")
             matchers.append(state.matcher)
             fill_rows.append(row)
             prev_seq, prev_row = seq, row
