@@ -1,6 +1,6 @@
 """hf_paged.frontends.models: the embedded default model, its safetensors cache, and the errors for missing models.
 
-The real GGUF is converted once per test run (~20 s on 2 CPU cores) into a temp cache, by the session fixture
+The real GGUF is converted once per test run (~20 s on 2 CPU cores) into a temp cache, by the run-wide fixture
 ``default_model_first_load`` (conftest.py), whose folder also fills an empty default cache; the atomicity and error
 tests use a fake GGUF and a stubbed loader, so they take milliseconds.
 """
