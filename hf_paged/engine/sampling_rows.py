@@ -29,6 +29,8 @@ class Launched:
     token_time: float | None = None  # time.monotonic() when the tokens reached the host (first-token metrics)
     processed: bool = False  # its tokens were read back and applied (StepPipeline._process)
     prompt_logprobs: object = None  # hf_paged.engine.prompt_logprobs.PromptLogprobRows of the step, if it scores any
+    # (SamplingRows, logits rows, grammar_masks.StepMasks or None) until the sampling is queued (StepPipeline._sample)
+    sampling: tuple | None = None
 
 
 @dataclass

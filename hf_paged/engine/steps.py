@@ -10,9 +10,12 @@ frees), then stop strings and text (hf_paged.engine.outputs) and structured-outp
 Async scheduling: ``_step_once`` schedules and queues step N+1 before it processes step N, so the device never
 waits for the host's bookkeeping; a token of step N reaches step N+1's input on the device, never through the host.
 A step with structured-output rows reads the previous step's tokens back as soon as its own forward is queued: its
-masks need them on the host, and they are made while the device runs that forward.
+masks need them on the host. A worker thread makes them while the device runs that forward and the step loop makes
+the previous step's text and schedules the next step; the next step queues this one's sampling, before its own
+forward (hf_paged.engine.grammar_masks).
 """
 
+import logging
 import time
 
 import torch
@@ -25,6 +28,8 @@ from hf_paged.engine.sampler import plan_rows
 from hf_paged.engine.sampling_rows import Launched, SamplingRows, to_host
 from hf_paged.engine.scheduler import SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 
 class StepPipeline:
     """The step half of ``ContinuousBatcher`` (a base class: every attribute below is set by its constructor).
@@ -32,13 +37,16 @@ class StepPipeline:
     Reads ``scheduler``, ``runner``, ``sampler``, ``detokenizer``, ``structured`` (StructuredDecoding),
     ``requests``, ``eos_token_ids``, ``async_scheduling``, ``_sync`` (RankSync), ``_metrics`` (MetricsRecorder) and
     ``_apply_aborts``; owns ``_inflight`` (the step queued last, not processed yet), ``_rows`` (the last step's
-    sampling rows while reusable) and ``_unreported`` (requests finished outside a step, reported by the next one).
+    sampling rows while reusable), ``_unreported`` (requests finished outside a step, reported by the next one) and
+    ``_grammar_ends`` (sequences a step's masks found their grammar ended, ended at the next read-back).
     """
 
     def _drain(self) -> None:
         """Process the step in flight, if any (waits for the device)."""
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
+            if launched.sampling is not None:
+                self._sample(launched)
             self._process(launched, self._unreported)  # reported by the next step
 
     def _run_step(self) -> dict[str, Request]:
@@ -60,6 +68,8 @@ class StepPipeline:
         """After a failed step: the scheduler requeues every request; those it left with no live sequence end."""
         self._inflight = None
         self._rows = None  # every sequence is requeued: nothing of the failed step's rows is kept
+        self.structured.masks.cancel()  # masks being made: their matchers are replayed below
+        self._grammar_ends = []  # found again by the replay
         self.scheduler.recover()
         for request in list(self.requests.values()):
             if request.is_finished:
@@ -87,6 +97,8 @@ class StepPipeline:
         for request_id in sched.preempted:
             touched[request_id] = self.requests[request_id]
         prev, launched = self._inflight, None
+        if prev is not None and prev.sampling is not None:  # its masks were made while this step was scheduled
+            self._sample(prev)
         if not sched.is_empty:
             self._sync.check_schedule(sched)
             pool = self.pool
@@ -132,9 +144,10 @@ class StepPipeline:
         to the beam search). The step is *deferred* (processed after the next step is queued) when async
         scheduling is on and every sampling row is a plain sample: no beam search, no prompt that forks into
         ``n`` samples, no penalty or ``min_tokens`` (they need the previous token on the host). Structured-output
-        rows get their grammar's mask here, while the device runs the forward: -inf for the tokens it rules out,
-        before the sampler (logprobs included). The masks need the tokens of the step queued before (``prev``,
-        deferred): it is processed first, its requests going to ``touched``.
+        rows get their grammar's mask, -inf for the tokens it rules out, before the sampler (logprobs included). The
+        masks need the tokens of the step queued before (``prev``, deferred): they are read back first (its
+        requests go to ``touched``), and its text is made while a worker makes the masks. A deferred step with
+        masks leaves its sampling (``Launched.sampling``) to the next step, which queues it once it is scheduled.
         """
         rows = self._rows
         if rows is None or rows.seq_ids != sched.seq_ids or rows.sample_idx != sched.sample_idx:
@@ -148,26 +161,45 @@ class StepPipeline:
         if rows.row_idx:
             identity = rows.identity and len(rows.row_idx) == logits.shape[0]
             row_logits = logits if identity else logits[to_device(rows.row_idx, torch.int64, logits.device)]
-            if rows.constrained and prev is not None and not prev.processed:
-                self._inflight = None
-                self._process(prev, touched)
+            masks = None
             if rows.constrained:  # in place: a captured graph's logits buffer is rewritten by its next replay
-                self.structured.apply_masks(row_logits, rows.seqs, rows.requests, rows.constrained)
-            if rows.plan is None or rows.plan.device_type != row_logits.device.type:
-                rows.plan = plan_rows(rows.params, rows.generators, row_logits.device)
-            out = self.sampler(row_logits, rows.params, rows.outputs, rows.prompts, rows.generators,
-                               self.eos_token_ids, rows.plan)  # fmt: skip
-            self._sync.broadcast(out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)
-            launched.token_ids = out.token_ids
-            launched.host = [to_host(t) for t in (out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)]
-            if out.token_ids.is_cuda:
-                launched.event = torch.cuda.Event()
-                launched.event.record()
-            else:  # the tokens are on the host now, though a deferred step applies them after the next forward
-                launched.token_time = time.monotonic()
+                applied = None
+                if prev is not None and not prev.processed:  # the masks need its tokens
+                    self._inflight = None
+                    applied = self._read_back(prev, touched)
+                masks = self.structured.masks.start(row_logits, rows.seqs, rows.requests, rows.constrained,
+                                                    self.structured.grammar_vocab, launched.deferred)  # fmt: skip
+                if applied is not None:  # its text, while the worker advances the matchers and fills the masks
+                    try:
+                        self._apply_text(prev, applied, touched, masks.seq_ids)
+                    except BaseException:
+                        self.structured.masks.cancel()
+                        raise
+            launched.sampling = rows, row_logits, masks
+            if masks is None or not launched.deferred:
+                self._sample(launched)
         if launched.deferred:
             self.scheduler.add_placeholders(launched.rows)
         return launched
+
+    def _sample(self, launched: Launched) -> None:
+        """Queue a launched step's sampling (after its masks, if it has any) and the copy of its tokens to the host."""
+        rows, row_logits, masks = launched.sampling
+        launched.sampling = None
+        if masks is not None:
+            self._grammar_ends += self.structured.masks.finish(masks)
+        if rows.plan is None or rows.plan.device_type != row_logits.device.type:
+            rows.plan = plan_rows(rows.params, rows.generators, row_logits.device)
+        out = self.sampler(row_logits, rows.params, rows.outputs, rows.prompts, rows.generators, self.eos_token_ids,
+                           rows.plan)  # fmt: skip
+        self._sync.broadcast(out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)
+        launched.token_ids = out.token_ids
+        launched.host = [to_host(t) for t in (out.token_ids, out.logprobs, out.top_logprobs, out.top_token_ids)]
+        if out.token_ids.is_cuda:
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        else:  # the tokens are on the host now, though a deferred step applies them after the next forward
+            launched.token_time = time.monotonic()
 
     def _sampling_rows(self, sched: SchedulerOutput) -> SamplingRows:
         """The sampler's rows of a step, rebuilt (see ``_launch``)."""
@@ -175,7 +207,14 @@ class StepPipeline:
 
     def _process(self, launched: Launched, touched: dict[str, Request]) -> None:
         """Read a launched step's tokens back (the one wait on the device) and apply them."""
+        self._apply_text(launched, self._read_back(launched, touched), touched)
+
+    def _read_back(self, launched: Launched, touched: dict[str, Request]) -> list[tuple[Request, Seq]]:
+        """The first half of ``_process``: the tokens into their sequences; returns the (request, sequence) pairs
+        that got one. The grammar ends found since the last read-back come first: their tokens are dropped."""
         launched.processed = True
+        if self._grammar_ends:
+            self._end_grammars(touched)
         if launched.prompt_logprobs is not None:  # first: a prompt whose last chunk this is forks below
             launched.prompt_logprobs.apply(self.detokenizer.tokenizer)
         applied = []
@@ -197,6 +236,13 @@ class StepPipeline:
             applied = self.scheduler.update_from_output(launched.rows, tokens, launched.deferred, launched.token_time,
                                                         logprobs)  # fmt: skip
         self._metrics.num_generated_tokens += len(applied)
+        return applied
+
+    def _apply_text(
+        self, launched: Launched, applied: list[tuple[Request, Seq]], touched: dict[str, Request], skip=frozenset()
+    ) -> None:
+        """The second half of ``_process``: text and stop strings, grammars (but those of the sequences in ``skip``,
+        which a mask worker is advancing), beam steps, the requests that ended."""
         # A request can lose its last live sequence only here: one of its rows ended (a stop, the length, a stop
         # string) or its beam search did. Those are the requests to finish (every other touched one either has a
         # live sequence or was finished already: aborts, preemptions, the step processed before this one).
@@ -206,7 +252,7 @@ class StepPipeline:
             touched[request.request_id] = request
             if detokenize:
                 self._end_on_stop_string(request, seq)
-            if request.grammar is not None:
+            if request.grammar is not None and seq.seq_id not in skip:
                 self._advance_grammar(request, seq)
             if seq.finish_reason is not None:
                 ended[request.request_id] = request
@@ -218,6 +264,21 @@ class StepPipeline:
                 ended[request_id] = request
         for request in ended.values():
             if not request.is_finished and not request.live_seqs:
+                self.scheduler.finish(request)
+
+    def _end_grammars(self, touched: dict[str, Request]) -> None:
+        """End the sequences whose grammar a step's masks found ended (``MaskFiller.finish``)."""
+        ends, self._grammar_ends = self._grammar_ends, []
+        for request, seq, reason, token in ends:
+            if seq.finish_reason is not None or request.is_finished:
+                continue
+            if reason == "abort":
+                logger.error("request %s: the sampled token %d does not follow its structured_output; the sequence is "
+                             "ended", request.request_id, token)  # fmt: skip
+            self.scheduler.finish_seq(seq, reason)
+            seq.grammar_state = None
+            touched[request.request_id] = request
+            if not request.live_seqs:
                 self.scheduler.finish(request)
 
     def _advance_grammar(self, request: Request, seq: Seq) -> None:

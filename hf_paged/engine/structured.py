@@ -10,12 +10,13 @@ cannot continue a valid output get -inf. In order, for one request:
 2. The grammar is compiled against the vocabulary (the token-mask tables: the expensive part) on a worker thread,
    once per distinct spec (``GrammarCache``). Until it is ready the request waits outside the scheduler; the other
    requests run on. A compile that still fails ends the request with finish_reason "abort" and a logged error.
-3. Each step with constrained rows: the host fills their rows of a token bitmask while the device runs the forward,
-   copies it up (hf_paged.engine.bitmask) and applies it to those rows of the logits in one launch (xgrammar's
-   kernel: Triton on CUDA, C++ on the CPU), before the sampler, outside the CUDA graphs. Steps without constrained
-   rows do no mask work.
-4. Each accepted token advances the sequence's matcher. The output ends with finish_reason "stop" when the model
-   picks EOS (allowed only once the output is complete) or the matcher terminates.
+3. Each step with constrained rows: a worker thread feeds each row's matcher the token just read back and fills
+   the rows of a token bitmask, while the device runs the forward and the step loop makes text and schedules the
+   next step; the mask then goes up (hf_paged.engine.bitmask) and is applied to those rows of the logits in one
+   launch (xgrammar's kernel: Triton on CUDA, C++ on the CPU), before the sampler, outside the CUDA graphs
+   (hf_paged.engine.grammar_masks). Steps without constrained rows do no mask work.
+4. The output ends with finish_reason "stop" when the model picks EOS (allowed only once the output is complete)
+   or the matcher terminates.
 
 A sequence's matcher is derived from its tokens, never the other way round: ``SeqMatcher.sync`` feeds it the
 output tokens it has not read, and rebuilds it by replay when the output got shorter (a failed step). So a fork
@@ -23,9 +24,9 @@ output tokens it has not read, and rebuilds it by replay when the output got sho
 do not change) and a recovered step need no grammar bookkeeping of their own.
 
 Async scheduling: a constrained row's mask needs the token sampled just before it on the host. Steps stay deferred;
-a step with constrained rows reads the previous step's tokens back once its own forward is queued, then fills its
-masks while the device runs that forward (``StepPipeline._launch``). A row whose sequence that read-back ended gets
-no mask (its token is dropped).
+a step with constrained rows reads the previous step's tokens back once its own forward is queued and starts its
+masks; its sampling is queued by the next step, once that step is scheduled and before its forward
+(``StepPipeline``). A row whose sequence has ended by then gets no mask (its token is dropped).
 """
 
 import collections
@@ -38,9 +39,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
-import torch
-
-from hf_paged.engine.bitmask import MaskStaging, apply_bitmask, import_xgrammar
+from hf_paged.engine.bitmask import import_xgrammar
+from hf_paged.engine.grammar_masks import MaskFiller, SeqMatcher
 from hf_paged.engine.params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -84,15 +84,6 @@ def parse_grammar(spec: StructuredOutput):
         message = _XGR_LOCATION.sub("", str(e)).strip()
         value = getattr(spec, kind)
         raise ValueError(f"`structured_output.{kind}` is invalid: {message} (got {value!r:.300})") from None
-
-
-_BATCH_MIN_ROWS = 16  # below this, a step's matchers run serially: a thread hand-off costs more than it saves
-
-
-def _mask_threads() -> int:
-    """Threads of the batch mask fill: the cores this process may run on, at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cores))
 
 
 # xgrammar (0.2.x) writes the characters of a length-bounded JSON string (minLength/maxLength) as [^"\\\r\n], which
@@ -202,36 +193,6 @@ class RequestGrammar:
         return import_xgrammar().GrammarMatcher(self.compiled)
 
 
-class SeqMatcher:
-    """One sequence's grammar matcher and how many of its output tokens it has read (``num_accepted``).
-
-    Invariant: the matcher has read exactly ``seq.output_token_ids[:num_accepted]``, or rejected the last of them
-    (``rejected``). Outputs only grow, except when a failed step's tokens are dropped: ``sync`` then replays.
-    """
-
-    def __init__(self, grammar: RequestGrammar):
-        self.grammar = grammar
-        self.matcher = grammar.new_matcher()
-        self.num_accepted = 0
-        self.rejected: int | None = None  # a token the grammar refused (then the sequence is ended)
-
-    @classmethod
-    def sync(cls, request: "Request", seq: "Sequence") -> "SeqMatcher":
-        """``seq``'s matcher, made or replayed as needed, having read every known output token of ``seq``."""
-        state = seq.grammar_state
-        start, end = seq.num_prompt_tokens, len(seq.token_ids) - seq.num_inflight
-        if state is None or state.num_accepted > end - start:
-            state = seq.grammar_state = cls(request.grammar)
-        if state.rejected is None:
-            token_ids, matcher = seq.token_ids, state.matcher
-            for i in range(start + state.num_accepted, end):
-                if not matcher.accept_token(token_ids[i]):
-                    state.rejected = token_ids[i]
-                    break
-                state.num_accepted += 1
-        return state
-
-
 class StructuredDecoding:
     """The engine's structured outputs: requests waiting for their grammar, the step's masks, matcher advances.
 
@@ -251,26 +212,8 @@ class StructuredDecoding:
         self.blocking = blocking
         self.cache: GrammarCache | None = None
         self.waiting: list[Request] = []  # submitted, grammar compiling: not in the scheduler yet (arrival order)
-        self._batch = None  # xgrammar's BatchGrammarMatcher (a thread pool), made by the first batched call
-        self._staging = MaskStaging()
+        self.masks = MaskFiller(vocab_size)  # a step's masks (hf_paged.engine.grammar_masks)
         self.grammar_vocab = vocab_size  # the ids the grammars know (grammar_vocab_size), set with the cache
-
-    def _batcher(self, num_matchers: int):
-        """xgrammar's batch matcher when a step has enough matchers to share out over threads, else None (serial).
-
-        A JSON-schema mask costs ~20-30 µs a row: 256 constrained rows take ~6 ms of host time a step serially, more
-        than a small model's forward; the batch call fills them on a pool of threads.
-        """
-        if num_matchers < _BATCH_MIN_ROWS:
-            return None
-        if self._batch is None:
-            xgr = import_xgrammar()
-            if not hasattr(xgr, "BatchGrammarMatcher"):  # older xgrammar: serial
-                return None
-            # A few threads (not xgrammar's "auto": half the host's cores, 32 and more on a GPU server): the fill
-            # shares the host with the step loop and with other processes, and a mask is tens of microseconds.
-            self._batch = xgr.BatchGrammarMatcher(max_threads=_mask_threads())
-        return self._batch
 
     def grammar_for(self, params: SamplingParams) -> RequestGrammar | None:
         """The grammar of a request with these parameters (None without ``structured_output``).
@@ -331,62 +274,6 @@ class StructuredDecoding:
                 add(request)
         self.waiting = still
         return failed
-
-    def apply_masks(
-        self,
-        logits: torch.Tensor,  # [num_rows, vocab_size]: the sampler's rows, changed in place
-        seqs: list,  # [num_rows] the Sequence of each row (a forking prompt: n rows of one sequence)
-        requests: list,  # [num_rows] the Request of each row
-        rows: list[int],  # the constrained rows, ascending
-    ) -> None:
-        """Give -inf to the tokens each constrained row's grammar rules out (one launch on the logits' device)."""
-        xgr = import_xgrammar()
-        if logits.shape[1] != self.vocab_size:
-            raise RuntimeError(
-                f"bug in hf_paged: logits have {logits.shape[1]} columns, the grammars {self.vocab_size}"
-            )
-        # Rows of the other requests stay unfilled: ``indices`` keeps the kernel off them.
-        every_row = len(rows) == logits.shape[0]
-        shape = tuple(xgr.get_bitmask_shape(logits.shape[0], self.grammar_vocab))
-        bitmask, row_index = self._staging.host(shape, 0 if every_row else len(rows), logits.device)
-        matchers, fill_rows, copies = [], [], []
-        prev_seq, prev_row = None, -1
-        for row in rows:
-            seq = seqs[row]
-            if seq is prev_seq:  # a prompt forking into n samples: n rows of one state
-                copies.append((row, prev_row))
-                continue
-            if seq.finish_reason is not None:  # ended by the step read back just before: its token is dropped
-                bitmask[row] = -1
-                continue
-            if seq.num_inflight:  # its last token is still on the device: the mask would miss it
-                raise RuntimeError(
-                    f"bug in hf_paged: sequence {seq.seq_id} has a structured output and tokens in flight"
-                )
-            state = seq.grammar_state
-            # ``advance`` has fed the matcher every output token and ended the sequence if its grammar ended: sync
-            # only a matcher behind its sequence (a fork's first sample), without a per-row call.
-            if state is None or state.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:
-                state = SeqMatcher.sync(requests[row], seq)
-                if state.matcher.is_terminated():
-                    raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar ended")
-            if state.rejected is not None:
-                raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar refused a token")
-            matchers.append(state.matcher)
-            fill_rows.append(row)
-            prev_seq, prev_row = seq, row
-        batch = self._batcher(len(matchers))
-        if batch is not None:
-            batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=fill_rows)
-        else:
-            for matcher, row in zip(matchers, fill_rows, strict=True):
-                matcher.fill_next_token_bitmask(bitmask, row)
-        for row, source in copies:
-            bitmask[row] = bitmask[source]
-        if not every_row:
-            row_index.copy_(torch.tensor(rows, dtype=torch.int32))
-        bitmask, row_index = self._staging.upload(bitmask, row_index, logits.device)
-        apply_bitmask(logits, bitmask, self.grammar_vocab, None if every_row else row_index)
 
     def advance(self, request: "Request", seq: "Sequence") -> str | None:
         """Feed ``seq``'s new tokens to its matcher; how the sequence must end, if it must.

@@ -8,6 +8,7 @@ and each must parse and match. Every test runs with async scheduling off and on.
 
 import asyncio
 import json
+import logging
 import re
 import sys
 import threading
@@ -18,7 +19,7 @@ from helpers import assert_engine_drained
 from models import DEVICE, ascii_tokenizer, tiny_model
 
 from hf_paged import ContinuousBatcher, SamplingParams, StructuredOutput
-from hf_paged.engine import structured
+from hf_paged.engine import grammar_masks, structured
 from hf_paged.engine.bitmask import apply_bitmask
 
 MAX_NEW = 120
@@ -168,13 +169,13 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(model, t
     """Unconstrained outputs equal a run without constrained requests; masks touch only constrained rows, and a
     step without one does no mask work."""
     calls = []
-    apply_masks = structured.StructuredDecoding.apply_masks
+    start = grammar_masks.MaskFiller.start
 
-    def recording(self, logits, seqs, requests, rows):
+    def recording(self, logits, seqs, requests, rows, *args):
         calls.append((rows, [i for i, r in enumerate(requests) if r.grammar is not None]))
-        return apply_masks(self, logits, seqs, requests, rows)
+        return start(self, logits, seqs, requests, rows, *args)
 
-    monkeypatch.setattr(structured.StructuredDecoding, "apply_masks", recording)
+    monkeypatch.setattr(grammar_masks.MaskFiller, "start", recording)
     prompts = ["abc", "hello world", "xyz" * 5]
     plain = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     alone = make_engine(model, tokenizer).generate(prompts, plain, use_tqdm=False)
@@ -290,6 +291,22 @@ def test_ignore_eos_ends_when_the_grammar_does(model, tokenizer):
     completion = out.outputs[0]
     assert completion.finish_reason == "stop" and completion.token_ids[-1] == EOS
     check(SPECS["regex-date"], completion.text)
+    assert_engine_drained(engine)
+
+
+def test_a_refused_token_ends_only_its_sequence(model, tokenizer, monkeypatch, caplog):
+    """A token the grammar refuses (the masks are not applied here, so the model picks freely) ends its sequence
+    with "abort" and an error in the log, in whichever step finds it; the plain request beside it runs on."""
+    monkeypatch.setattr(grammar_masks, "apply_bitmask", lambda *args: None)
+    plain = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    (alone,) = make_engine(model, tokenizer).generate(["go on"], plain, use_tqdm=False)
+    engine = make_engine(model, tokenizer)
+    constrained = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, structured_output=SPECS["regex-date"])
+    with caplog.at_level(logging.ERROR):
+        outs = engine.generate(["go on", "date: "], [plain, constrained], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert outs[1].outputs[0].finish_reason == "abort"
+    assert "does not follow its structured_output" in caplog.text
     assert_engine_drained(engine)
 
 
