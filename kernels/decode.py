@@ -163,7 +163,8 @@ def paged_decode_triton(
         return out
     num_sms = plan.num_sms
     if num_splits is None:
-        num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms, min_keys_per_split)
+        num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms, min_keys_per_split,
+                                       plan.programs_per_sm)  # fmt: skip
     write_out = num_splits == 1
     has_prefix = prefix_len is not None
     # PDL for the merge when it directly follows the split kernel (the prefix kernel sits between them otherwise),

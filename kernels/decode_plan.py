@@ -23,6 +23,10 @@ MAX_NUM_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 64
 # Programs to aim for per SM: about two waves at two resident programs per SM.
 PROGRAMS_PER_SM = 4
+# FP8 pools' long tiles (LONG_SETTINGS_FP8) aim for one wave: two programs an SM hold (197 registers a thread), and
+# fewer, longer splits pay the 5-stage pipeline's fill less often: 105.1 µs against 109.2 at 32 x 4096, 32.5 against
+# 37.1 at 1 x 32768 on the H200 (record 2026-11-28-h200-fp8-splits).
+PROGRAMS_PER_SM_FP8 = 2
 # Split-kernel settings at head_dim 128 are (keys per tile, stages, warps), chosen by the keys a split streams:
 # splits of at most SHORT_SPLIT_KEYS keys (small batches over long contexts) take short, pipelined tiles; longer
 # splits (large batches: one split, a long loop) take LONG_SETTINGS. Other head dims keep one setting (DecodePlan).
@@ -53,11 +57,16 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def choose_num_splits(
-    max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int, min_keys_per_split: int | None = None
+    max_seq_len: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    num_sms: int,
+    min_keys_per_split: int | None = None,
+    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> int:
     """Host-side split heuristic for the decode kernel (no device sync, so CUDA-graph safe).
 
-    Aim for ``PROGRAMS_PER_SM * num_sms`` programs (about two waves) across ``num_seqs *
+    Aim for ``programs_per_sm * num_sms`` programs (PROGRAMS_PER_SM: about two waves) across ``num_seqs *
     num_kv_heads * num_splits``, but give every split at least ``MIN_KEYS_PER_SPLIT`` keys of the
     longest context, and never more than ``MAX_NUM_SPLITS``. One split when the batch already
     fills the GPU or the context is short.
@@ -69,12 +78,13 @@ def choose_num_splits(
         num_sms: Streaming multiprocessors of the device.
         min_keys_per_split: Keys each split gets at least (default ``MIN_KEYS_PER_SPLIT``; a smaller value is
             raised to it).
+        programs_per_sm: Programs to aim for per SM (``DecodePlan.programs_per_sm``).
 
     Returns:
         The number of splits, in ``[1, MAX_NUM_SPLITS]``.
     """
     base_programs = max(num_seqs * num_kv_heads, 1)
-    wanted = cdiv(PROGRAMS_PER_SM * num_sms, base_programs)
+    wanted = cdiv(programs_per_sm * num_sms, base_programs)
     min_keys = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else max(min_keys_per_split, MIN_KEYS_PER_SPLIT)
     by_context = max(cdiv(max_seq_len, min_keys), 1)
     return max(1, min(wanted, by_context, MAX_NUM_SPLITS))
@@ -204,7 +214,7 @@ class DecodePlan:
 
     __slots__ = ("num_seqs", "num_heads", "head_dim", "num_kv_heads", "group", "num_sms", "head_dim_pad", "block_m",
                  "strides", "variants", "prefix_args", "prefix_split_rule", "prefix_num_warps", "dot_fp32",
-                 "pdl_ok", "new_kv_strides")  # fmt: skip
+                 "pdl_ok", "new_kv_strides", "programs_per_sm")  # fmt: skip
 
     def __init__(
         self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap, new_key, new_value,
@@ -219,6 +229,7 @@ class DecodePlan:
         # tile never crosses a block and needs one block-table entry. Head dims other than 128 (where the settings
         # were swept) take 64 keys, 32 above 128 (the K/V tiles stay in registers), 2 stages, 4 warps.
         base_block_n = 32 if head_dim_pad > 128 else 64
+        self.programs_per_sm = PROGRAMS_PER_SM
         if tile_settings is not None:
             settings = {"short": tile_settings, "long": tile_settings, "cascade": tile_settings}
         elif head_dim_pad == 128:
@@ -226,6 +237,8 @@ class DecodePlan:
             if k_cache.element_size() == 1:
                 deep = not query.is_cuda or _capability(query.device.index or 0) >= (9, 0)
                 long_settings = LONG_SETTINGS_FP8 if deep else LONG_SETTINGS_FP8_SMALL_SMEM
+                if deep:
+                    self.programs_per_sm = PROGRAMS_PER_SM_FP8
             settings = {"short": SHORT_SETTINGS, "long": long_settings, "cascade": CASCADE_SUFFIX_SETTINGS}
         else:
             settings = {"short": (base_block_n, 2, 4), "long": (base_block_n, 2, 4)}

@@ -205,7 +205,7 @@ def format_tables(rows: list[dict], bandwidth: float | None, header: str) -> str
     """Markdown: a decode table (bf16 and fp8 rows of a shape side by side) and a prefill table."""
     by = {(r["kind"], r["batch"], r["context"], r["pool"]): r for r in rows}
     lines = [header, "",
-             "| batch x context | splits | bf16 µs | fp8 µs | fp8 speed-up | bf16 MB read | fp8 MB read "
+             "| batch x context | splits bf16 / fp8 | bf16 µs | fp8 µs | fp8 speed-up | bf16 MB read | fp8 MB read "
              "| bf16 % of floor (copy BW / 4.8 TB/s) | fp8 % of floor (copy BW / 4.8 TB/s) "
              "| max abs diff bf16 / fp8 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -226,7 +226,8 @@ def format_tables(rows: list[dict], bandwidth: float | None, header: str) -> str
         fp8 = by[(kind, batch, context, "fp8_e4m3")]
         speedup = "-" if bf16["us"] is None else f"{bf16['us'] / fp8['us']:.2f}x"
         lines.append(
-            f"| {batch} x {context} | {bf16.get('splits', '-')} | {us(bf16)} | {us(fp8)} | {speedup} "
+            f"| {batch} x {context} | {bf16.get('splits', '-')} / {fp8.get('splits', '-')} "
+            f"| {us(bf16)} | {us(fp8)} | {speedup} "
             f"| {bf16['bytes'] / 1e6:.1f} | {fp8['bytes'] / 1e6:.1f} | {share(bf16)} | {share(fp8)} "
             f"| {bf16['max_abs_diff']:.1e} / {fp8['max_abs_diff']:.1e} |"
         )
@@ -260,13 +261,17 @@ def run(
         l2_bytes, num_sms = getattr(props, "L2_cache_size", 50 << 20), props.multi_processor_count
         bandwidth = copy_gbs()
         torch.cuda.empty_cache()  # the copy's 4 GiB
-    from hf_paged.kernels.decode_plan import choose_num_splits
+    from hf_paged.kernels.decode_plan import PROGRAMS_PER_SM, PROGRAMS_PER_SM_FP8, choose_num_splits
 
+    # the split kernel's programs an SM the plan aims for (DecodePlan.programs_per_sm)
+    deep = device.type == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    fp8_per_sm = PROGRAMS_PER_SM_FP8 if deep else PROGRAMS_PER_SM
     rows = []
     for batch, context in shapes:
         for pool, dtype in POOLS.items():
             row = bench_decode(dtype, batch, context, heads, max_seq_len, l2_bytes, device, timer)
-            row.update(pool=pool, splits=choose_num_splits(max_seq_len, batch, heads[1], num_sms))
+            per_sm = PROGRAMS_PER_SM if pool == "bf16" else fp8_per_sm
+            row.update(pool=pool, splits=choose_num_splits(max_seq_len, batch, heads[1], num_sms, None, per_sm))
             rows.append(row)
             print(f"decode {batch}x{context} {pool}: {row}", flush=True)
             if device.type == "cuda":
