@@ -83,7 +83,7 @@ class StepMasks:
         self.accepts: list[SeqMatcher] = []  # matchers one token behind, with that token and its row
         self.accept_tokens: list[int] = []
         self.accept_rows: list[int] = []
-        self.accepted: list[bool] = []  # the worker's answer for each of accepts
+        self.accepted: list[bool] | None = None  # the worker's answer for each of accepts (None: all accepted)
         self.terminated: list[int] = []  # indices into accepts whose token ended the grammar
         self.future: Future | None = None
 
@@ -188,12 +188,15 @@ class MaskFiller:
             accepting = [state.matcher for state in job.accepts]
             batch = self._batcher(len(accepting))
             if batch is not None:
-                job.accepted = batch.batch_accept_token(accepting, job.accept_tokens)
+                accepted = batch.batch_accept_token(accepting, job.accept_tokens)
             else:
-                job.accepted = [m.accept_token(t) for m, t in zip(accepting, job.accept_tokens, strict=True)]
+                accepted = [m.accept_token(t) for m, t in zip(accepting, job.accept_tokens, strict=True)]
+            # One scan in C for the usual answer, every token accepted (xgrammar's array reads an element a Python
+            # call): the answers are listed only when one was refused.
+            job.accepted = list(accepted) if False in accepted else None
             stop = self._stop_ids
-            job.terminated = [i for i, (ok, token) in enumerate(zip(job.accepted, job.accept_tokens, strict=True))
-                              if ok and token in stop]  # fmt: skip
+            job.terminated = [i for i, token in enumerate(job.accept_tokens)
+                              if token in stop and (job.accepted is None or job.accepted[i])]  # fmt: skip
             if job.terminated:  # a terminated matcher has no next token to mask (xgrammar refuses): leave them out
                 ended = {job.accept_rows[i] for i in job.terminated}
                 kept = [(m, r) for m, r in zip(matchers, fill_rows, strict=True) if r not in ended]
@@ -217,14 +220,18 @@ class MaskFiller:
                 raise
         ends = []
         bitmask = job.bitmask
-        for i, state in enumerate(job.accepts):
-            row = job.accept_rows[i]
-            if job.accepted[i]:
+        if job.accepted is None:
+            for state in job.accepts:
                 state.num_accepted += 1
-            else:
-                state.rejected = job.accept_tokens[i]
-                ends.append((job.requests[row], job.seqs[row], "abort", job.accept_tokens[i]))
-                bitmask[row] = -1
+        else:
+            for i, state in enumerate(job.accepts):
+                row = job.accept_rows[i]
+                if job.accepted[i]:
+                    state.num_accepted += 1
+                else:
+                    state.rejected = job.accept_tokens[i]
+                    ends.append((job.requests[row], job.seqs[row], "abort", job.accept_tokens[i]))
+                    bitmask[row] = -1
         for i in job.terminated:
             row = job.accept_rows[i]
             ends.append((job.requests[row], job.seqs[row], "stop", job.accept_tokens[i]))
