@@ -51,7 +51,7 @@ rows, and launch overheads are not in this model).
 import triton
 import triton.language as tl
 
-from .kv_quant_triton import from_kv, values_from_kv
+from .kv_quant_triton import from_kv
 from .launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["PREFIX", "choose_num_prefix_splits", "block_m_for"]
@@ -238,7 +238,7 @@ def _shared_prefix_kernel(
 
         # v: [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_head_ptr + v_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        v = values_from_kv(v, kv_mask, q.dtype)  # as k (kernels/kv_quant_triton.py)
+        v = from_kv(v, q.dtype)  # as k
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 

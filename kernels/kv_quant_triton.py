@@ -14,7 +14,7 @@ sm_89+ for its conversions, e5m2 does not).
 import triton
 import triton.language as tl
 
-__all__ = ["from_kv", "to_fp8", "values_from_kv"]
+__all__ = ["from_kv", "to_fp8"]
 
 
 @triton.jit
@@ -65,18 +65,3 @@ def from_kv(x, dtype: tl.constexpr):
     if x.dtype == tl.float8e5:
         x = (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
     return x.to(dtype)
-
-
-@triton.jit
-def values_from_kv(v, rows, dtype: tl.constexpr):
-    """A loaded V tile ([BLOCK_N, D], its masked rows 0) as ``dtype`` for the P.V dot, ``from_kv`` then a select on
-    ``rows`` (``[BLOCK_N, 1]`` or a broadcastable mask: the rows the load kept) for an fp8 tile.
-
-    The select changes no value (the load gave the masked rows 0). It keeps Triton (3.6 to 3.9) from reading an fp8
-    tile out of shared memory straight in the dot's second-operand layout, one byte a load (128 ``ld.shared.b8`` a
-    thread for a 128 x 128 tile); the tile then converts in registers and reaches the dot in fp16 through
-    ``ldmatrix.trans``, as a bf16 tile does, and its copies from global memory are 16 bytes wide, not 8.
-    """
-    if v.dtype.is_fp8():
-        return tl.where(rows, from_kv(v, dtype), 0.0)
-    return from_kv(v, dtype)

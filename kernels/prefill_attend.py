@@ -37,7 +37,7 @@ after the last key.
 import triton
 import triton.language as tl
 
-from .kv_quant_triton import from_kv, values_from_kv
+from .kv_quant_triton import from_kv
 
 __all__ = ["attend_slot"]
 
@@ -156,11 +156,10 @@ def _attend_tile(
             p = tl.exp2(s * qk_scale - m_i[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i + tl.sum(p, 1)
 
-    v = values_from_kv(
+    v = from_kv(
         tl.load(v_ptr + v_offs[:, None] + offs_d[None, :], mask=key_in_ctx[:, None] & d_mask[None, :], other=0.0),
-        key_in_ctx[:, None],
         q.dtype,
-    )  # v: [BLOCK_N, BLOCK_D]; fp8 -> fp16 as k (kernels/kv_quant_triton.py)
+    )  # v: [BLOCK_N, BLOCK_D]; fp8 -> fp16 as k
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:

@@ -55,7 +55,7 @@ group 8 at BLOCK_N 64, D 128) and spill.
 import triton
 import triton.language as tl
 
-from .kv_quant_triton import from_kv, to_fp8, values_from_kv
+from .kv_quant_triton import from_kv, to_fp8
 from .launch import Launcher
 
 __all__ = ["SPLIT", "MERGE", "BOUND_POSITIONS"]
@@ -260,7 +260,7 @@ def _paged_decode_kernel(
 
         # v: [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_head_ptr + v_row_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        v = values_from_kv(v, n_mask[:, None], q.dtype)  # as k (kernels/kv_quant_triton.py)
+        v = from_kv(v, q.dtype)  # as k
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
