@@ -156,7 +156,6 @@ class ContinuousBatcher(StepPipeline):
         self._metrics = MetricsRecorder()
         self.async_scheduling = on_cuda_by_default(config.async_scheduling, info.devices)
         self._inflight: Launched | None = None  # the step queued last, not processed yet
-        self._grammar_ends: list = []  # (request, sequence, reason, token) found by a step's masks (StepPipeline)
         self._rows: SamplingRows | None = None  # the last step's sampling rows, while reusable (see SamplingRows)
         self._lock = threading.RLock()  # held by the thread inside the engine
         self._aborts: collections.deque[str] = collections.deque()  # abort() from any thread lands here

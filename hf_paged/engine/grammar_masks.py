@@ -4,20 +4,21 @@
 
 ``MaskFiller``: the masks of a step's constrained rows, in two calls around the host's other work of the step:
 
-1. ``start`` (step loop): picks each row's matcher. A matcher one token behind its sequence (the token the previous
-   step sampled, just read back) gets it on the worker thread; one further behind (a new, forked or resumed
-   sequence) is replayed here first. Then the worker accepts those tokens (xgrammar's batch call) and fills the rows
-   of the bitmask (its batch fill, on threads). Both calls run in C++ without the GIL, so the step loop makes the
-   previous step's text and schedules the next step meanwhile.
-2. ``finish``: waits for the worker, records what the matchers accepted, sets every bit of the rows whose sequence
-   has ended since ``start`` (a stop string, an abort) or whose grammar ended with this token (their token is
-   dropped), copies the mask up and applies it to the logits in one launch. It returns the sequences the grammar
-   ends: "stop" when the grammar has terminated (it accepted EOS: with ``ignore_eos`` or ``min_tokens`` the
-   scheduler does not end the sequence on EOS, the grammar does), "abort" when it refused the token (never with
-   the mask applied; logged by the caller).
+1. ``start`` (step loop): each row's matcher reads the token the previous step sampled, just read back (xgrammar's
+   batch call, on its threads); a matcher further behind (a new, forked or resumed sequence) is replayed. It returns
+   the sequences whose grammar that token ended: "stop" when the grammar has terminated (it accepted EOS: with
+   ``ignore_eos`` the scheduler does not end the sequence on EOS, the grammar does), "abort" when it refused the
+   token (never with the mask applied; logged by the caller). Then a worker thread fills the other rows of the
+   bitmask (xgrammar's batch fill, which releases the GIL), while the step loop makes the previous step's text and
+   schedules the next step. ``start`` returns once the worker holds the job: a thread that waits for the GIL
+   while the step loop runs Python would wait for the interpreter's switch interval (5 ms), longer than the text
+   and the schedule take.
+2. ``finish``: waits for the worker, sets every bit of the rows whose sequence has ended since ``start`` (a stop
+   string, an abort; their token is dropped), copies the mask up and applies it to the logits in one launch.
 """
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -41,8 +42,7 @@ class SeqMatcher:
     """One sequence's grammar matcher and how many of its output tokens it has read (``num_accepted``).
 
     Invariant: the matcher has read exactly ``seq.output_token_ids[:num_accepted]``, or rejected the last of them
-    (``rejected``); between ``MaskFiller.start`` and ``finish`` the worker may be reading one more. Outputs only
-    grow, except when a failed step's tokens are dropped: ``sync`` then replays.
+    (``rejected``). Outputs only grow, except when a failed step's tokens are dropped: ``sync`` then replays.
     """
 
     def __init__(self, grammar):
@@ -71,26 +71,17 @@ class SeqMatcher:
 class StepMasks:
     """One step's masks between ``MaskFiller.start`` and ``finish``."""
 
-    def __init__(self, logits, seqs, requests, rows, bitmask, row_index, every_row, grammar_vocab):
+    def __init__(self, logits, seqs, rows, bitmask, row_index, every_row, grammar_vocab):
         self.logits = logits  # [num_rows, vocab_size]: the sampler's rows, masked in place by finish
-        self.seqs, self.requests, self.rows = seqs, requests, rows  # rows: the constrained ones, ascending
+        self.seqs, self.rows = seqs, rows  # rows: the constrained ones, ascending
         self.bitmask, self.row_index = bitmask, row_index  # host staging (MaskStaging)
         self.every_row = every_row  # every logits row is constrained: the kernel takes no row indices
         self.grammar_vocab = grammar_vocab
         self.matchers: list = []  # the matchers to fill, with their rows
         self.fill_rows: list[int] = []
         self.copies: list[tuple[int, int]] = []  # (row, source row): a prompt forking into n samples
-        self.accepts: list[SeqMatcher] = []  # matchers one token behind, with that token and its row
-        self.accept_tokens: list[int] = []
-        self.accept_rows: list[int] = []
-        self.accepted: list[bool] | None = None  # the worker's answer for each of accepts (None: all accepted)
-        self.terminated: list[int] = []  # indices into accepts whose token ended the grammar
+        self.seq_ids: set[int] = set()  # the sequences whose matchers the worker reads
         self.future: Future | None = None
-
-    @property
-    def seq_ids(self) -> set[int]:
-        """The sequences whose matchers this step reads (the step loop leaves them alone until ``finish``)."""
-        return {self.seqs[row].seq_id for row in self.fill_rows} | {self.seqs[row].seq_id for row in self.accept_rows}
 
 
 class MaskFiller:
@@ -132,9 +123,14 @@ class MaskFiller:
         requests: list,  # [num_rows] the Request of each row
         rows: list[int],  # the constrained rows, ascending
         grammar_vocab: int,  # the ids the grammars know
-        background: bool,  # run the matchers on the worker thread (else here, now)
-    ) -> StepMasks:
-        """Begin the masks of a step's constrained rows (see the module docstring); ``finish`` applies them."""
+        background: bool,  # fill on the worker thread (else here, now)
+    ) -> tuple[StepMasks, list[tuple["Request", "Sequence", str, int]]]:
+        """Begin the masks of a step's constrained rows (the module docstring); ``finish`` applies them.
+
+        Returns:
+            The job, and the (request, sequence, "stop" or "abort", token) of each sequence whose grammar ended
+            with the token it just read (its row is left unmasked: the token it samples is dropped).
+        """
         xgr = import_xgrammar()
         if logits.shape[1] != self.vocab_size:
             raise RuntimeError(
@@ -143,7 +139,8 @@ class MaskFiller:
         shape = tuple(xgr.get_bitmask_shape(logits.shape[0], grammar_vocab))
         every_row = len(rows) == logits.shape[0]
         bitmask, row_index = self._staging.host(shape, 0 if every_row else len(rows), logits.device)
-        job = StepMasks(logits, seqs, requests, rows, bitmask, row_index, every_row, grammar_vocab)
+        job = StepMasks(logits, seqs, rows, bitmask, row_index, every_row, grammar_vocab)
+        accepts, tokens, accept_rows = [], [], []  # matchers one token behind, that token, their rows
         prev_seq, prev_row = None, -1
         for row in rows:
             seq = seqs[row]
@@ -160,9 +157,9 @@ class MaskFiller:
             state = seq.grammar_state
             num_out = len(seq.token_ids) - seq.num_prompt_tokens
             if state is not None and state.rejected is None and state.num_accepted == num_out - 1:
-                job.accepts.append(state)  # the common case: the token just read back, accepted on the worker
-                job.accept_tokens.append(seq.token_ids[-1])
-                job.accept_rows.append(row)
+                accepts.append(state)  # the common case: the token just read back, accepted in one batch below
+                tokens.append(seq.token_ids[-1])
+                accept_rows.append(row)
             elif state is None or state.num_accepted != num_out:
                 state = SeqMatcher.sync(requests[row], seq)
                 if state.matcher.is_terminated():
@@ -171,72 +168,74 @@ class MaskFiller:
                 raise RuntimeError(f"bug in hf_paged: sequence {seq.seq_id} samples after its grammar refused a token")
             job.matchers.append(state.matcher)
             job.fill_rows.append(row)
+            job.seq_ids.add(seq.seq_id)
             prev_seq, prev_row = seq, row
-        if self._stop_ids is None and job.matchers:
-            self._stop_ids = frozenset(job.matchers[0].stop_token_ids)
+        ends = self._accept(job, accepts, tokens, accept_rows, requests) if accepts else []
         self._current = job
         if background:
-            job.future = self._worker.submit(self._run, job)
+            started = threading.Event()
+            job.future = self._worker.submit(self._run, job, started)
+            started.wait()  # releases the GIL to the worker until it is in the fill (the module docstring)
         else:
-            self._run(job)
-        return job
+            self._fill(job)
+        return job, ends
 
-    def _run(self, job: StepMasks) -> None:
-        """Accept the tokens one behind, then fill (the worker thread: xgrammar's batch calls release the GIL)."""
-        matchers, fill_rows = job.matchers, job.fill_rows
-        if job.accepts:
-            accepting = [state.matcher for state in job.accepts]
-            batch = self._batcher(len(accepting))
-            if batch is not None:
-                accepted = batch.batch_accept_token(accepting, job.accept_tokens)
-            else:
-                accepted = [m.accept_token(t) for m, t in zip(accepting, job.accept_tokens, strict=True)]
-            # One scan in C for the usual answer, every token accepted (xgrammar's array reads an element a Python
-            # call): the answers are listed only when one was refused.
-            job.accepted = list(accepted) if False in accepted else None
-            stop = self._stop_ids
-            job.terminated = [i for i, token in enumerate(job.accept_tokens)
-                              if token in stop and (job.accepted is None or job.accepted[i])]  # fmt: skip
-            if job.terminated:  # a terminated matcher has no next token to mask (xgrammar refuses): leave them out
-                ended = {job.accept_rows[i] for i in job.terminated}
-                kept = [(m, r) for m, r in zip(matchers, fill_rows, strict=True) if r not in ended]
-                matchers, fill_rows = [m for m, _ in kept], [r for _, r in kept]
+    def _accept(self, job: StepMasks, accepts: list, tokens: list[int], accept_rows: list[int], requests) -> list:
+        """Feed each matcher one behind its token; leave the rows whose grammar ended out of the fill."""
+        matchers = [state.matcher for state in accepts]
         batch = self._batcher(len(matchers))
         if batch is not None:
-            batch.batch_fill_next_token_bitmask(matchers, job.bitmask, indices=fill_rows)
+            accepted = batch.batch_accept_token(matchers, tokens)
         else:
-            for matcher, row in zip(matchers, fill_rows, strict=True):
+            accepted = [m.accept_token(t) for m, t in zip(matchers, tokens, strict=True)]
+        if self._stop_ids is None:
+            self._stop_ids = frozenset(matchers[0].stop_token_ids)
+        stop = self._stop_ids
+        ends = []
+        if False not in accepted:  # the usual answer: one scan (in C for xgrammar's array)
+            for state in accepts:
+                state.num_accepted += 1
+            ended = [(i, "stop") for i, token in enumerate(tokens) if token in stop]  # accepted EOS: terminated
+        else:
+            ended = []
+            for i, (state, ok) in enumerate(zip(accepts, accepted, strict=True)):
+                if ok:
+                    state.num_accepted += 1
+                    if tokens[i] in stop:
+                        ended.append((i, "stop"))
+                else:
+                    state.rejected = tokens[i]
+                    ended.append((i, "abort"))
+        if ended:  # a terminated matcher has no next token to mask (xgrammar refuses): out of the fill
+            gone = set()
+            for i, reason in ended:
+                row = accept_rows[i]
+                ends.append((requests[row], job.seqs[row], reason, tokens[i]))
+                job.bitmask[row] = -1
+                gone.add(row)
+            kept = [(m, r) for m, r in zip(job.matchers, job.fill_rows, strict=True) if r not in gone]
+            job.matchers, job.fill_rows = [m for m, _ in kept], [r for _, r in kept]
+        return ends
+
+    def _run(self, job: StepMasks, started: threading.Event) -> None:
+        started.set()
+        self._fill(job)
+
+    def _fill(self, job: StepMasks) -> None:
+        """The fill (on the worker thread: xgrammar's batch call releases the GIL)."""
+        batch = self._batcher(len(job.matchers))
+        if batch is not None:
+            batch.batch_fill_next_token_bitmask(job.matchers, job.bitmask, indices=job.fill_rows)
+        else:
+            for matcher, row in zip(job.matchers, job.fill_rows, strict=True):
                 matcher.fill_next_token_bitmask(job.bitmask, row)
 
-    def finish(self, job: StepMasks) -> list[tuple["Request", "Sequence", str, int]]:
-        """Apply the masks to ``job.logits`` (one launch); the (request, sequence, "stop" or "abort", token) of each
-        sequence whose grammar ended with the token the worker accepted."""
+    def finish(self, job: StepMasks) -> None:
+        """Apply the masks to ``job.logits`` (one launch)."""
         self._current = None
         if job.future is not None:
-            try:
-                job.future.result()  # the worker's error, if any, is raised here
-            except BaseException:
-                self._forget(job)
-                raise
-        ends = []
-        bitmask = job.bitmask
-        if job.accepted is None:
-            for state in job.accepts:
-                state.num_accepted += 1
-        else:
-            for i, state in enumerate(job.accepts):
-                row = job.accept_rows[i]
-                if job.accepted[i]:
-                    state.num_accepted += 1
-                else:
-                    state.rejected = job.accept_tokens[i]
-                    ends.append((job.requests[row], job.seqs[row], "abort", job.accept_tokens[i]))
-                    bitmask[row] = -1
-        for i in job.terminated:
-            row = job.accept_rows[i]
-            ends.append((job.requests[row], job.seqs[row], "stop", job.accept_tokens[i]))
-            bitmask[row] = -1
-        seqs = job.seqs
+            job.future.result()  # the worker's error, if any, is raised here
+        bitmask, seqs = job.bitmask, job.seqs
         for row in job.fill_rows:  # ended while the masks filled (a stop string, an abort): the token is dropped
             if seqs[row].finish_reason is not None:
                 bitmask[row] = -1
@@ -246,24 +245,13 @@ class MaskFiller:
             job.row_index.copy_(torch.tensor(job.rows, dtype=torch.int32))
         bitmask, row_index = self._staging.upload(bitmask, job.row_index, job.logits.device)
         apply_bitmask(job.logits, bitmask, job.grammar_vocab, None if job.every_row else row_index)
-        return ends
 
     def cancel(self) -> None:
         """Drop the masks started and not finished, if any (a failed step): wait for the worker, which writes into a
-        buffer the next step reuses, and forget the matchers it may have advanced (they are replayed from their
-        sequences' tokens)."""
+        buffer the next step reuses."""
         job, self._current = self._current, None
-        if job is None:
-            return
-        if job.future is not None:
+        if job is not None and job.future is not None:
             try:
                 job.future.result()
             except Exception:  # noqa: BLE001 - the step failed already; its masks are not needed
                 pass
-        self._forget(job)
-
-    @staticmethod
-    def _forget(job: StepMasks) -> None:
-        """Drop the matchers the worker may have advanced without their bookkeeping (replayed when next needed)."""
-        for row in job.accept_rows:
-            job.seqs[row].grammar_state = None

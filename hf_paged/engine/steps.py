@@ -10,9 +10,9 @@ frees), then stop strings and text (hf_paged.engine.outputs) and structured-outp
 Async scheduling: ``_step_once`` schedules and queues step N+1 before it processes step N, so the device never
 waits for the host's bookkeeping; a token of step N reaches step N+1's input on the device, never through the host.
 A step with structured-output rows reads the previous step's tokens back as soon as its own forward is queued: its
-masks need them on the host. A worker thread makes them while the device runs that forward and the step loop makes
-the previous step's text and schedules the next step; the next step queues this one's sampling, before its own
-forward (hf_paged.engine.grammar_masks).
+masks need them on the host. Its matchers read them, then a worker thread fills the masks while the device runs that
+forward and the step loop makes the previous step's text and schedules the next step; the next step queues this
+one's sampling, before its own forward (hf_paged.engine.grammar_masks).
 """
 
 import logging
@@ -37,8 +37,7 @@ class StepPipeline:
     Reads ``scheduler``, ``runner``, ``sampler``, ``detokenizer``, ``structured`` (StructuredDecoding),
     ``requests``, ``eos_token_ids``, ``async_scheduling``, ``_sync`` (RankSync), ``_metrics`` (MetricsRecorder) and
     ``_apply_aborts``; owns ``_inflight`` (the step queued last, not processed yet), ``_rows`` (the last step's
-    sampling rows while reusable), ``_unreported`` (requests finished outside a step, reported by the next one) and
-    ``_grammar_ends`` (sequences a step's masks found their grammar ended, ended at the next read-back).
+    sampling rows while reusable) and ``_unreported`` (requests finished outside a step, reported by the next one).
     """
 
     def _drain(self) -> None:
@@ -68,8 +67,7 @@ class StepPipeline:
         """After a failed step: the scheduler requeues every request; those it left with no live sequence end."""
         self._inflight = None
         self._rows = None  # every sequence is requeued: nothing of the failed step's rows is kept
-        self.structured.masks.cancel()  # masks being made: their matchers are replayed below
-        self._grammar_ends = []  # found again by the replay
+        self.structured.masks.cancel()  # masks being made: the worker writes into a buffer the next step reuses
         self.scheduler.recover()
         for request in list(self.requests.values()):
             if request.is_finished:
@@ -167,9 +165,12 @@ class StepPipeline:
                 if prev is not None and not prev.processed:  # the masks need its tokens
                     self._inflight = None
                     applied = self._read_back(prev, touched)
-                masks = self.structured.masks.start(row_logits, rows.seqs, rows.requests, rows.constrained,
-                                                    self.structured.grammar_vocab, launched.deferred)  # fmt: skip
-                if applied is not None:  # its text, while the worker advances the matchers and fills the masks
+                structured = self.structured
+                masks, ends = structured.masks.start(row_logits, rows.seqs, rows.requests, rows.constrained,
+                                                     structured.grammar_vocab, launched.deferred)  # fmt: skip
+                if ends:
+                    self._end_grammars(ends, touched)
+                if applied is not None:  # its text, while the worker fills the masks
                     try:
                         self._apply_text(prev, applied, touched, masks.seq_ids)
                     except BaseException:
@@ -187,7 +188,7 @@ class StepPipeline:
         rows, row_logits, masks = launched.sampling
         launched.sampling = None
         if masks is not None:
-            self._grammar_ends += self.structured.masks.finish(masks)
+            self.structured.masks.finish(masks)
         if rows.plan is None or rows.plan.device_type != row_logits.device.type:
             rows.plan = plan_rows(rows.params, rows.generators, row_logits.device)
         out = self.sampler(row_logits, rows.params, rows.outputs, rows.prompts, rows.generators, self.eos_token_ids,
@@ -211,10 +212,8 @@ class StepPipeline:
 
     def _read_back(self, launched: Launched, touched: dict[str, Request]) -> list[tuple[Request, Seq]]:
         """The first half of ``_process``: the tokens into their sequences; returns the (request, sequence) pairs
-        that got one. The grammar ends found since the last read-back come first: their tokens are dropped."""
+        that got one."""
         launched.processed = True
-        if self._grammar_ends:
-            self._end_grammars(touched)
         if launched.prompt_logprobs is not None:  # first: a prompt whose last chunk this is forks below
             launched.prompt_logprobs.apply(self.detokenizer.tokenizer)
         applied = []
@@ -242,7 +241,8 @@ class StepPipeline:
         self, launched: Launched, applied: list[tuple[Request, Seq]], touched: dict[str, Request], skip=frozenset()
     ) -> None:
         """The second half of ``_process``: text and stop strings, grammars (but those of the sequences in ``skip``,
-        which a mask worker is advancing), beam steps, the requests that ended."""
+        whose matchers have read their token and are being read by the mask worker), beam steps, the requests that
+        ended."""
         # A request can lose its last live sequence only here: one of its rows ended (a stop, the length, a stop
         # string) or its beam search did. Those are the requests to finish (every other touched one either has a
         # live sequence or was finished already: aborts, preemptions, the step processed before this one).
@@ -266,9 +266,8 @@ class StepPipeline:
             if not request.is_finished and not request.live_seqs:
                 self.scheduler.finish(request)
 
-    def _end_grammars(self, touched: dict[str, Request]) -> None:
-        """End the sequences whose grammar a step's masks found ended (``MaskFiller.finish``)."""
-        ends, self._grammar_ends = self._grammar_ends, []
+    def _end_grammars(self, ends: list, touched: dict[str, Request]) -> None:
+        """End the sequences whose grammar ended with the token its matcher just read (``MaskFiller.start``)."""
         for request, seq, reason, token in ends:
             if seq.finish_reason is not None or request.is_finished:
                 continue

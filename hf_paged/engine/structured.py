@@ -10,8 +10,8 @@ cannot continue a valid output get -inf. In order, for one request:
 2. The grammar is compiled against the vocabulary (the token-mask tables: the expensive part) on a worker thread,
    once per distinct spec (``GrammarCache``). Until it is ready the request waits outside the scheduler; the other
    requests run on. A compile that still fails ends the request with finish_reason "abort" and a logged error.
-3. Each step with constrained rows: a worker thread feeds each row's matcher the token just read back and fills
-   the rows of a token bitmask, while the device runs the forward and the step loop makes text and schedules the
+3. Each step with constrained rows: each row's matcher reads the token just read back, then a worker thread fills
+   the rows of a token bitmask while the device runs the forward and the step loop makes text and schedules the
    next step; the mask then goes up (hf_paged.engine.bitmask) and is applied to those rows of the logits in one
    launch (xgrammar's kernel: Triton on CUDA, C++ on the CPU), before the sampler, outside the CUDA graphs
    (hf_paged.engine.grammar_masks). Steps without constrained rows do no mask work.

@@ -310,6 +310,37 @@ def test_a_refused_token_ends_only_its_sequence(model, tokenizer, monkeypatch, c
     assert_engine_drained(engine)
 
 
+def test_a_step_failing_while_masks_fill_recovers(model, tokenizer, monkeypatch):
+    """A step that fails while the worker fills the step before's masks (here: its schedule, once) leaves the engine
+    consistent: the requests are requeued, their matchers go on from their tokens, and the outputs equal an
+    undisturbed run's, with no block left behind."""
+    params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, structured_output=SPECS[k])
+              for k in ("json-required-enum", "regex-date", "grammar")]  # fmt: skip
+    prompts = [f"item {i}: " for i in range(len(params))]
+    expected = make_engine(model, tokenizer).generate(prompts, params, use_tqdm=False)
+    engine = make_engine(model, tokenizer)
+    schedule, calls = engine.scheduler.schedule, [0]
+
+    def flaky():
+        calls[0] += 1
+        if calls[0] == 6:  # a few tokens into the outputs
+            raise RuntimeError("injected")
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", flaky)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    outs = {}
+    with pytest.raises(RuntimeError, match="injected"):
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step()})
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert [outs[rid].outputs[0].token_ids for rid in ids] == [o.outputs[0].token_ids for o in expected]
+    for rid, spec in zip(ids, params, strict=True):
+        check(spec.structured_output, outs[rid].outputs[0].text)
+    assert_engine_drained(engine)
+
+
 def test_invalid_specs_fail_only_their_request(model, tokenizer):
     engine = make_engine(model, tokenizer)
     rid = engine.add_request("fine", SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0,
