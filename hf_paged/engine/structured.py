@@ -74,7 +74,7 @@ def parse_grammar(spec: StructuredOutput):
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             return _strict_strings(xgr, xgr.Grammar.from_json_schema(schema, any_whitespace=False))
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            return _strict_strings(xgr, xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
@@ -86,19 +86,21 @@ def parse_grammar(spec: StructuredOutput):
         raise ValueError(f"`structured_output.{kind}` is invalid: {message} (got {value!r:.300})") from None
 
 
-# xgrammar (0.2.x) writes the characters of a length-bounded JSON string (minLength/maxLength) as [^"\\\r\n], which
-# lets raw control characters (U+0000-U+001F) through: JSON forbids them in strings, and json.loads, pydantic and
-# the openai client refuse such output (random-weight models emit them often). Its unbounded string rule already
-# excludes them; the bounded one is rewritten to match. A grammar without the loose class is returned unchanged.
-_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
-_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\]"
+# The characters of JSON strings, as xgrammar (0.2.x) writes them, let two kinds of bytes through that make invalid
+# output: a length-bounded string (minLength/maxLength) takes [^"\\\r\n], so raw control characters (U+0000-U+001F,
+# which JSON forbids in strings: json.loads, pydantic and the openai client refuse them); and every string class takes
+# UTF-8-encoded surrogates (ED A0-BF xx, not UTF-8: they decode to three U+FFFD, past a maxLength). Random-weight
+# models emit both. Each class is rewritten to the strict one; a grammar without them is returned unchanged.
+_STRING_CHAR_CLASSES = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]", r"[^\0-\x1f\"\\]")
+_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
 
 def _strict_strings(xgr, grammar):
     text = str(grammar)
-    if _LOOSE_STRING_CHAR not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
+    strict = text
+    for loose in _STRING_CHAR_CLASSES:
+        strict = strict.replace(loose, _STRICT_STRING_CHAR)
+    return grammar if strict == text else xgr.Grammar.from_ebnf(strict)
 
 
 def grammar_vocab_size(tokenizer, vocab_size: int, stop_token_ids) -> int:

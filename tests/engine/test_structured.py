@@ -488,6 +488,22 @@ def test_length_bounded_json_strings_refuse_control_characters(tokenizer):
             assert xgr.GrammarMatcher(grammar).accept_string(text) is ok, (schema, text)
 
 
+def test_json_strings_refuse_encoded_surrogates(tokenizer):
+    """UTF-8-encoded surrogates (ED A0 80 is U+D800, which UTF-8 excludes) decode to three U+FFFD: a string that takes
+    them breaks its maxLength, and no valid JSON text holds them. Every JSON string refuses them, in a schema and in
+    any-JSON (json_object); other characters, several bytes long too, still pass."""
+    xgr = structured.import_xgrammar()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB))
+    specs = [StructuredOutput(json=schema) for schema in ({"type": "string", "maxLength": 8}, {"type": "string"})]
+    specs.append(StructuredOutput(json_object=True))
+    for spec in specs:
+        grammar = compiler.compile_grammar(structured.parse_grammar(spec))
+        wrap = (lambda s: b'{"k": ' + s + b"}") if spec.json_object else (lambda s: s)
+        for text, ok in ((b'"a\xc3\xa9"', True), (b'"\xf0\x9f\x98\x80"', True), (b'"a\xed\xa0\x80"', False),
+                         (b'"\xed\xbf\xbf"', False)):  # fmt: skip
+            assert xgr.GrammarMatcher(grammar).accept_string(wrap(text)) is ok, (spec, text)
+
+
 def test_grammars_know_only_the_tokenizers_ids_and_the_rest_is_masked(tokenizer):
     """Logits wider than the tokenizer: the grammars cover its ids (and the stop ids), the columns past them are
     masked in the constrained rows alone."""
