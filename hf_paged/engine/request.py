@@ -61,7 +61,7 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading full blocks the pool has hashed (kept by the KV manager)
         self.num_detokenized = 0  # output tokens whose text and stop strings were checked (outputs.Detokenizer)
         self.detok_state = None  # the incremental decoder of outputs.Detokenizer (copied on fork)
-        # structured.SeqMatcher of a constrained request's sequence, made from its tokens on first use (a fork
+        # grammar_masks.SeqMatcher of a constrained request's sequence, made from its tokens on first use (a fork
         # starts without one and replays its output: no matcher state is copied)
         self.grammar_state = None
 
