@@ -31,7 +31,7 @@ def _write_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; any strides (an FP8 pool's is keys-minor)
     slot_mapping_ptr,  # [num_tokens], int32/int64
     k_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
     v_scale_ptr,  # [1] or [num_kv_heads], fp32: KV_FP8
@@ -46,6 +46,10 @@ def _write_kv_kernel(
     stride_cache_offset,
     stride_cache_head,
     stride_cache_d,
+    stride_vcache_block,
+    stride_vcache_offset,
+    stride_vcache_head,
+    stride_vcache_d,
     stride_ks,  # 0: one scale for every KV head; 1: a scale per KV head
     stride_vs,
     # sizes
@@ -78,6 +82,12 @@ def _write_kv_kernel(
         + head_idx * stride_cache_head
         + dim_idx * stride_cache_d
     )
+    v_cache_offs = (
+        block_id * stride_vcache_block
+        + block_offset * stride_vcache_offset
+        + head_idx * stride_vcache_head
+        + dim_idx * stride_vcache_d
+    )
     k = tl.load(key_ptr + key_offs, mask=mask, other=0.0)  # [TILE]
     v = tl.load(value_ptr + value_offs, mask=mask, other=0.0)  # [TILE]
     if KV_FP8:
@@ -87,7 +97,7 @@ def _write_kv_kernel(
         k = to_fp8(tl.math.div_rn(k.to(tl.float32), k_scale), k_cache_ptr.dtype.element_ty)
         v = to_fp8(tl.math.div_rn(v.to(tl.float32), v_scale), v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # Positional launches (kernels/launch.py): arguments in the kernel's parameter order.
@@ -101,8 +111,6 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache strides {v_cache.stride()} must equal k_cache strides {k_cache.stride()}")
     if k_cache.dtype not in _CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"k_cache/v_cache dtype must be one of {list(_CACHE_DTYPES)} and equal, "
@@ -199,7 +207,8 @@ def _write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tuple:
 
     row_size = num_kv_heads * head_dim
     tile = min(next_power_of_2(row_size), _MAX_TILE)
-    sizes = (*key.stride(), *value.stride(), *k_cache.stride(), head_dim, row_size, block_size, tile)
+    strides = (*key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride())
+    sizes = (*strides, head_dim, row_size, block_size, tile)
     return (num_tokens, cdiv(row_size, tile)), sizes, (4 if tile >= 1024 else 1 if tile <= 128 else 2)
 
 
@@ -263,7 +272,8 @@ def copy_blocks_triton(
 
     Args:
         k_cache: [num_blocks, block_size, num_kv_heads, head_dim], each block contiguous.
-        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and strides.
+        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], k_cache's shape and block stride, each block
+            contiguous (in any order: an FP8 pool's V is keys-minor).
         src: [num_pairs], int32/int64 block ids; moved to the cache device if needed.
         dst: [num_pairs], int32/int64 block ids.
 
@@ -272,6 +282,9 @@ def copy_blocks_triton(
     """
     _check_cache_pair(k_cache, v_cache)
     block_numel = _check_copy(k_cache, src, dst)
+    _check_copy(v_cache, src, dst)
+    if v_cache.stride(0) != k_cache.stride(0):
+        raise ValueError(f"v_cache's block stride {v_cache.stride(0)} must equal k_cache's {k_cache.stride(0)}")
     if src.numel() == 0:
         return
     src = src.to(k_cache.device, non_blocking=True)
@@ -289,6 +302,20 @@ def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
+def _check_dense_blocks(cache: torch.Tensor) -> None:
+    """A block's elements must fill one dense range, in any order (an FP8 pool's V is keys-minor): the copies move
+    the range."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    dense = 1
+    for stride, size in sorted(zip(cache.stride()[1:], cache.shape[1:], strict=True)):
+        if size > 1 and stride != dense:
+            raise ValueError(
+                f"each cache block must be contiguous (its elements one dense range, as in strides [..., "
+                f"{num_kv_heads * head_dim}, {head_dim}, 1]), got strides {cache.stride()}"
+            )
+        dense *= size
+
+
 def _check_copy(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> int:
     """The copy wrappers' checks of the block ids and the cache layout; returns a block's element count."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
@@ -299,11 +326,7 @@ def _check_copy(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> in
     for name, t in (("src", src), ("dst", dst)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} dtype must be torch.int32 or torch.int64, got {t.dtype}")
-    if cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
-        raise ValueError(
-            f"each cache block must be contiguous (strides [..., {num_kv_heads * head_dim}, {head_dim}, 1]), "
-            f"got strides {cache.stride()}"
-        )
+    _check_dense_blocks(cache)
     return block_size * num_kv_heads * head_dim
 
 
@@ -354,6 +377,11 @@ def layer_offsets(
     first = k_caches[0]
     for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches, strict=True)):
         _check_cache_pair(k_cache, v_cache)
+        _check_dense_blocks(v_cache)
+        if v_cache.stride(0) != first.stride(0):
+            raise ValueError(
+                f"layer {layer}'s v cache block stride {v_cache.stride(0)} differs from layer 0's {first.stride(0)}"
+            )
         if (k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device) != (
             first.shape,
             first.stride(),

@@ -164,7 +164,7 @@ def paged_decode_triton(
     num_sms = plan.num_sms
     if num_splits is None:
         num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms, min_keys_per_split,
-                                       plan.programs_per_sm)  # fmt: skip
+                                       *plan.split_rule)  # fmt: skip
     write_out = num_splits == 1
     has_prefix = prefix_len is not None
     # PDL for the merge when it directly follows the split kernel (the prefix kernel sits between them otherwise),
@@ -213,7 +213,7 @@ def paged_decode_triton(
     variant = variants["long" if cdiv(max_seq_len, num_splits) > SHORT_SPLIT_KEYS else "short"]
     if has_prefix:
         variant = variants.get("cascade", variant)
-    decode_args, min_tiles, num_stages, num_warps = variant
+    decode_args, min_tiles, num_stages, num_warps, v_keys_minor = variant
     fused = new_key is not None
     if not fused:  # placeholder pointers: never read without FUSED_WRITE
         new_key, new_value, slot_mapping = query, query, seq_lens
@@ -256,6 +256,7 @@ def paged_decode_triton(
         prefix_pdl,  # WAIT_PREFIX
         has_sinks,  # HAS_SINKS
         kv_fp8,  # KV_FP8
+        v_keys_minor,  # V_KEYS_MINOR
     )  # fmt: skip
     split_decode.SPLIT(grid, *args, num_warps=num_warps, num_stages=num_stages, launch_pdl=prefix_pdl)
     if bind is not None and write_out and not has_prefix:

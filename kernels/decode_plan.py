@@ -11,7 +11,7 @@ import os
 import torch
 
 from . import cascade
-from .kv_quant import FP8_DTYPES, check_kv_scales
+from .kv_quant import FP8_DTYPES, check_kv_scales, keys_minor
 from .launch import cdiv, next_power_of_2
 
 __all__ = ["DecodePlan", "check_args", "choose_num_splits", "num_sms"]
@@ -23,9 +23,9 @@ MAX_NUM_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 64
 # Programs to aim for per SM: about two waves at two resident programs per SM.
 PROGRAMS_PER_SM = 4
-# FP8 pools' long tiles (LONG_SETTINGS_FP8) aim for one wave: two programs an SM hold (197 registers a thread), and
-# fewer, longer splits pay the 5-stage pipeline's fill less often: 105.1 µs against 109.2 at 32 x 4096, 32.5 against
-# 37.1 at 1 x 32768 on the H200 (record 2026-11-28-h200-fp8-splits).
+# FP8 pools' long tiles (LONG_SETTINGS_FP8) take at most one wave of two programs an SM (the count rounded down, never
+# a partial second wave): at 32 x 4096 one split runs 83.2 µs against 99.1 with two, 89.6 with three; at 1 x 32768 33
+# splits run 29.5 µs against 34.2 with 17 (H200; record 2026-11-29-h200-fp8-v-keys-minor).
 PROGRAMS_PER_SM_FP8 = 2
 # Split-kernel settings at head_dim 128 are (keys per tile, stages, warps), chosen by the keys a split streams:
 # splits of at most SHORT_SPLIT_KEYS keys (small batches over long contexts) take short, pipelined tiles; longer
@@ -63,6 +63,7 @@ def choose_num_splits(
     num_sms: int,
     min_keys_per_split: int | None = None,
     programs_per_sm: int = PROGRAMS_PER_SM,
+    one_wave: bool = False,
 ) -> int:
     """Host-side split heuristic for the decode kernel (no device sync, so CUDA-graph safe).
 
@@ -78,13 +79,15 @@ def choose_num_splits(
         num_sms: Streaming multiprocessors of the device.
         min_keys_per_split: Keys each split gets at least (default ``MIN_KEYS_PER_SPLIT``; a smaller value is
             raised to it).
-        programs_per_sm: Programs to aim for per SM (``DecodePlan.programs_per_sm``).
+        programs_per_sm: Programs to aim for per SM (``DecodePlan.split_rule``).
+        one_wave: Round the split count down instead of up: at most ``programs_per_sm * num_sms`` programs.
 
     Returns:
         The number of splits, in ``[1, MAX_NUM_SPLITS]``.
     """
     base_programs = max(num_seqs * num_kv_heads, 1)
-    wanted = cdiv(programs_per_sm * num_sms, base_programs)
+    aimed = programs_per_sm * num_sms
+    wanted = aimed // base_programs if one_wave else cdiv(aimed, base_programs)
     min_keys = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else max(min_keys_per_split, MIN_KEYS_PER_SPLIT)
     by_context = max(cdiv(max_seq_len, min_keys), 1)
     return max(1, min(wanted, by_context, MAX_NUM_SPLITS))
@@ -208,13 +211,14 @@ class DecodePlan:
 
     ``variants`` maps a kind of call to its split-kernel launch: ``"short"`` and ``"long"`` splits (see
     SHORT_SPLIT_KEYS) and, at head_dim 128, ``"cascade"`` (shared-prefix calls); each is ``(constexpr and scale
-    arguments, MIN_TILES_PER_SPLIT, num_stages, num_warps)``. ``pdl_ok``: the device supports programmatic dependent
-    launch (SM90+), which the launcher then uses where it overlaps two launches.
+    arguments, MIN_TILES_PER_SPLIT, num_stages, num_warps, V_KEYS_MINOR)``. ``split_rule``: ``choose_num_splits``'
+    (programs_per_sm, one_wave). ``pdl_ok``: the device supports programmatic dependent launch (SM90+), which the
+    launcher then uses where it overlaps two launches.
     """
 
     __slots__ = ("num_seqs", "num_heads", "head_dim", "num_kv_heads", "group", "num_sms", "head_dim_pad", "block_m",
                  "strides", "variants", "prefix_args", "prefix_split_rule", "prefix_num_warps", "dot_fp32",
-                 "pdl_ok", "new_kv_strides", "programs_per_sm")  # fmt: skip
+                 "pdl_ok", "new_kv_strides", "split_rule")  # fmt: skip
 
     def __init__(
         self, query, k_cache, v_cache, block_tables, scale, sliding_window, soft_cap, new_key, new_value,
@@ -229,7 +233,7 @@ class DecodePlan:
         # tile never crosses a block and needs one block-table entry. Head dims other than 128 (where the settings
         # were swept) take 64 keys, 32 above 128 (the K/V tiles stay in registers), 2 stages, 4 warps.
         base_block_n = 32 if head_dim_pad > 128 else 64
-        self.programs_per_sm = PROGRAMS_PER_SM
+        self.split_rule = (PROGRAMS_PER_SM, False)  # choose_num_splits' programs_per_sm, one_wave
         if tile_settings is not None:
             settings = {"short": tile_settings, "long": tile_settings, "cascade": tile_settings}
         elif head_dim_pad == 128:
@@ -238,7 +242,7 @@ class DecodePlan:
                 deep = not query.is_cuda or _capability(query.device.index or 0) >= (9, 0)
                 long_settings = LONG_SETTINGS_FP8 if deep else LONG_SETTINGS_FP8_SMALL_SMEM
                 if deep:
-                    self.programs_per_sm = PROGRAMS_PER_SM_FP8
+                    self.split_rule = (PROGRAMS_PER_SM, False)  # choose_num_splits' programs_per_sm, one_wave_FP8
             settings = {"short": SHORT_SETTINGS, "long": long_settings, "cascade": CASCADE_SUFFIX_SETTINGS}
         else:
             settings = {"short": (base_block_n, 2, 4), "long": (base_block_n, 2, 4)}
@@ -261,7 +265,11 @@ class DecodePlan:
                 block_n, block_size % block_n == 0,  # BLOCK_N, ONE_BLOCK_PER_TILE
                 use_window, use_soft_cap,
             )  # fmt: skip
-            self.variants[name] = (decode_args, max(1, MIN_KEYS_PER_SPLIT // block_n), num_stages, num_warps)
+            # V keys-minor (FP8 pools): the split kernel loads it as whole blocks where tiles and blocks nest
+            v_blocks = keys_minor(v_cache) and (block_n % block_size == 0 or block_size % block_n == 0)
+            self.variants[name] = (
+                decode_args, max(1, MIN_KEYS_PER_SPLIT // block_n), num_stages, num_warps, v_blocks
+            )  # fmt: skip
         self.block_m = cascade.block_m_for(self.num_seqs * group, head_dim_pad)
         # The shared-prefix kernel: 64-key tiles over 4 warps (32 keys above head_dim 128). Its split rule is the
         # one choose_num_prefix_splits sizes the grid with, and the split kernel's fold reads it too.

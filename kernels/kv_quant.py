@@ -20,7 +20,10 @@ same attention up to rounding, except that a bf16 query value beyond +-65504 cou
 
 import torch
 
-__all__ = ["FP8_DTYPES", "FP8_MAX", "check_kv_scales", "dequantize_ref", "is_fp8", "quantize_ref", "scale_args"]
+__all__ = [
+    "FP8_DTYPES", "FP8_MAX", "check_kv_scales", "dequantize_ref", "is_fp8", "keys_minor", "new_cache", "quantize_ref",
+    "scale_args",
+]  # fmt: skip
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The formats' largest finite values: quantization saturates to them.
@@ -30,6 +33,28 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 def is_fp8(dtype: torch.dtype) -> bool:
     """Whether a cache of this dtype holds quantized K/V."""
     return dtype in FP8_DTYPES
+
+
+def new_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, value: bool = False
+) -> torch.Tensor:
+    """A zeroed cache ``[num_blocks, block_size, num_kv_heads, head_dim]``; an FP8 V cache is stored keys-minor.
+
+    Keys-minor: each block's V is laid out ``[num_kv_heads, head_dim, block_size]`` (the returned tensor is that
+    storage viewed in the common shape, with stride 1 on the block's keys). The P.V dot reduces over keys, and its
+    fp16 operand needs pairs of consecutive keys of one channel: from keys-minor 8-bit values the decode kernel loads
+    them as words, where a [keys, head_dim] tile takes a byte load each (there is no transposing shared-memory load of
+    8-bit values before sm_100). Every kernel takes any strides, and each block stays contiguous for the copies.
+    """
+    if value and is_fp8(dtype):
+        storage = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
+        return storage.permute(0, 3, 1, 2)
+    return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+
+def keys_minor(cache: torch.Tensor) -> bool:
+    """Whether a cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` has its keys contiguous (``new_cache``)."""
+    return cache.shape[1] > 1 and cache.stride(1) == 1
 
 
 def check_kv_scales(

@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from .kv_quant import scale_args
+from .kv_quant import keys_minor, scale_args
 from .launch import cdiv, next_power_of_2
 from .prefill_checks import check_args
 from .prefill_kernel import PREFILL
@@ -123,7 +123,8 @@ def paged_prefill_triton(
         query: [num_tokens, num_heads, head_dim], float16/bfloat16/float32; last dim contiguous.
         k_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype or fp8 (kernels/kv_quant.py);
             last dim contiguous.
-        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and strides as k_cache.
+        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], k_cache's shape and dtype, any strides (an FP8
+            pool's is keys-minor: kernels/kv_quant.py ``new_cache``).
         block_tables: [num_seqs, max_blocks_per_seq], int32 block ids, any order.
         seq_lens: [num_seqs], int32: context length of each sequence, including its new tokens.
         cu_seqlens_q: [num_seqs + 1], int32: offsets of each sequence's new tokens in ``query``.
@@ -206,7 +207,7 @@ def paged_prefill_triton(
         seq_lens if sinks is None else sinks,  # sinks_ptr: never read without HAS_SINKS
         k_scale, v_scale,  # placeholders (seq_lens) without KV_FP8
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         key.stride(0) if contig_kv else 0, key.stride(1) if contig_kv else 0,
         value.stride(0) if contig_kv else 0, value.stride(1) if contig_kv else 0,
         block_tables.stride(0), block_tables.stride(1), stride_ks, stride_vs,
@@ -223,6 +224,7 @@ def paged_prefill_triton(
         contig_kv,  # CONTIG_KV
         sinks is not None,  # HAS_SINKS
         kv_fp8,  # KV_FP8
+        keys_minor(v_cache) and (tile_n % block_size == 0 or block_size % tile_n == 0),  # V_BLOCKS
         seqs_pad,  # SEQS_PAD (last: tests/helpers.py reads it there)
         num_warps=num_warps,
         num_stages=num_stages,

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .kv_quant_triton import from_kv
+from .v_tiles import load_v_tile
 
 __all__ = ["attend_slot"]
 
@@ -55,7 +56,7 @@ def _attend_tile(
     k_base,  # int64 offset of key position 0 of this KV head: kv_head * stride (+ q_start * stride_t if CONTIG)
     v_base,  # int64, as k_base for V
     stride_k_n,  # CONTIG: token stride of key
-    stride_v_n,  # CONTIG: token stride of value
+    stride_v_n,  # token stride of value (CONTIG), or of v_cache in a block (paged)
     table_row_ptr,  # this sequence's block table row (paged)
     ctx_len,
     qk_scale,  # scale (* log2(e) unless there is a soft cap)
@@ -64,6 +65,8 @@ def _attend_tile(
     stride_cache_block,
     stride_cache_offset,
     stride_table_b,
+    stride_v_block,  # paged: v_cache's block stride (K's is stride_cache_block)
+    stride_v_d,  # V's head_dim stride (K's is 1)
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -76,6 +79,7 @@ def _attend_tile(
     K_ROW_MAJOR: tl.constexpr,  # load K as [BLOCK_N, BLOCK_D] and transpose in registers (else as K^T)
     EXACT_SOFTMAX: tl.constexpr,  # interior tiles too take the exact update (scale <= 0); else the fused one
     CONTIG: tl.constexpr,  # K/V rows of key position n at k_base + n * stride_k_n (no block table)
+    V_BLOCKS: tl.constexpr,  # paged, V keys-minor (an FP8 pool's): V tiles load as whole blocks (kernels/v_tiles.py)
 ):
     """One online-softmax step over the keys [start_n, start_n + BLOCK_N); returns (acc, l_i, m_i)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N], key positions
@@ -94,12 +98,14 @@ def _attend_tile(
             # The whole tile lies in one cache block (start_n is a multiple of BLOCK_N): one table read.
             block_id = tl.load(table_row_ptr + (start_n // BLOCK_SIZE) * stride_table_b).to(tl.int64)
             slot_offs = block_id * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset  # [BLOCK_N]
+            v_slot_offs = block_id * stride_v_block + (offs_n % BLOCK_SIZE) * stride_v_n  # [BLOCK_N]
         else:
             # The tile spans several cache blocks: one table read per key (same-block keys share it).
             block_ids = tl.load(table_row_ptr + (offs_n // BLOCK_SIZE) * stride_table_b, mask=key_in_ctx, other=0)
             slot_offs = block_ids.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset
+            v_slot_offs = block_ids.to(tl.int64) * stride_v_block + (offs_n % BLOCK_SIZE) * stride_v_n
         k_offs = k_base + slot_offs  # [BLOCK_N], int64
-        v_offs = v_base + slot_offs  # [BLOCK_N], int64 (k_base == v_base: the caches share strides)
+        v_offs = v_base + v_slot_offs  # [BLOCK_N], int64
 
     if K_ROW_MAJOR:
         k = tl.trans(
@@ -156,10 +162,13 @@ def _attend_tile(
             p = tl.exp2(s * qk_scale - m_i[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i + tl.sum(p, 1)
 
-    v = from_kv(
-        tl.load(v_ptr + v_offs[:, None] + offs_d[None, :], mask=key_in_ctx[:, None] & d_mask[None, :], other=0.0),
-        q.dtype,
-    )  # v: [BLOCK_N, BLOCK_D]; fp8 -> fp16 as k
+    if V_BLOCKS:
+        v = load_v_tile(v_ptr + v_base, table_row_ptr, stride_table_b, start_n, 0, ctx_len, stride_v_block,
+                        stride_v_n, stride_v_d, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, MASKED)  # fmt: skip
+    else:
+        v = tl.load(v_ptr + v_offs[:, None] + offs_d[None, :] * stride_v_d, mask=key_in_ctx[:, None] & d_mask[None, :],
+                    other=0.0)  # fmt: skip
+    v = from_kv(v, q.dtype)  # v: [BLOCK_N, BLOCK_D]; fp8 -> fp16 as k
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -192,6 +201,8 @@ def _attend_ranges(
     stride_cache_block,
     stride_cache_offset,
     stride_table_b,
+    stride_v_block,
+    stride_v_d,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -203,28 +214,29 @@ def _attend_ranges(
     K_ROW_MAJOR: tl.constexpr,
     EXACT_SOFTMAX: tl.constexpr,
     CONTIG: tl.constexpr,
+    V_BLOCKS: tl.constexpr,
 ):
     """The three key ranges of the module docstring, in order; returns (acc, l_i, m_i)."""
     for start_n in range(lo, mid_lo, BLOCK_N):  # window edge
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
             table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
-            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG,
+            stride_table_b, stride_v_block, stride_v_d, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True,
+            HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG, V_BLOCKS,
         )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):  # interior: no mask
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
             table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
-            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG,
+            stride_table_b, stride_v_block, stride_v_d, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, False,
+            HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG, V_BLOCKS,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):  # causal edge
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, k_ptr, v_ptr, k_base, v_base, stride_k_n, stride_v_n,
             table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_offset,
-            stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_WINDOW, HAS_SOFT_CAP,
-            DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG,
+            stride_table_b, stride_v_block, stride_v_d, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, True,
+            HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG, V_BLOCKS,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -249,6 +261,10 @@ def attend_slot(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    stride_vcache_block,
+    stride_vcache_offset,
+    stride_vcache_head,
+    stride_vcache_d,
     stride_key_t,
     stride_key_h,
     stride_value_t,
@@ -279,6 +295,7 @@ def attend_slot(
     CONTIG_KV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_BLOCKS: tl.constexpr,
 ):
     """One slot: rows [row_start, row_start + BLOCK_M) of sequence seq_idx, for one KV head."""
     num_rows = q_len * GROUP
@@ -322,6 +339,7 @@ def attend_slot(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_table_s
     kv_head_off = kv_head.to(tl.int64) * stride_cache_head
+    v_head_off = kv_head.to(tl.int64) * stride_vcache_head
     if KV_FP8:  # the KV head's k_scale joins each score's scale (> 0: the fused update's condition holds)
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head * stride_ks)
 
@@ -333,22 +351,24 @@ def attend_slot(
                 q_start.to(tl.int64) * stride_key_t + kv_head.to(tl.int64) * stride_key_h,
                 q_start.to(tl.int64) * stride_value_t + kv_head.to(tl.int64) * stride_value_h,
                 stride_key_t, stride_value_t, table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window,
-                stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-                BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, True,
+                stride_cache_block, stride_cache_offset, stride_table_b, 0, 1, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+                BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, True, False,
             )  # fmt: skip
         else:
             acc, l_i, m_i = _attend_ranges(
                 acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, k_cache_ptr, v_cache_ptr, kv_head_off,
-                kv_head_off, stride_cache_offset, stride_cache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap,
-                sliding_window, stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE,
-                BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, False,
+                v_head_off, stride_cache_offset, stride_vcache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap,
+                sliding_window, stride_cache_block, stride_cache_offset, stride_table_b, stride_vcache_block,
+                stride_vcache_d, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32,
+                K_ROW_MAJOR, EXACT_SOFTMAX, False, V_BLOCKS,
             )  # fmt: skip
     else:  # through the block table
         acc, l_i, m_i = _attend_ranges(
-            acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, k_cache_ptr, v_cache_ptr, kv_head_off, kv_head_off,
-            stride_cache_offset, stride_cache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window,
-            stride_cache_block, stride_cache_offset, stride_table_b, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-            BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, False,
+            acc, l_i, m_i, q, q_pos, lo, mid_lo, mid_hi, hi, k_cache_ptr, v_cache_ptr, kv_head_off, v_head_off,
+            stride_cache_offset, stride_vcache_offset, table_row_ptr, ctx_len, qk_scale, soft_cap, sliding_window,
+            stride_cache_block, stride_cache_offset, stride_table_b, stride_vcache_block, stride_vcache_d, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX,
+            False, V_BLOCKS,
         )  # fmt: skip
     if KV_FP8:  # every value is in: scale them once
         acc = acc * tl.load(v_scale_ptr + kv_head * stride_vs)

@@ -23,11 +23,8 @@ def check_args(
         raise ValueError(
             f"k_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
         )
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(
-            f"v_cache must match k_cache in shape and strides, got {tuple(v_cache.shape)} / {v_cache.stride()} "
-            f"vs {tuple(k_cache.shape)} / {k_cache.stride()}"
-        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must match k_cache in shape, got {tuple(v_cache.shape)} vs {tuple(k_cache.shape)}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, cache_head_dim = k_cache.shape[2:]
     if cache_head_dim != head_dim:
@@ -46,8 +43,7 @@ def check_args(
     check_kv_scales(k_cache, k_scale, v_scale)
     if query.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError(
-            f"query and k_cache/v_cache need a contiguous last dim, "
-            f"got strides {query.stride()} and {k_cache.stride()}"
+            f"query and k_cache need a contiguous last dim, got strides {query.stride()} and {k_cache.stride()}"
         )
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
         raise ValueError(

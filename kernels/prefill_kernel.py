@@ -42,9 +42,13 @@ def _paged_prefill_kernel(
     stride_query_h,
     stride_out_t,
     stride_out_h,
-    stride_cache_block,
+    stride_cache_block,  # k_cache's
     stride_cache_offset,
     stride_cache_head,
+    stride_vcache_block,  # v_cache's (an FP8 pool's V is keys-minor: kernels/kv_quant.py new_cache)
+    stride_vcache_offset,
+    stride_vcache_head,
+    stride_vcache_d,
     stride_key_t,
     stride_key_h,
     stride_value_t,
@@ -73,6 +77,7 @@ def _paged_prefill_kernel(
     CONTIG_KV: tl.constexpr,  # fresh sequences (seq_len == q_len) read K/V from key/value, not the cache
     HAS_SINKS: tl.constexpr,  # a sink logit per query head joins the softmax's denominator (gpt-oss)
     KV_FP8: tl.constexpr,  # fp8 caches: fp16 dots for a bf16/fp16 query, the scales per KV head (prefill_attend.py)
+    V_BLOCKS: tl.constexpr,  # V keys-minor, tiles and blocks nested: V tiles load as whole blocks (kernels/v_tiles.py)
     SEQS_PAD: tl.constexpr,  # power of two >= num_seqs: the exact tile map; 0 = the binary-search bound grid
 ):
     # Tile slots (see "Grid" in kernels/prefill.py). Causal: later tiles attend to more keys, and chunks sit after
@@ -99,11 +104,12 @@ def _paged_prefill_kernel(
             attend_slot(
                 query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
                 sinks_ptr, k_scale_ptr, v_scale_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h,
-                stride_cache_block, stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t,
-                stride_value_h, stride_table_s, stride_table_b, stride_ks, stride_vs, qk_scale, soft_cap,
-                sliding_window, seq_idx, q_start, q_len, (slot - first_tile) * BLOCK_M, kv_head, HEAD_DIM, BLOCK_SIZE,
-                GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX,
-                CONTIG_KV, HAS_SINKS, KV_FP8,
+                stride_cache_block, stride_cache_offset, stride_cache_head, stride_vcache_block, stride_vcache_offset,
+                stride_vcache_head, stride_vcache_d, stride_key_t, stride_key_h, stride_value_t, stride_value_h,
+                stride_table_s, stride_table_b, stride_ks, stride_vs, qk_scale, soft_cap, sliding_window, seq_idx,
+                q_start, q_len, (slot - first_tile) * BLOCK_M, kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N,
+                BLOCK_D, HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS, KV_FP8,
+                V_BLOCKS,
             )  # fmt: skip
     else:
         # The bound grid, one slot a program, no loop (batches of few sequences). seq_idx: the last sequence whose
@@ -128,10 +134,11 @@ def _paged_prefill_kernel(
         attend_slot(
             query_ptr, k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
             sinks_ptr, k_scale_ptr, v_scale_ptr, stride_query_t, stride_query_h, stride_out_t, stride_out_h,
-            stride_cache_block, stride_cache_offset, stride_cache_head, stride_key_t, stride_key_h, stride_value_t,
-            stride_value_h, stride_table_s, stride_table_b, stride_ks, stride_vs, qk_scale, soft_cap, sliding_window,
-            seq_idx, q_start, q_len, row_start, kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
-            HAS_WINDOW, HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS, KV_FP8,
+            stride_cache_block, stride_cache_offset, stride_cache_head, stride_vcache_block, stride_vcache_offset,
+            stride_vcache_head, stride_vcache_d, stride_key_t, stride_key_h, stride_value_t, stride_value_h,
+            stride_table_s, stride_table_b, stride_ks, stride_vs, qk_scale, soft_cap, sliding_window, seq_idx, q_start,
+            q_len, row_start, kv_head, HEAD_DIM, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW,
+            HAS_SOFT_CAP, DOT_FP32, K_ROW_MAJOR, EXACT_SOFTMAX, CONTIG_KV, HAS_SINKS, KV_FP8, V_BLOCKS,
         )  # fmt: skip
 
 

@@ -41,25 +41,24 @@ def write_kv_ref(
     """Store each token's K/V row at its slot; slots < 0 are skipped. An fp8 cache stores the rows quantized
     (kernels/kv_quant.py); other caches cast them to their dtype."""
     check_kv_scales(k_cache, k_scale, v_scale)
-    num_blocks, block_size = k_cache.shape[:2]
+    block_size = k_cache.shape[1]
     key, value = _to_cache(key, k_cache, k_scale), _to_cache(value, v_cache, v_scale)
-    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    if is_fp8(k_cache.dtype):  # fp8 rows are copied as their bytes (index_put_ has no fp8 kernel on the CPU)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    slots = slot_mapping.long()
     if torch.compiler.is_compiling():
         # Boolean indexing has a data-dependent shape, which torch.compile cannot trace: a traced caller (a planned
-        # decode step of hf_paged.cache.PagedCache) gives every token a slot, so index_copy_ writes them all. A -1
-        # left there fails inside index_copy_ (out of range), never silently. (index_copy_ has no fp8 kernel on
-        # the CPU: fp8 rows are copied as their bytes.)
-        if is_fp8(k_cache.dtype):
-            k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
-            key, value = key.view(torch.uint8), value.view(torch.uint8)
-        k_flat.index_copy_(0, slot_mapping.long(), key)
-        v_flat.index_copy_(0, slot_mapping.long(), value)
-        return
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    k_flat[slots] = key[valid]
-    v_flat[slots] = value[valid]
+        # decode step of hf_paged.cache.PagedCache) gives every token a slot. A -1 left there goes past the last
+        # block and fails inside index_put_ (out of range), never silently (a negative index would wrap).
+        slots = torch.where(slots < 0, k_cache.shape[0] * block_size, slots)
+    else:
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
+    # (block, offset) indices: a cache may have any strides (an FP8 pool's V is keys-minor, kv_quant.new_cache)
+    index = (slots // block_size, slots % block_size)
+    k_cache.index_put_(index, key)
+    v_cache.index_put_(index, value)
 
 
 def _to_cache(

@@ -42,6 +42,13 @@ and its ``v_scale`` multiplies the accumulator once, after the last key and befo
 partials carry theirs); the fused write quantizes the new K/V as ``write_kv`` does and attends to the stored
 (quantized) values, in the tiles' dtype.
 
+With ``V_KEYS_MINOR`` (an FP8 pool's V is keys-minor, kernels/kv_quant.py ``new_cache``) a split first streams its
+interior tiles, which hold only live keys, without a mask, V loaded as whole blocks along keys (kernels/v_tiles.py),
+then its edge tiles (the one holding ``lo``, the one holding ``read_hi``; at most one each) with masks: the same
+online softmax over the same keys, in another order. A V tile in rows of head_dim takes a byte load per 8-bit value
+(1 252 instructions a 128-key tile at head_dim 128, sm_90); keys-minor, about 740; at 32 x 4096 the kernel then runs
+83 µs against 100 (H200, one split each).
+
 The split is per sequence (each sequence divides its own length, and uses only as many of the grid's splits as give
 each ``MIN_TILES_PER_SPLIT`` tiles), so the grid's split count never affects correctness: a CUDA graph captured with
 a bound that is too small still computes the right answer.
@@ -57,8 +64,108 @@ import triton.language as tl
 
 from .kv_quant_triton import from_kv, to_fp8
 from .launch import Launcher
+from .v_tiles import load_v_tile
 
 __all__ = ["SPLIT", "MERGE", "BOUND_POSITIONS"]
+
+
+@triton.jit
+def _attend_tile(
+    q,  # [GROUP_PAD, HEAD_DIM_PAD]: the dots' dtype
+    m_i,  # [GROUP_PAD]: running max (log2 domain)
+    l_i,  # [GROUP_PAD]: running sum of exp2(score - m_i)
+    acc,  # [GROUP_PAD, HEAD_DIM_PAD], fp32
+    tile_idx,  # keys [tile_idx * BLOCK_N, (tile_idx + 1) * BLOCK_N) of the sequence
+    lo,  # keys below lo are not attended to (window, shared prefix)
+    read_hi,  # keys from read_hi on are not read from the cache
+    table_ptr,  # the sequence's block-table row
+    k_head_ptr,  # k_cache at the KV head
+    v_head_ptr,  # v_cache at the KV head
+    stride_btb,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    scale_log2,
+    cap_in,
+    cap_out,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ONE_BLOCK_PER_TILE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    V_KEYS_MINOR: tl.constexpr,  # v_cache's keys are its contiguous dimension (stride_vt == 1)
+    MASKED: tl.constexpr,  # the tile may hold keys outside [lo, read_hi); else every key is live
+):
+    """One online-softmax step over a tile of keys: returns the new (m_i, l_i, acc)."""
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]: a tile's keys
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    d_mask = offs_d < HEAD_DIM  # padded head_dim lanes
+    key_idx = tile_idx * BLOCK_N + offs_n  # [BLOCK_N] positions in the sequence
+    # Keys outside [lo, read_hi) are masked: their table entries may be stale or unallocated.
+    n_mask = (key_idx < read_hi) & (key_idx >= lo)
+    if ONE_BLOCK_PER_TILE:
+        # The whole tile sits in one cache block; its first key may be below lo (window), but the tile holds key lo
+        # or later, so the block-table entry is live. The tile's first key in the block is a multiple of BLOCK_N
+        # (written so, the compiler knows the loads are aligned).
+        block_id = tl.load(table_ptr + ((tile_idx * BLOCK_N) // BLOCK_SIZE) * stride_btb)
+        in_block = (tile_idx % (BLOCK_SIZE // BLOCK_N)) * BLOCK_N + offs_n
+        row_offset = block_id.to(tl.int64) * stride_kb + in_block * stride_kt
+        v_row_offset = block_id.to(tl.int64) * stride_vb + in_block * stride_vt
+    else:
+        # block_ids: [BLOCK_N]; several keys share each entry (BLOCK_SIZE < BLOCK_N, or not divisible).
+        if MASKED:
+            block_ids = tl.load(table_ptr + (key_idx // BLOCK_SIZE) * stride_btb, mask=n_mask, other=0)
+        else:
+            block_ids = tl.load(table_ptr + (key_idx // BLOCK_SIZE) * stride_btb)
+        row_offset = block_ids.to(tl.int64) * stride_kb + (key_idx % BLOCK_SIZE) * stride_kt
+        v_row_offset = block_ids.to(tl.int64) * stride_vb + (key_idx % BLOCK_SIZE) * stride_vt
+
+    # Loads mask keys only in a masked tile, and head_dim lanes only where head_dim is padded.
+    kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+    if not MASKED:
+        kv_mask = d_mask[None, :]
+    k_ptrs = k_head_ptr + row_offset[:, None] + offs_d[None, :] * stride_kd  # [BLOCK_N, HEAD_DIM_PAD]
+    if MASKED or HEAD_DIM < HEAD_DIM_PAD:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    k = from_kv(k, q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
+    # scores: [GROUP_PAD, BLOCK_N]
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if USE_SOFT_CAP:
+        # soft_cap * tanh(scale * s / soft_cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): right at both tails (exp
+        # overflow -> 1, underflow -> -1), never NaN; tl has no portable tanh.
+        scores = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * scores) + 1.0))
+    else:
+        scores = scores * scale_log2
+    if MASKED:
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [GROUP_PAD]
+    # Every tile holds at least one live key, so m_new is finite; guard anyway so that a fully masked row gives
+    # exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # [GROUP_PAD]; 0 on the first tile (m_i = -inf)
+    p = tl.exp2(scores - m_safe[:, None])  # [GROUP_PAD, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    # v: [BLOCK_N, HEAD_DIM_PAD]
+    if V_KEYS_MINOR:  # whole blocks along keys (kernels/v_tiles.py)
+        v = load_v_tile(v_head_ptr, table_ptr, stride_btb, tile_idx * BLOCK_N, lo, read_hi, stride_vb, stride_vt,
+                        stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HEAD_DIM_PAD, MASKED)  # fmt: skip
+    else:
+        v_ptrs = v_head_ptr + v_row_offset[:, None] + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM_PAD]
+        if MASKED or HEAD_DIM < HEAD_DIM_PAD:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+    v = from_kv(v, q.dtype)  # as k
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 # Sizes that change from step to step are not specialised (Triton would compile a new kernel whenever one
@@ -153,6 +260,9 @@ def _paged_decode_kernel(
     # fp8 caches (new_k/new_v then hold the query's dtype): fp16 dots for a bf16/fp16 query (the module docstring),
     # the scales per KV head, quantize the fused write.
     KV_FP8: tl.constexpr,
+    # v_cache's keys are its contiguous dimension (FP8 pools store each block's V as [num_kv_heads, head_dim,
+    # block_size]): interior tiles load V whole blocks along keys, unmasked (the module docstring).
+    V_KEYS_MINOR: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -195,7 +305,6 @@ def _paged_decode_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]: query rows, the GROUP query heads of the KV head
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]: a tile's keys
     head_idx = kv_head_idx * GROUP + offs_g  # [GROUP_PAD]
     g_mask = offs_g < GROUP  # padded query rows
     d_mask = offs_d < HEAD_DIM  # padded head_dim lanes
@@ -219,50 +328,36 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
 
-    for tile_idx in range(split_tile_lo, split_tile_hi):
-        key_idx = tile_idx * BLOCK_N + offs_n  # [BLOCK_N] positions in the sequence
-        # Keys outside [lo, read_hi) are masked: their table entries may be stale or unallocated.
-        n_mask = (key_idx < read_hi) & (key_idx >= lo)
-        if ONE_BLOCK_PER_TILE:
-            # The whole tile sits in one cache block; its first key may be below lo (window), but
-            # the tile holds key lo or later, so the block-table entry is live.
-            block_id = tl.load(table_ptr + ((tile_idx * BLOCK_N) // BLOCK_SIZE) * stride_btb)
-            in_block = (tile_idx * BLOCK_N) % BLOCK_SIZE + offs_n
-            row_offset = block_id.to(tl.int64) * stride_kb + in_block * stride_kt
-            v_row_offset = block_id.to(tl.int64) * stride_vb + in_block * stride_vt
-        else:
-            # block_ids: [BLOCK_N]; several keys share each entry (BLOCK_SIZE < BLOCK_N, or not divisible).
-            block_ids = tl.load(table_ptr + (key_idx // BLOCK_SIZE) * stride_btb, mask=n_mask, other=0)
-            row_offset = block_ids.to(tl.int64) * stride_kb + (key_idx % BLOCK_SIZE) * stride_kt
-            v_row_offset = block_ids.to(tl.int64) * stride_vb + (key_idx % BLOCK_SIZE) * stride_vt
-
-        kv_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-        # k: [BLOCK_N, HEAD_DIM_PAD]
-        k = tl.load(k_head_ptr + row_offset[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        k = from_kv(k, q.dtype)  # fp8 -> fp16 (exact; fp32 for an fp32 query or under DOT_FP32); else no conversion
-        # scores: [GROUP_PAD, BLOCK_N]
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if USE_SOFT_CAP:
-            # soft_cap * tanh(scale * s / soft_cap), with tanh(x) = 1 - 2 / (exp(2x) + 1): right at
-            # both tails (exp overflow -> 1, underflow -> -1), never NaN; tl has no portable tanh.
-            scores = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * scores) + 1.0))
-        else:
-            scores = scores * scale_log2
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [GROUP_PAD]
-        # Every tile holds at least one live key, so m_new is finite; guard anyway so that a fully
-        # masked row gives exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)  # [GROUP_PAD]; 0 on the first tile (m_i = -inf)
-        p = tl.exp2(scores - m_safe[:, None])  # [GROUP_PAD, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        # v: [BLOCK_N, HEAD_DIM_PAD]
-        v = tl.load(v_head_ptr + v_row_offset[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        v = from_kv(v, q.dtype)  # as k
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    if V_KEYS_MINOR:
+        # Interior tiles hold only live keys: no masks, and V loads whole blocks along keys. The edge tiles (the one
+        # holding lo, the one holding read_hi; at most one of each a split) follow with masks.
+        full_lo = tl.maximum(split_tile_lo, tl.cdiv(lo, BLOCK_N))
+        full_hi = tl.maximum(tl.minimum(split_tile_hi, read_hi // BLOCK_N), full_lo)
+        for tile_idx in range(full_lo, full_hi):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile_idx, lo, read_hi, table_ptr, k_head_ptr, v_head_ptr, stride_btb, stride_kb,
+                stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, scale_log2, cap_in, cap_out, HEAD_DIM,
+                HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, ONE_BLOCK_PER_TILE, USE_SOFT_CAP, True, False,
+            )  # fmt: skip
+        for tile_idx in tl.range(split_tile_lo, tl.minimum(full_lo, split_tile_hi), num_stages=1):  # one tile at most
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile_idx, lo, read_hi, table_ptr, k_head_ptr, v_head_ptr, stride_btb, stride_kb,
+                stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, scale_log2, cap_in, cap_out, HEAD_DIM,
+                HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, ONE_BLOCK_PER_TILE, USE_SOFT_CAP, True, True,
+            )  # fmt: skip
+        for tile_idx in tl.range(full_hi, split_tile_hi, num_stages=1):  # one tile at most
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile_idx, lo, read_hi, table_ptr, k_head_ptr, v_head_ptr, stride_btb, stride_kb,
+                stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, scale_log2, cap_in, cap_out, HEAD_DIM,
+                HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, ONE_BLOCK_PER_TILE, USE_SOFT_CAP, True, True,
+            )  # fmt: skip
+    else:
+        for tile_idx in range(split_tile_lo, split_tile_hi):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile_idx, lo, read_hi, table_ptr, k_head_ptr, v_head_ptr, stride_btb, stride_kb,
+                stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, scale_log2, cap_in, cap_out, HEAD_DIM,
+                HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, ONE_BLOCK_PER_TILE, USE_SOFT_CAP, False, True,
+            )  # fmt: skip
 
     if FUSED_WRITE:
         last_tile = (seq_len - 1) // BLOCK_N

@@ -57,14 +57,16 @@ def parse_shape(text: str) -> tuple[int, int]:
 def make_pool(dtype: torch.dtype, num_blocks: int, heads: tuple[int, int, int], device, generator):
     """(k_cache, v_cache, k_scale, v_scale): random K/V in ``dtype`` (fp8: quantized bf16 normals, as write_kv stores
     them with scale 1.0); the scales are fp32 [1] tensors of 1.0 for an fp8 pool, else None."""
-    from hf_paged.kernels.kv_quant import is_fp8, quantize_ref
+    from hf_paged.kernels.kv_quant import is_fp8, new_cache, quantize_ref
 
     _, num_kv_heads, head_dim = heads
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     caches = []
-    for _ in range(2):
+    for value in (False, True):  # in the pool's layouts (new_cache: an FP8 V is keys-minor)
         x = torch.randn(shape, device=device, dtype=DTYPE, generator=generator)
-        caches.append(quantize_ref(x, None, dtype) if is_fp8(dtype) else x)
+        cache = new_cache(*shape, dtype, device, value=value)
+        cache.copy_(quantize_ref(x, None, dtype) if is_fp8(dtype) else x)
+        caches.append(cache)
     if not is_fp8(dtype):
         return (*caches, None, None)
     ones = torch.ones(1, dtype=torch.float32, device=device)
@@ -263,15 +265,15 @@ def run(
         torch.cuda.empty_cache()  # the copy's 4 GiB
     from hf_paged.kernels.decode_plan import PROGRAMS_PER_SM, PROGRAMS_PER_SM_FP8, choose_num_splits
 
-    # the split kernel's programs an SM the plan aims for (DecodePlan.programs_per_sm)
+    # the split rule the plan takes (DecodePlan.split_rule)
     deep = device.type == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
-    fp8_per_sm = PROGRAMS_PER_SM_FP8 if deep else PROGRAMS_PER_SM
+    fp8_rule = (PROGRAMS_PER_SM_FP8, True) if deep else (PROGRAMS_PER_SM, False)
     rows = []
     for batch, context in shapes:
         for pool, dtype in POOLS.items():
             row = bench_decode(dtype, batch, context, heads, max_seq_len, l2_bytes, device, timer)
-            per_sm = PROGRAMS_PER_SM if pool == "bf16" else fp8_per_sm
-            row.update(pool=pool, splits=choose_num_splits(max_seq_len, batch, heads[1], num_sms, None, per_sm))
+            rule = (PROGRAMS_PER_SM, False) if pool == "bf16" else fp8_rule
+            row.update(pool=pool, splits=choose_num_splits(max_seq_len, batch, heads[1], num_sms, None, *rule))
             rows.append(row)
             print(f"decode {batch}x{context} {pool}: {row}", flush=True)
             if device.type == "cuda":

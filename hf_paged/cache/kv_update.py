@@ -22,8 +22,10 @@ def _gather(
     dtype: torch.dtype | None = None,  # the dtype an FP8 pool's K/V are dequantized to
 ) -> torch.Tensor:
     """[batch_size, num_kv_heads, kv_len, head_dim] contiguous K or V; padding columns are zero."""
-    flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, num_kv_heads, head_dim]
-    out = flat[gather_idx.clamp(min=0)]  # [batch_size, kv_len, num_kv_heads, head_dim]
+    slots = gather_idx.clamp(min=0)
+    block_size = cache.shape[1]
+    # (block, offset) indices: any strides (an FP8 pool's V is keys-minor)
+    out = cache[slots // block_size, slots % block_size]  # [batch_size, kv_len, num_kv_heads, head_dim]
     if scale is not None:  # FP8: dequantize as the kernels read (fp8 * scale, in fp32)
         out = (out.float() * scale.view(1, 1, -1, 1)).to(dtype)
     out = out.masked_fill((gather_idx < 0)[:, :, None, None], 0)

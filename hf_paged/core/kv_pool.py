@@ -24,6 +24,7 @@ import torch
 from hf_paged.core.kv_dtype import is_fp8, unit_scales
 from hf_paged.core.transfer import to_device
 from hf_paged.kernels import copy_blocks_layers, layer_offsets
+from hf_paged.kernels.kv_quant import keys_minor, new_cache
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,9 @@ class KVPool:
         self.v_cache: list[torch.Tensor] = [None] * self.num_layers
         for i, spec in enumerate(self.layers):
             if spec.kv_layer == i:
-                self.k_cache[i] = torch.zeros(self._shape(spec, v=False), dtype=dtype, device=devices[i])
-                if not spec.v_in_k:
-                    self.v_cache[i] = torch.zeros(self._shape(spec, v=True), dtype=dtype, device=devices[i])
+                self.k_cache[i] = new_cache(*self._shape(spec, v=False), dtype, devices[i])
+                if not spec.v_in_k:  # an FP8 V is keys-minor (new_cache): the attention kernels read it so faster
+                    self.v_cache[i] = new_cache(*self._shape(spec, v=True), dtype, devices[i], value=True)
         self._link()
         # copy_blocks' groups of same-layout tensors (_copy_groups_by_layout): built at first use, dropped when grow()
         # replaces the tensors
@@ -227,9 +228,9 @@ class KVPool:
             for layer, cache in enumerate(caches):
                 if cache is None:
                     continue
-                grown = torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+                # zeroed: kernels load whole tiles of a block, so unwritten slots stay finite; in the same layout
+                grown = new_cache(num_blocks, *cache.shape[1:], cache.dtype, cache.device, value=keys_minor(cache))
                 grown[:old].copy_(cache)
-                grown[old:].zero_()  # kernels load whole tiles of a block: keep unwritten slots finite
                 caches[layer] = grown
                 del cache
         self.num_blocks = num_blocks

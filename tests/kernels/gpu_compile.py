@@ -25,6 +25,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from hf_paged.kernels import cache_ops, decode, launch, prefill  # noqa: E402
+from hf_paged.kernels.kv_quant import new_cache  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -102,15 +103,16 @@ def record_launches() -> list[tuple]:
 
 def _record_fp8_launches(gen: torch.Generator) -> None:
     """FP8 caches (kernels/kv_quant.py) under bf16 queries at the benchmark shape (32 heads, 8 KV heads, head_dim
-    128), both formats: the decode variants (splits, fused write, window and cap, shared prefix), prefill over the
-    cache (with key/value too, which an fp8 cache does not read), write_kv with per-head and per-tensor scales, and
-    the copies (bytes). e4m3 launches compile for sm_90 only (Triton has no e4m3 type before sm_89: ``e4m3_on_sm80``),
+    128), both formats, V keys-minor as in the pool: the decode variants (splits, fused write, window and cap, shared
+    prefix), prefill over the cache (with key/value too, which an fp8 cache does not read), write_kv with per-head and
+    per-tensor scales, and the copies (bytes). e4m3 launches compile for sm_90 only (Triton has no e4m3 type before sm_89: ``e4m3_on_sm80``),
     e5m2 ones for sm_80 too. Every variant in e4m3; e5m2 differs only in its conversions, so one variant of each
     kernel in it (the check's CI time)."""
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         every = fp8 is torch.float8_e4m3fn
         k = torch.randn(64, 16, 8, 128, generator=gen).to(fp8)
-        v = torch.randn(64, 16, 8, 128, generator=gen).to(fp8)
+        v = new_cache(64, 16, 8, 128, fp8, "cpu", value=True)  # the pool's layout: keys-minor
+        v.copy_(torch.randn(64, 16, 8, 128, generator=gen).to(fp8))
         scales = {"k_scale": torch.rand(8, generator=gen) + 0.5, "v_scale": torch.tensor([0.7])}
         tables = torch.arange(64, dtype=torch.int32).view(4, 16)
         seq_lens = torch.tensor([200, 150, 0, 97], dtype=torch.int32)

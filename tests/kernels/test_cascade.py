@@ -210,7 +210,7 @@ def test_suffix_settings_at_head_dim_128(block_size, num_splits):
     _check(seq_lens, 48 // block_size, 48, 4, 2, 128, block_size, torch.bfloat16, num_splits=num_splits)
     (plan,) = decode.PLANS.values()
     decode.PLANS.clear()
-    suffix = plan.variants["cascade"]  # (constexpr args, MIN_TILES_PER_SPLIT, num_stages, num_warps)
+    suffix = plan.variants["cascade"]  # (constexpr args, MIN_TILES_PER_SPLIT, num_stages, num_warps, V_KEYS_MINOR)
     block_n, stages, warps = decode_plan.CASCADE_SUFFIX_SETTINGS
     assert suffix[2:4] == (stages, warps) and suffix[0][9] == block_n  # BLOCK_N
     assert (plan.prefix_split_rule[0], plan.prefix_num_warps) == (64, 4)

@@ -311,9 +311,13 @@ def test_choose_num_splits():
     assert 1 < choose_num_splits(4096, num_seqs=4, num_kv_heads=8, num_sms=132) <= MAX_NUM_SPLITS
     assert choose_num_splits(1 << 20, num_seqs=1, num_kv_heads=1, num_sms=132) == MAX_NUM_SPLITS
     assert choose_num_splits(0, num_seqs=0, num_kv_heads=8, num_sms=132) == 1
-    # FP8 pools' plans aim for one wave of two programs an SM: fewer, longer splits than bf16's two waves.
+    # FP8 pools' plans take at most one wave of two programs an SM (rounded down): fewer, longer splits than bf16's
+    # two waves, rounded up.
     assert choose_num_splits(4096, num_seqs=32, num_kv_heads=8, num_sms=132) == 3
-    assert choose_num_splits(4096, num_seqs=32, num_kv_heads=8, num_sms=132, programs_per_sm=2) == 2
+    fp8_rule = {"programs_per_sm": 2, "one_wave": True}
+    assert choose_num_splits(4096, num_seqs=32, num_kv_heads=8, num_sms=132, **fp8_rule) == 1
+    assert choose_num_splits(32768, num_seqs=1, num_kv_heads=8, num_sms=132, **fp8_rule) == 33
+    assert choose_num_splits(4096, num_seqs=64, num_kv_heads=8, num_sms=132, **fp8_rule) == 1  # never below one
 
 
 def test_argument_errors():

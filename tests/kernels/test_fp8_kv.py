@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from hf_paged.kernels import paged_attention, paged_decode, write_kv
-from hf_paged.kernels.kv_quant import FP8_MAX, dequantize_ref, quantize_ref
+from hf_paged.kernels.kv_quant import FP8_MAX, dequantize_ref, new_cache, quantize_ref
 from hf_paged.kernels.reference import copy_blocks_ref, paged_attention_ref, paged_decode_ref, write_kv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,24 +49,34 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _paged_batch(seq_lens: list[int], fp8: torch.dtype, scales: dict, seed: int = 0, k_std: float = 0.5):
+def _nan_cache(shape: tuple, fp8: torch.dtype, value: bool) -> torch.Tensor:
+    """An fp8 cache in the pool's layout (kernels.kv_quant.new_cache: V keys-minor) full of NaN bytes (0x7F)."""
+    cache = new_cache(*shape, fp8, DEVICE, value=value)
+    cache.view(torch.uint8).fill_(0x7F)
+    return cache
+
+
+def _paged_batch(
+    seq_lens: list[int], fp8: torch.dtype, scales: dict, seed: int = 0, k_std: float = 0.5, v_keys_minor: bool = True,
+    block_size: int = BLOCK_SIZE,
+):  # fmt: skip
     """Dense K/V of each sequence (fp32, [seq_len, num_kv_heads, head_dim]; standard deviation k_std for K, 1 for V)
-    written quantized into fp8 caches through shuffled block tables; the blocks no sequence owns hold NaN bytes (a read
-    of one would show). Returns (k_cache, v_cache, block_tables [num_seqs, max_blocks] int32, seq_lens int32, dense_k,
-    dense_v)."""
+    written quantized into fp8 caches through shuffled block tables; every slot no sequence holds, in the blocks no
+    sequence owns and past each sequence's end in its last block, holds NaN bytes (a read of one would show). V is
+    keys-minor as in the pool unless ``v_keys_minor`` is False. Returns (k_cache, v_cache, block_tables [num_seqs,
+    max_blocks] int32, seq_lens int32, dense_k, dense_v)."""
     gen = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks + 2
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(fp8)  # 0x7F: NaN in both formats
-    v_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(fp8)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = _nan_cache(shape, fp8, value=False), _nan_cache(shape, fp8, value=v_keys_minor)
     tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
     dense_k, dense_v = [], []
     for s, n in enumerate(seq_lens):
         k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen) * k_std
         v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         pos = torch.arange(n)
-        slots = tables[s, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        slots = tables[s, pos // block_size] * block_size + pos % block_size
         write_kv_ref(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE), **scales)
         dense_k.append(k)
         dense_v.append(v)
@@ -181,9 +191,12 @@ def test_write_kv_quantizes_with_each_heads_scale(fp8, scale_kind, key_dtype):
 @needs_triton
 @pytest.mark.parametrize("fp8", FP8)
 def test_copy_blocks_move_fp8_bytes(fp8):
-    """copy_blocks_triton and copy_blocks_layers_triton copy every byte, NaN encodings included."""
+    """copy_blocks_triton and copy_blocks_layers_triton copy every byte, NaN encodings included, V keys-minor as in
+    the pool."""
     shape = (8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = [torch.randint(0, 256, shape, dtype=torch.uint8, device=DEVICE).view(fp8) for _ in range(4)]
+    caches = [new_cache(*shape, fp8, DEVICE, value=i % 2 == 1) for i in range(4)]  # K, V, K, V
+    for c in caches:
+        c.view(torch.uint8).copy_(torch.randint(0, 256, shape, dtype=torch.uint8))
     src, dst = torch.tensor([5, 0, 3]), torch.tensor([1, 7, 2])
     expected = [c.clone() for c in caches]
     for k, v in ((expected[0], expected[1]), (expected[2], expected[3])):
@@ -231,12 +244,14 @@ def test_prefill_matches_reference(fp8, scale_kind, with_key_value):
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("scale_kind", list(SCALES))
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(fp8, scale_kind, num_splits):
-    """Single-split (writes out) and multi-split (merge) decode, with a padding row (seq_len 0)."""
+@pytest.mark.parametrize("v_keys_minor", [True, False])
+def test_decode_matches_reference(fp8, scale_kind, num_splits, v_keys_minor):
+    """Single-split (writes out) and multi-split (merge) decode, with a padding row (seq_len 0); V keys-minor (the
+    pool's layout) or in rows (any strides are taken)."""
     scales = _scales(scale_kind)
     dtype = torch.bfloat16 if num_splits == 1 else torch.float16
     seq_lens = [50, 1, 17]
-    k_cache, v_cache, tables, _, _, _ = _paged_batch(seq_lens, fp8, scales, seed=2)
+    k_cache, v_cache, tables, _, _, _ = _paged_batch(seq_lens, fp8, scales, seed=2, v_keys_minor=v_keys_minor)
     lens = torch.tensor([50, 1, 0], dtype=torch.int32, device=DEVICE)
     query = torch.randn(3, NUM_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
     out = paged_decode_triton(query, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, max_seq_len=64,
@@ -351,6 +366,47 @@ def test_bf16_query_beyond_fp16_range_saturates(fp8):
                                   num_splits=num_splits, prefix_len=prefix, **scales)  # fmt: skip
         check(out, *(paged_decode_ref(q[[4, 5, 6]], k_cache, v_cache, tables, lens, scale, prefix_len=prefix, **scales)
                      for q in (clamped, query)))  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("block_size", [16, 64, 128, 24])
+def test_keys_minor_v_interior_and_edge_tiles(fp8, block_size):
+    """A keys-minor V (the pool's layout) read as whole blocks: contexts of several 64-key tiles, so that splits have
+    interior tiles (no masks) and edge tiles (a window's lower end, the context's end, the fused write's slot), and
+    every slot outside the contexts holds NaN. Blocks of 16 (four to a tile), 64 (one), 128 (half a block a tile) and
+    24 (no nesting: V is read key by key) give the reference's results: no NaN gets in."""
+    scales = _scales("per_head_v")
+    seq_lens = [200, 129, 64, 1]
+    k_cache, v_cache, tables, lens, _, _ = _paged_batch(seq_lens, fp8, scales, seed=11, block_size=block_size)
+    assert v_cache.stride(1) == 1
+    gen = torch.Generator().manual_seed(12)
+    query = torch.randn(4, NUM_HEADS, HEAD_DIM, generator=gen).to(DEVICE, torch.float16)
+    scale = HEAD_DIM**-0.5
+    for num_splits in (1, 3):
+        for options in ({}, {"sliding_window": 70}):
+            out = paged_decode_triton(query, k_cache, v_cache, tables, lens, scale, max_seq_len=256,
+                                      num_splits=num_splits, **options, **scales)  # fmt: skip
+            expected = paged_decode_ref(query, k_cache, v_cache, tables, lens, scale, **options, **scales)
+            torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    # the fused write: the new token's slot (NaN until written) sits in the last tile
+    new_key = torch.randn(4, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE, torch.float16)
+    pos = lens.long() - 1
+    slots = tables.long()[torch.arange(4, device=DEVICE), pos // block_size] * block_size + pos % block_size
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_ref(new_key, -new_key, k_ref, v_ref, slots, **scales)
+    out = paged_decode_triton(query, k_cache, v_cache, tables, lens, scale, max_seq_len=256, num_splits=3,
+                              new_key=new_key, new_value=-new_key, slot_mapping=slots, **scales)  # fmt: skip
+    assert torch.equal(_bytes(v_cache), _bytes(v_ref))
+    expected = paged_decode_ref(query, k_ref, v_ref, tables, lens, scale, **scales)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    # prefill over the blocks: chunks of 70, 9, 64 and 1 new tokens (interior tiles for the long ones)
+    cu = torch.tensor([0, 70, 79, 143, 144], dtype=torch.int32, device=DEVICE)
+    prefill_q = torch.randn(144, NUM_HEADS, HEAD_DIM, generator=gen).to(DEVICE, torch.float16)
+    out = paged_prefill_triton(prefill_q, k_cache, v_cache, tables, lens, cu, scale, max_query_len=70, max_seq_len=200,
+                               **scales)  # fmt: skip
+    expected = paged_attention_ref(prefill_q, k_cache, v_cache, tables, lens, cu, scale, **scales)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
 def test_public_functions_quantize_and_dequantize():

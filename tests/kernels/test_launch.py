@@ -18,8 +18,8 @@ _paged_decode_kernel = split_decode.SPLIT.jit_fn
 
 
 def _write_kv_args(key, value, k_cache, slots):
-    return (key, value, k_cache, k_cache, slots, slots, slots, *key.stride(), *value.stride(), *k_cache.stride(), 0, 0,
-            8, 16, 4, 16, False)  # fmt: skip
+    return (key, value, k_cache, k_cache, slots, slots, slots, *key.stride(), *value.stride(), *k_cache.stride(),
+            *k_cache.stride(), 0, 0, 8, 16, 4, 16, False)  # fmt: skip
 
 
 def test_host_helpers_match_triton():
@@ -58,7 +58,7 @@ def test_key_of_unspecialized_ints_keeps_only_their_class():
         return (q, kc, kc, tables, lens, lens, q, acc, lse, q, q, lens, q, q, q, *q.stride(), *kc.stride(),
                 *kc.stride(), stride_bts, 1, *q.stride(), *acc.stride(), *lse.stride(), *(0,) * 8, num_splits,
                 num_prefix_splits, 0.5, 0.0, 0.0, 0, 2, 16, 8, 16, 4, 64, False, False, False, False, False, 1, False,
-                False, False, 64, 4, False, False, False)  # fmt: skip
+                False, False, 64, 4, False, False, False, False)  # fmt: skip
 
     key_fn = launch.make_key_fn(_paged_decode_kernel, args(5, 3))
     assert key_fn(*args(5, 3)) == key_fn(*args(7, 40))  # num_splits and stride_bts are do_not_specialize
@@ -69,7 +69,7 @@ def test_key_of_unspecialized_ints_keeps_only_their_class():
 
 def test_unsupported_argument_is_a_clear_error():
     with pytest.raises(TypeError, match="stride_key_t"):
-        launch.make_key_fn(_write_kv_kernel, (torch.zeros(1),) * 7 + ("x",) + (0,) * 16)
+        launch.make_key_fn(_write_kv_kernel, (torch.zeros(1),) * 7 + ("x",) + (0,) * 20)
 
 
 def test_interpreter_and_opt_out_disable_direct_launch(monkeypatch):

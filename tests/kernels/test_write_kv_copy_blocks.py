@@ -220,8 +220,13 @@ def test_write_kv_checks_every_new_signature():
     assert any(sig[0] == key.shape and sig[8] == k_cache.shape for sig in cache_ops.WRITE_KV_LAUNCHES)
     with pytest.raises(ValueError, match=r"key must be \[num_tokens, num_kv_heads=2, head_dim=64\]"):
         write_kv_triton(key[..., :32], key[..., :32], k_cache, v_cache, slots)  # shape
-    with pytest.raises(ValueError, match=r"v_cache strides .* must equal k_cache strides"):  # strides
-        write_kv_triton(key, key, k_cache, v_cache.transpose(0, 1).contiguous().transpose(0, 1), slots)
+    # strides: V keys-minor (an FP8 pool's layout, here in fp16) is another signature, written at its own strides
+    v_keys_minor = v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    k_ref, v_ref = k_cache.clone(), v_keys_minor.clone()
+    write_kv_triton(key, key, k_cache, v_keys_minor, slots)
+    write_kv_ref(key, key, k_ref, v_ref, slots)
+    assert torch.equal(v_keys_minor.view(torch.int16), v_ref.view(torch.int16))  # bitwise: NaN in unwritten slots
+    assert torch.equal(k_cache.view(torch.int16), k_ref.view(torch.int16))
     with pytest.raises(
         ValueError, match=r"key/value dtype must be one of .* and equal, got torch.float16 / torch.float32"
     ):
@@ -278,6 +283,6 @@ def test_copy_blocks_rejects_bad_arguments():
         copy_blocks_triton(k_cache, v_cache, src, src[:1])
     with pytest.raises(ValueError, match=r"dst dtype must be torch.int32 or torch.int64, got torch.float32"):
         copy_blocks_triton(k_cache, v_cache, src, src.float())
-    k_t, v_t = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    k_t, v_t = k_cache[..., :32], v_cache[..., :32]  # a block's elements with gaps between them
     with pytest.raises(ValueError, match=r"each cache block must be contiguous"):
         copy_blocks_triton(k_t, v_t, src, src + 2)
