@@ -242,7 +242,7 @@ class DecodePlan:
                 deep = not query.is_cuda or _capability(query.device.index or 0) >= (9, 0)
                 long_settings = LONG_SETTINGS_FP8 if deep else LONG_SETTINGS_FP8_SMALL_SMEM
                 if deep:
-                    self.split_rule = (PROGRAMS_PER_SM, False)  # choose_num_splits' programs_per_sm, one_wave_FP8
+                    self.split_rule = (PROGRAMS_PER_SM_FP8, True)
             settings = {"short": SHORT_SETTINGS, "long": long_settings, "cascade": CASCADE_SUFFIX_SETTINGS}
         else:
             settings = {"short": (base_block_n, 2, 4), "long": (base_block_n, 2, 4)}

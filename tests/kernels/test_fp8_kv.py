@@ -409,6 +409,25 @@ def test_keys_minor_v_interior_and_edge_tiles(fp8, block_size):
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
+def test_fp8_plans_take_one_wave_of_splits():
+    """At head_dim 128 an FP8 pool's decode plan takes FP8's split rule (decode_plan.PROGRAMS_PER_SM_FP8, rounded
+    down: one split at 32 x 4096, 33 at 1 x 32768 on 132 SMs), a bf16 pool's the default one; no kernel runs."""
+    from hf_paged.kernels import decode_plan
+
+    def plan(dtype, num_seqs):
+        caches = [torch.zeros(4, 16, 8, 128, dtype=dtype) for _ in range(2)]
+        query = torch.zeros(num_seqs, 32, 128, dtype=torch.bfloat16)
+        tables = torch.zeros(num_seqs, 4, dtype=torch.int32)
+        return decode_plan.DecodePlan(query, *caches, tables, 0.088, None, None, None, None)
+
+    for fp8 in FP8:
+        assert plan(fp8, 32).split_rule == (decode_plan.PROGRAMS_PER_SM_FP8, True)
+        for num_seqs, context, splits in ((32, 4096, 1), (1, 32768, 33)):
+            rule = plan(fp8, num_seqs).split_rule
+            assert decode_plan.choose_num_splits(context, num_seqs, 8, 132, None, *rule) == splits
+    assert plan(torch.bfloat16, 32).split_rule == (decode_plan.PROGRAMS_PER_SM, False)
+
+
 def test_public_functions_quantize_and_dequantize():
     """write_kv, paged_attention (with a slot_mapping write) and paged_decode on the cache's device: CUDA takes the
     kernels, the CPU the references; both store the same bytes."""
