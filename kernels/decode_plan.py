@@ -25,7 +25,7 @@ MIN_KEYS_PER_SPLIT = 64
 PROGRAMS_PER_SM = 4
 # FP8 pools' long tiles (LONG_SETTINGS_FP8) take at most one wave of two programs an SM (the count rounded down, never
 # a partial second wave): at 32 x 4096 one split runs 83.2 µs against 99.1 with two, 89.6 with three; at 1 x 32768 33
-# splits run 29.5 µs against 34.2 with 17 (H200; record 2026-11-29-h200-fp8-v-keys-minor).
+# splits run 29.5 µs against 34.2 with 17 (H200; record 2026-11-28-h200-fp8-v-keys-minor).
 PROGRAMS_PER_SM_FP8 = 2
 # Split-kernel settings at head_dim 128 are (keys per tile, stages, warps), chosen by the keys a split streams:
 # splits of at most SHORT_SPLIT_KEYS keys (small batches over long contexts) take short, pipelined tiles; longer
@@ -35,9 +35,9 @@ SHORT_SPLIT_KEYS = 256
 SHORT_SETTINGS = (32, 3, 4)
 # 64-key tiles, 3 stages: fastest long-split setting on H100/H200 at head_dim 128 (benchmarks/tools/decode_sweep.py)
 LONG_SETTINGS = (64, 3, 4)
-# FP8 pools: 128-key tiles (the same bytes a tile as bf16's 64), 5 stages where the shared memory holds them (sm_90+:
-# 160 KB of K/V tiles): 108.8 µs against 122.5 with 3 stages at 32 x 4096, 36.9 against 39.3 at 1 x 32768 on the
-# H200 (benchmarks/tools/fp8_kv_kernels.py --settings; record 2026-11-28-h200-fp8-kernels-sweep); 3 stages below.
+# FP8 pools: 128-key tiles (the same bytes a tile as bf16's 64), 5 stages where the shared memory holds them (sm_90+,
+# 75 KB a program): 83.2 µs against 87.5 with 3 stages at 32 x 4096, one split, on the H200 (record
+# 2026-11-28-h200-fp8-v-keys-minor, split_sweep); 3 stages below.
 LONG_SETTINGS_FP8 = (128, 5, 4)
 LONG_SETTINGS_FP8_SMALL_SMEM = (128, 3, 4)
 # Shared-prefix calls read only each row's keys past the prefix, often a few tiles: 16-key tiles over 2 warps take
