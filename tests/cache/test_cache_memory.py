@@ -110,8 +110,8 @@ def test_kv_pool_copy_blocks_copies_every_layer_before_and_after_growth(device, 
     pool.copy_blocks([(1, 3)])
     # grow() replaces one layer's tensor at a time: the copy's cached per-layer lists must not keep the old ones
     old_k0, alive = weakref.ref(pool.k_cache[0]), []
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: alive.append(old_k0() is not None) or real_empty(*a, **k))
+    real_zeros = torch.zeros  # grow() allocates each tensor zeroed (kv_quant.new_cache)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: alive.append(old_k0() is not None) or real_zeros(*a, **k))
     pool.grow(6)
     monkeypatch.undo()
     assert alive[:2] == [True, False]  # layer 0's old tensor is gone before layer 1's new one is allocated
